@@ -1,0 +1,1 @@
+"""lowercache: incremental, caching lowering of PyTorch models to Arm targets."""

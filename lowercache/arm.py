@@ -1,0 +1,198 @@
+"""The Arm integration: cached steps hooked into ExecuTorch's Arm backend.
+
+Two hook points, both wrapped rather than subclassed (the backends are
+``@final`` and looked up by class name):
+
+- ``TOSABackend._preprocess``: one partition's edge program to TOSA bytes
+  (the ~146-pass pipeline, node visitors, serialization). Step kind ``tosa``.
+  Its key is computed before the call, because the call mutates its input.
+- ``vela_compile`` as imported into ``ethosu/backend.py``: TOSA bytes to the
+  Ethos-U command stream. Step kind ``vela``.
+
+While installed, the hooks record into the active :class:`~lowercache.steps.Session`
+and pass straight through when there is none. Calls that ask for debug
+artifacts on disk run uncached (a hit would not write them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+import threading
+from typing import Any, Iterator
+
+from .hashing import Unhashable, canon, digest, digest_json, program_parts
+from .steps import current_session
+from .store import Entry
+from .toolchain import toolchain_parts
+
+_lock = threading.Lock()
+_installed = 0
+_originals: dict[str, Any] = {}
+
+
+def compile_spec_digest(spec: Any) -> str:
+    """Digest of a compile spec as ExecuTorch serializes it (key/value bytes)."""
+    return digest_json(canon([(cs.key, cs.value) for cs in spec._to_list()]))
+
+
+def pass_insertions_digest() -> str | None:
+    """Globally registered pass insertions change the pipeline: None when any exist.
+
+    Registered passes are arbitrary user objects, so a step that would run
+    them is not keyed (it runs uncached) rather than keyed on a guess.
+    """
+    from executorch.backends.arm._passes import arm_pass_manager
+
+    return None if arm_pass_manager._registered_pass_insertions else "none"
+
+
+def tosa_parts(edge_program: Any, compile_spec: Any) -> dict[str, str] | None:
+    """Key parts of one partition's TOSA lowering, or None when it must not be cached."""
+    if compile_spec._get_intermediate_path() or compile_spec.tosa_debug_mode is not None:
+        return None
+    insertions = pass_insertions_digest()
+    if insertions is None:
+        return None
+    try:
+        parts = {f"program.{k}": v for k, v in program_parts(edge_program).items()}
+    except Unhashable:
+        return None
+    parts["compile_spec"] = compile_spec_digest(compile_spec)
+    parts["pass_insertions"] = insertions
+    parts.update(toolchain_parts())
+    return parts
+
+
+def _vela_config_digest(args: list[str]) -> str:
+    """Digest of every Vela config file named by ``--config``, resolved as Vela does."""
+    from ethosu.vela import architecture_features
+
+    contents = []
+    for arg in args:
+        if not arg.startswith("--config="):
+            continue
+        name = arg.split("=", 1)[1]
+        parts = os.path.normpath(name).split(os.path.sep)
+        if len(parts) == 2 and not name.startswith((".", "~", os.path.sep)):
+            path = os.path.join(architecture_features.CONFIG_FILES_PATH, name)
+        else:
+            path = os.path.expanduser(name)
+        with open(path, "rb") as f:
+            contents.append([name, digest(f.read())])
+    return digest_json(contents)
+
+
+def vela_parts(tosa: bytes, args: list[str], verbose: bool, placements: Any) -> dict[str, str] | None:
+    try:
+        config = _vela_config_digest(args)
+    except OSError:
+        return None  # let Vela report the missing file itself
+    return {
+        "tosa": digest(tosa),
+        "flags": digest_json(list(args)),
+        "config_files": config,
+        "verbose": str(bool(verbose)),
+        "block_placements": digest_json(dict(placements or {})),
+        "vela": toolchain_parts()["vela"],
+        "lowercache_schema": toolchain_parts()["lowercache_schema"],
+    }
+
+
+def _tosa_preprocess(edge_program: Any, compile_spec: Any) -> Any:
+    from executorch.exir.backend.backend_details import PreprocessResult
+
+    original = _originals["tosa"]
+    session = current_session()
+    if session is None:
+        return original(edge_program, compile_spec)
+    parts = tosa_parts(edge_program, compile_spec)
+    index = len(session.outputs.get("tosa", []))
+
+    def compute() -> Entry:
+        result = original(edge_program, compile_spec)
+        return Entry(blobs={"tosa": bytes(result.processed_bytes)})
+
+    entry = session.run("tosa", f"partition {index}", parts, compute)
+    return PreprocessResult(processed_bytes=entry.blobs["tosa"])
+
+
+def _vela_compile(
+    tosa_flatbuffer: bytes,
+    args: list[str],
+    verbose: bool = False,
+    intermediate_path: str | None = None,
+    block_placements: Any = None,
+) -> Any:
+    from executorch.backends.arm.arm_vela import VelaCompileResult, VelaExternalBlock
+
+    original = _originals["vela"]
+    session = current_session()
+    if session is None or intermediate_path is not None:
+        return original(tosa_flatbuffer, args, verbose, intermediate_path, block_placements)
+    parts = vela_parts(tosa_flatbuffer, args, verbose, block_placements)
+    index = len(session.outputs.get("vela", []))
+
+    def compute() -> Entry:
+        with tempfile.TemporaryDirectory(prefix="lowercache-vela-") as tmp:
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                result = original(tosa_flatbuffer, args, verbose, tmp, block_placements)
+            blobs = {"command_stream": bytes(result.processed_bytes), "summary.txt": printed.getvalue().encode()}
+            outdir = os.path.join(tmp, "output")
+            for name in sorted(os.listdir(outdir)):
+                if name.endswith(".csv"):
+                    with open(os.path.join(outdir, name), "rb") as f:
+                        blobs[f"output/{name}"] = f.read()
+        external = []
+        for i, block in enumerate(result.external_blocks):
+            blobs[f"external/{i}"] = bytes(block.payload)
+            external.append({"key": block.key, "alignment": block.alignment, "placement": block.placement})
+        return Entry(meta={"external_blocks": external}, blobs=blobs)
+
+    entry = session.run("vela", f"partition {index}", parts, compute)
+    if session.replay_output:
+        print(entry.blobs["summary.txt"].decode(), end="")
+    blocks = tuple(
+        VelaExternalBlock(key=b["key"], payload=entry.blobs[f"external/{i}"], alignment=b["alignment"], placement=b["placement"])
+        for i, b in enumerate(entry.meta.get("external_blocks", []))
+    )
+    return VelaCompileResult(entry.blobs["command_stream"], blocks)
+
+
+def install() -> None:
+    """Wrap the Arm hook points (reference counted, so nesting is safe)."""
+    global _installed
+    from executorch.backends.arm.ethosu import backend as ethosu_backend
+    from executorch.backends.arm.tosa.backend import TOSABackend
+
+    with _lock:
+        if _installed == 0:
+            _originals["tosa"] = TOSABackend._preprocess
+            _originals["vela"] = ethosu_backend.vela_compile
+            TOSABackend._preprocess = staticmethod(_tosa_preprocess)
+            ethosu_backend.vela_compile = _vela_compile
+        _installed += 1
+
+
+def uninstall() -> None:
+    global _installed
+    from executorch.backends.arm.ethosu import backend as ethosu_backend
+    from executorch.backends.arm.tosa.backend import TOSABackend
+
+    with _lock:
+        _installed -= 1
+        if _installed == 0:
+            TOSABackend._preprocess = staticmethod(_originals.pop("tosa"))
+            ethosu_backend.vela_compile = _originals.pop("vela")
+
+
+@contextlib.contextmanager
+def hooks() -> Iterator[None]:
+    install()
+    try:
+        yield
+    finally:
+        uninstall()

@@ -1,0 +1,185 @@
+"""The lowering flow: stock ExecuTorch Arm lowering as one cached step.
+
+The flow is exactly the documented stock one (README, "The flow"):
+export -> [prepare_pt2e -> calibrate -> convert_pt2e -> re-export] ->
+to_edge_transform_and_lower -> to_executorch. Inside it, every partition's
+TOSA lowering and Vela compile are cached steps of their own (``arm.py``).
+The whole flow is keyed by the exported program's content, the calibration
+data, the quantizer config, the compile spec and the toolchain, so an
+unchanged model costs an export and a hash.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import arm
+from .hashing import Unhashable, digest, inputs_digest, program_parts
+from .steps import Session, activate
+from .store import Entry
+from .targets import QUANTIZATION_CONFIG, Target
+from .toolchain import toolchain_parts
+
+# Names the stock flow below; part of the flow key.
+FLOW_VERSION = "export>prepare_pt2e>calibrate>convert_pt2e>export>to_edge_transform_and_lower>to_executorch:v1"
+
+Inputs = tuple[Any, ...]
+
+
+@dataclass
+class Artifacts:
+    """What a lowering produces: files by name (``model.pte`` and per-partition outputs)."""
+
+    files: dict[str, bytes]
+    records: list[dict[str, Any]] = field(default_factory=list)
+    parts: dict[str, str] = field(default_factory=dict)
+    stages: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def pte(self) -> bytes:
+        return self.files["model.pte"]
+
+    @property
+    def tosa(self) -> list[bytes]:
+        return [v for k, v in sorted(self.files.items()) if k.endswith(".tosa")]
+
+
+class _Stages:
+    """Times the flow's stages and tells the listener which one is running."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.seconds: dict[str, float] = {}
+
+    def run(self, name: str, fn: Callable[[], Any]) -> Any:
+        self.session._emit("stage", None, name)
+        start = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def export(module: torch.nn.Module, example_inputs: Inputs) -> torch.export.ExportedProgram:
+    return torch.export.export(module, tuple(example_inputs))
+
+
+def flow_parts(
+    program: torch.export.ExportedProgram,
+    target: Target,
+    example_inputs: Inputs,
+    calibration: Sequence[Inputs],
+) -> dict[str, str] | None:
+    """Named key parts of the whole flow, or None when the program cannot be keyed."""
+    try:
+        parts = {f"program.{k}": v for k, v in program_parts(program).items()}
+        parts["example_inputs"] = inputs_digest([example_inputs])
+        parts["calibration"] = inputs_digest(calibration) if target.quantized else "unused"
+    except Unhashable:
+        return None
+    insertions = arm.pass_insertions_digest()
+    if insertions is None:
+        return None
+    parts["quantizer"] = QUANTIZATION_CONFIG if target.quantized else "none"
+    parts["target"] = target.name
+    parts["compile_spec"] = arm.compile_spec_digest(target.compile_spec())
+    parts["pass_insertions"] = insertions
+    parts["flow"] = FLOW_VERSION
+    parts.update(toolchain_parts())
+    return parts
+
+
+def run_stock(
+    program: torch.export.ExportedProgram,
+    target: Target,
+    example_inputs: Inputs,
+    calibration: Sequence[Inputs],
+    stages: _Stages | None = None,
+) -> bytes:
+    """The stock ExecuTorch flow from an exported program; returns the .pte bytes."""
+    from executorch.exir import to_edge_transform_and_lower
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    run = stages.run if stages is not None else (lambda _name, fn: fn())
+    spec = target.compile_spec()
+    if target.quantized:
+
+        def quantize() -> torch.export.ExportedProgram:
+            prepared = prepare_pt2e(program.module(check_guards=False), target.quantizer(spec))
+            for sample in calibration:
+                prepared(*sample)
+            converted = convert_pt2e(prepared)
+            return torch.export.export(converted, tuple(example_inputs))
+
+        program = run("quantize", quantize)
+    edge = run("to_edge", lambda: to_edge_transform_and_lower(program, partitioner=[target.partitioner(spec)]))
+    return run("to_executorch", lambda: edge.to_executorch().buffer)
+
+
+def lower_program(
+    program: torch.export.ExportedProgram,
+    target: Target,
+    example_inputs: Inputs,
+    calibration: Sequence[Inputs] | None,
+    session: Session,
+    stages: _Stages | None = None,
+) -> Artifacts:
+    """Lower an exported program through the cached flow step."""
+    stages = stages or _Stages(session)
+    calibration = list(calibration) if calibration is not None else [tuple(example_inputs)]
+    parts = stages.run("hash", lambda: flow_parts(program, target, example_inputs, calibration))
+
+    def compute() -> Entry:
+        before = {k: len(session.outputs.get(k, [])) for k in ("tosa", "vela")}
+        pte = run_stock(program, target, example_inputs, calibration, stages)
+        blobs = {"model.pte": bytes(pte)}
+        for i, entry in enumerate(session.outputs.get("tosa", [])[before["tosa"] :]):
+            blobs[f"partition_{i}.tosa"] = entry.blobs["tosa"]
+        for i, entry in enumerate(session.outputs.get("vela", [])[before["vela"] :]):
+            for name, data in entry.blobs.items():
+                if name == "command_stream":
+                    blobs[f"partition_{i}.vela.bin"] = data
+                elif name == "summary.txt":
+                    blobs[f"partition_{i}.vela_summary.txt"] = data
+                elif name.startswith("output/"):
+                    blobs[f"partition_{i}.vela_{name[len('output/'):]}"] = data
+        return Entry(blobs=blobs)
+
+    with arm.hooks(), activate(session):
+        entry = session.run("flow", target.name, parts, compute)
+    return Artifacts(
+        files=dict(entry.blobs),
+        records=[r.to_json() for r in session.records],
+        parts=parts or {},
+        stages=stages.seconds,
+    )
+
+
+def lower_module(
+    module: torch.nn.Module,
+    example_inputs: Inputs,
+    target: Target,
+    calibration: Sequence[Inputs] | None,
+    session: Session,
+) -> Artifacts:
+    """Export ``module`` and lower it through the cached flow."""
+    stages = _Stages(session)
+    program = stages.run("export", lambda: export(module, example_inputs))
+    return lower_program(program, target, example_inputs, calibration, session, stages)
+
+
+def manifest(artifacts: Artifacts, target: Target, model: str) -> dict[str, Any]:
+    """The manifest written beside the artifacts: keys, toolchain, steps, files."""
+    return {
+        "model": model,
+        "target": target.name,
+        "toolchain": toolchain_parts(),
+        "key_parts": artifacts.parts,
+        "stages": {k: round(v, 4) for k, v in artifacts.stages.items()},
+        "steps": artifacts.records,
+        "files": {name: {"size": len(data), "xxh3_128": digest(data)} for name, data in sorted(artifacts.files.items())},
+    }

@@ -1,0 +1,146 @@
+"""Build steps: pure functions of named key parts, served from the store.
+
+A step declares its inputs as *named parts* (digests or short strings); its
+key is the digest of those parts and its kind. The parts are recorded with
+the outcome, so ``lowercache explain`` can say which part changed (Bazel's
+action keys, ccache's debug mode). The output digest is recorded too: a later
+step that takes this output as a part gets the same key whenever the output is
+the same, however it was produced (early cutoff, as in Salsa and Skyframe).
+
+Outcomes:
+- ``hit``: served from the store, the step's code did not run;
+- ``miss``: ran and was stored;
+- ``skip``: nothing to do (used by steps that can prove they do not apply);
+- ``bypass``: ran uncached, because the step could not be keyed safely or
+  asked for side effects (debug dumps) that a hit would not reproduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
+
+from .hashing import digest_json
+from .store import Entry, Store
+
+
+@dataclass
+class StepRecord:
+    """What happened to one step in one run."""
+
+    kind: str
+    name: str
+    outcome: str
+    key: str = ""
+    parts: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    saved: float = 0.0
+    output: str = ""
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def step_key(kind: str, parts: dict[str, str]) -> str:
+    """The key of a step: its kind and every named part."""
+    return digest_json({"kind": kind, "parts": parts})
+
+
+Listener = Callable[[str, "StepRecord | None", str], None]
+
+
+class Session:
+    """One run: the store it reads and writes, and the record of every step.
+
+    With ``store=None`` every step computes (``--no-cache``), but outputs are
+    still recorded, so the flow can collect its artifacts either way.
+    """
+
+    def __init__(self, store: Store | None, listener: Listener | None = None, replay_output: bool = True):
+        self.store = store
+        self.replay_output = replay_output  # re-print tool output (Vela's summary), as ccache does
+        self.records: list[StepRecord] = []
+        self.listener = listener
+        self.outputs: dict[str, list[Entry]] = {}
+
+    def _emit(self, phase: str, record: StepRecord | None, label: str) -> None:
+        if self.listener is not None:
+            self.listener(phase, record, label)
+
+    def run(
+        self,
+        kind: str,
+        name: str,
+        parts: dict[str, str] | None,
+        compute: Callable[[], Entry],
+        note: str = "",
+    ) -> Entry:
+        """Serve the step from the store or compute and store it.
+
+        ``parts=None`` means the step cannot be keyed: it runs as a bypass.
+        """
+        label = f"{kind}: {name}"
+        self._emit("start", None, label)
+        start = time.perf_counter()
+        key = step_key(kind, parts) if parts is not None else ""
+        entry = None
+        if parts is not None and self.store is not None:
+            entry = self.store.get(kind, key)
+        if entry is not None:
+            outcome = "hit"
+        else:
+            begin = time.perf_counter()
+            entry = compute()
+            entry.cost = time.perf_counter() - begin
+            if parts is None:
+                outcome = "bypass"
+            else:
+                outcome = "miss"
+                if self.store is not None:
+                    self.store.put(kind, key, entry)
+        seconds = time.perf_counter() - start
+        record = StepRecord(
+            kind=kind,
+            name=name,
+            outcome=outcome,
+            key=key,
+            parts=dict(parts or {}),
+            seconds=seconds,
+            saved=max(entry.cost - seconds, 0.0) if outcome == "hit" else 0.0,
+            output=entry.digest(),
+            note=note,
+        )
+        self.records.append(record)
+        self.outputs.setdefault(kind, []).append(entry)
+        if self.store is not None:
+            self.store.count(kind, outcome, record.saved)
+        self._emit("end", record, label)
+        return entry
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """Outcome counts by step kind."""
+        out: dict[str, dict[str, int]] = {}
+        for r in self.records:
+            by_kind = out.setdefault(r.kind, {})
+            by_kind[r.outcome] = by_kind.get(r.outcome, 0) + 1
+        return out
+
+
+_active: list[Session] = []
+
+
+def current_session() -> Session | None:
+    """The innermost active session; the Arm hooks record into it."""
+    return _active[-1] if _active else None
+
+
+@contextlib.contextmanager
+def activate(session: Session) -> Iterator[Session]:
+    _active.append(session)
+    try:
+        yield session
+    finally:
+        _active.remove(session)

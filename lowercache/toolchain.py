@@ -1,0 +1,53 @@
+"""The toolchain part of every key: versions and sources that shape the output.
+
+A key includes the versions of torch, executorch, tosa-tools and Vela, a hash
+of the Arm backend's Python sources (a local patch to a pass changes the key
+even when the version string does not) and lowercache's own key schema.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+
+import xxhash
+
+# Bump when the meaning of any key part changes: old entries then miss.
+SCHEMA_VERSION = "1"
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def source_digest(root: str, skip_dirs: frozenset[str] = frozenset({"test", "tests", "__pycache__"})) -> str:
+    """Digest of every .py file under ``root``: relative path and content, in sorted order."""
+    h = xxhash.xxh3_128()
+    for directory, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in skip_dirs)
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                h.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def toolchain_parts() -> dict[str, str]:
+    """Named toolchain parts, computed once per process."""
+    import executorch.backends.arm as arm
+
+    return {
+        "torch": _version("torch"),
+        "executorch": _version("executorch"),
+        "tosa_tools": _version("tosa-tools"),
+        "vela": _version("ethos-u-vela"),
+        "arm_backend_src": source_digest(os.path.dirname(arm.__file__)),
+        "lowercache_schema": SCHEMA_VERSION,
+    }
