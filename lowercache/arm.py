@@ -23,6 +23,7 @@ import tempfile
 import threading
 from typing import Any, Iterator
 
+from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
 from .hashing import Unhashable, canon, digest, digest_json, program_parts
 from .steps import current_session
 from .store import Entry
@@ -162,31 +163,55 @@ def _vela_compile(
     return VelaCompileResult(entry.blobs["command_stream"], blocks)
 
 
+_permanent = False
+
+
+def _patch(module_name: str) -> None:
+    """Wrap the hook point that lives in ``module_name`` (once)."""
+    import importlib
+
+    module = importlib.import_module(module_name)
+    if module_name == TOSA_MODULE and "tosa" not in _originals:
+        _originals["tosa"] = module.TOSABackend._preprocess
+        module.TOSABackend._preprocess = staticmethod(_tosa_preprocess)
+    if module_name == ETHOSU_MODULE and "vela" not in _originals:
+        _originals["vela"] = module.vela_compile
+        module.vela_compile = _vela_compile
+
+
+def _unpatch() -> None:
+    import importlib
+
+    if "tosa" in _originals:
+        importlib.import_module(TOSA_MODULE).TOSABackend._preprocess = staticmethod(_originals.pop("tosa"))
+    if "vela" in _originals:
+        importlib.import_module(ETHOSU_MODULE).vela_compile = _originals.pop("vela")
+
+
 def install() -> None:
     """Wrap the Arm hook points (reference counted, so nesting is safe)."""
     global _installed
-    from executorch.backends.arm.ethosu import backend as ethosu_backend
-    from executorch.backends.arm.tosa.backend import TOSABackend
-
     with _lock:
         if _installed == 0:
-            _originals["tosa"] = TOSABackend._preprocess
-            _originals["vela"] = ethosu_backend.vela_compile
-            TOSABackend._preprocess = staticmethod(_tosa_preprocess)
-            ethosu_backend.vela_compile = _vela_compile
+            for name in HOOK_MODULES:
+                _patch(name)
         _installed += 1
 
 
 def uninstall() -> None:
     global _installed
-    from executorch.backends.arm.ethosu import backend as ethosu_backend
-    from executorch.backends.arm.tosa.backend import TOSABackend
-
     with _lock:
         _installed -= 1
-        if _installed == 0:
-            TOSABackend._preprocess = staticmethod(_originals.pop("tosa"))
-            ethosu_backend.vela_compile = _originals.pop("vela")
+        if _installed == 0 and not _permanent:
+            _unpatch()
+
+
+def install_permanently(module_name: str) -> None:
+    """Used by ``lowercache run``: wrap a hook module for the life of the process."""
+    global _permanent
+    with _lock:
+        _permanent = True
+        _patch(module_name)
 
 
 @contextlib.contextmanager

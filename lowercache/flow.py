@@ -38,6 +38,7 @@ class Artifacts:
     records: list[dict[str, Any]] = field(default_factory=list)
     parts: dict[str, str] = field(default_factory=dict)
     stages: dict[str, float] = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
 
     @property
     def pte(self) -> bytes:

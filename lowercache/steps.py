@@ -130,11 +130,22 @@ class Session:
 
 
 _active: list[Session] = []
+_fallback: list[Callable[[], "Session | None"]] = []
 
 
 def current_session() -> Session | None:
-    """The innermost active session; the Arm hooks record into it."""
-    return _active[-1] if _active else None
+    """The innermost active session (the Arm hooks record into it).
+
+    Outside any ``activate`` block, a process-wide fallback is used when one
+    was set (``lowercache run``).
+    """
+    if _active:
+        return _active[-1]
+    return _fallback[0]() if _fallback else None
+
+
+def set_fallback(factory: Callable[[], "Session | None"]) -> None:
+    _fallback[:] = [factory]
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import diskcache
 from diskcache.core import MODE_PICKLE
 
+from .config import DEFAULT_MAX_SIZE
 from .errors import LowercacheError
 from .hashing import digest
 
@@ -90,9 +91,6 @@ class Entry:
         """Digest of the whole output, used for early cutoff and verification."""
         form = {"meta": self.meta, "blobs": {k: digest(v) for k, v in self.blobs.items()}}
         return digest(json.dumps(form, sort_keys=True).encode())
-
-
-DEFAULT_MAX_SIZE = 5 * 2**30
 
 
 class Store:

@@ -1,0 +1,134 @@
+"""The Python API, and the one core the CLI is a thin layer over.
+
+- :func:`lower`: lower a module (or exported program) for a target, through
+  the cache; returns the artifacts.
+- :func:`cached`: a context manager that serves the Arm preprocess and Vela
+  steps of unchanged stock ExecuTorch calls inside it from the cache.
+- :func:`write_artifacts`: write artifacts and manifest to a directory
+  atomically (all files or none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from . import arm, flow, history
+from .config import Settings, load_settings
+from .errors import LowercacheError
+from .flow import Artifacts
+from .steps import Listener, Session, activate
+from .store import Store
+from .targets import resolve
+
+__all__ = ["lower", "cached", "write_artifacts", "open_store", "Artifacts"]
+
+
+def open_store(settings: Settings) -> Store | None:
+    """The store the settings name, or None when caching is disabled."""
+    if settings.disable:
+        return None
+    return Store(settings.cache_dir, max_size=settings.max_size, read_only=settings.read_only)
+
+
+def lower(
+    model: torch.nn.Module | torch.export.ExportedProgram,
+    example_inputs: Sequence[Any] | None = None,
+    *,
+    target: str,
+    cache_dir: str | os.PathLike | None = None,
+    calibration: Sequence[Sequence[Any]] | None = None,
+    use_cache: bool = True,
+    name: str | None = None,
+    listener: Listener | None = None,
+    settings: Settings | None = None,
+) -> Artifacts:
+    """Lower ``model`` for ``target`` as the stock ExecuTorch Arm flow would, from cache when possible.
+
+    ``name`` identifies the model in run history (``lowercache explain``);
+    it defaults to the module's class name.
+    """
+    resolved = resolve(target)
+    settings = settings or load_settings(cache_dir=cache_dir, disable=None if use_cache else True)
+    if isinstance(model, torch.export.ExportedProgram):
+        if example_inputs is None:
+            example_inputs = tuple(model.example_inputs[0]) if model.example_inputs else None
+        if example_inputs is None:
+            raise LowercacheError("example_inputs are required for a program saved without them")
+        default_name = "ExportedProgram"
+    else:
+        if example_inputs is None:
+            raise LowercacheError("example_inputs are required to export a module")
+        default_name = type(model).__qualname__
+    example = tuple(example_inputs)
+    samples = [tuple(s) for s in calibration] if calibration is not None else None
+    store = open_store(settings)
+    try:
+        session = Session(store, listener=listener, replay_output=listener is None)
+        if isinstance(model, torch.export.ExportedProgram):
+            artifacts = flow.lower_program(model, resolved, example, samples, session)
+        else:
+            artifacts = flow.lower_module(model, example, resolved, samples, session)
+        artifacts.manifest = flow.manifest(artifacts, resolved, name or default_name)
+        if store is not None:
+            history.record_run(store, name or default_name, resolved.name, artifacts.records)
+        return artifacts
+    finally:
+        if store is not None:
+            store.close()
+
+
+def write_artifacts(artifacts: Artifacts, out_dir: str | os.PathLike) -> list[Path]:
+    """Write every artifact and ``manifest.json`` into ``out_dir``, all or nothing.
+
+    Files go to a temporary directory beside ``out_dir`` first and are moved
+    in only once all of them are written.
+    """
+    out = Path(out_dir)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise LowercacheError(f"cannot write output directory {out}: {e.strerror or e}") from None
+    try:
+        files = dict(artifacts.files)
+        files["manifest.json"] = (json.dumps(artifacts.manifest, indent=2, sort_keys=True) + "\n").encode()
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        if not out.exists():
+            tmp.rename(out)
+        else:
+            for name in files:
+                os.replace(tmp / name, out / name)
+        return [out / name for name in sorted(files)]
+    except OSError as e:
+        raise LowercacheError(f"cannot write output directory {out}: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def cached(cache_dir: str | os.PathLike | None = None, *, read_only: bool | None = None) -> Iterator[Session]:
+    """Serve the Arm steps of stock ExecuTorch calls inside the block from the cache.
+
+    Inside the block, every partition's TOSA lowering (the Arm pass pipeline)
+    and every Vela compile go through the cache; the rest of
+    ``to_edge_transform_and_lower`` and ``to_executorch`` run as usual. The
+    yielded session records what was hit.
+    """
+    settings = load_settings(cache_dir=cache_dir, read_only=read_only)
+    store = open_store(settings)
+    session = Session(store)
+    try:
+        with arm.hooks(), activate(session):
+            yield session
+    finally:
+        if store is not None:
+            store.close()

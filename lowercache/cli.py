@@ -1,0 +1,268 @@
+"""The ``lowercache`` command line: a thin layer over :mod:`lowercache.api`.
+
+Errors a user can fix (missing file, bad factory, unknown target, unusable
+cache directory) print one line, ``lowercache: error: ...``, and exit 2.
+A failure inside ExecuTorch itself prints one line and exits 1; set
+``LOWERCACHE_DEBUG=1`` for the traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import LowercacheError
+
+app = typer.Typer(
+    help="Incremental, caching lowering of PyTorch models to Arm targets (TOSA, Ethos-U).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+out = Console()
+
+CacheDir = typer.Option(None, "--cache-dir", help="Cache directory [env: LOWERCACHE_DIR].")
+
+
+class _OneLineWarnings(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        err.print(f"lowercache: warning: {record.getMessage()}", markup=False, highlight=False)
+
+
+def _setup_logging() -> None:
+    log = logging.getLogger("lowercache")
+    if not any(isinstance(h, _OneLineWarnings) for h in log.handlers):
+        log.addHandler(_OneLineWarnings(level=logging.WARNING))
+    log.propagate = False
+
+
+def _fail(message: str, code: int) -> None:
+    err.print(f"lowercache: error: {message}", markup=False, highlight=False)
+    raise typer.Exit(code)
+
+
+def _settings(cache_dir: Optional[Path], **flags):
+    from .config import load_settings
+
+    return load_settings(cache_dir=cache_dir, **flags)
+
+
+@app.command()
+def lower(
+    model: str = typer.Argument(..., help="path/to/file.py:factory (returns (nn.Module, example_inputs)) or a saved .pt2."),
+    target: str = typer.Option(..., "--target", "-t", help="tosa-int, tosa-fp, ethos-u55-128, ethos-u85-256, ..."),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Directory that receives model.pte, TOSA, Vela output, manifest.json."),
+    cache_dir: Optional[Path] = CacheDir,
+    no_cache: bool = typer.Option(False, "--no-cache", help="Lower without reading or writing the cache."),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help=".pt file with a list of input tuples (torch.load weights_only)."),
+) -> None:
+    """Lower MODEL for a target, serving unchanged work from the cache."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from . import api, loading
+    from .targets import resolve
+
+    try:
+        settings = _settings(cache_dir, disable=True if no_cache else None)
+        resolve(target)
+        if not settings.disable:
+            api.open_store(settings).close()  # fail early on an unusable cache directory
+        loaded = loading.load_model(model)
+        samples = None
+        if calibration is not None:
+            samples = loading.load_calibration(str(calibration))
+            loading.check_calibration(samples, loaded.example_inputs, str(calibration))
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True) as progress:
+            task = progress.add_task("loading", total=None)
+
+            def listener(phase, record, label):
+                if phase in ("stage", "start"):
+                    progress.update(task, description=label)
+
+            artifacts = api.lower(
+                loaded.program if loaded.program is not None else loaded.module,
+                loaded.example_inputs,
+                target=target,
+                calibration=samples,
+                name=loaded.name,
+                listener=listener,
+                settings=settings,
+            )
+        written = api.write_artifacts(artifacts, out_dir)
+    except LowercacheError as e:
+        _fail(str(e), 2)
+    except Exception as e:  # a failure inside torch.export or ExecuTorch
+        if os.environ.get("LOWERCACHE_DEBUG"):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0]
+        _fail(f"lowering failed: {type(e).__name__}: {first}", 1)
+    _print_summary(artifacts.records, artifacts.stages)
+    out.print(f"wrote {len(written)} files to {out_dir}")
+
+
+def _print_summary(records: list[dict], stages: dict[str, float]) -> None:
+    table = Table(title="lowercache steps")
+    for column in ("step", "outcome", "seconds", "saved"):
+        table.add_column(column)
+    for r in records:
+        table.add_row(f"{r['kind']}: {r['name']}", r["outcome"], f"{r['seconds']:.2f}", f"{r['saved']:.2f}")
+    err.print(table)
+    saved = sum(r["saved"] for r in records if r["kind"] == "flow" or r["outcome"] == "hit")
+    total = sum(stages.values())
+    err.print(f"total {total:.2f}s; served from cache: {saved:.2f}s of work saved")
+
+
+@app.command()
+def stats(cache_dir: Optional[Path] = CacheDir) -> None:
+    """Entries, size and hit rate by step kind."""
+    from . import api
+
+    try:
+        store = api.open_store(_settings(cache_dir, disable=False))
+    except LowercacheError as e:
+        _fail(str(e), 2)
+    try:
+        counters = store.counters()
+        entries = store.entry_count()
+        out.print(f"cache directory  {store.directory}")
+        out.print(f"entries          {entries['actions']} steps, {entries['blobs']} blobs")
+        out.print(f"size             {store.volume() / 2**20:.1f} MiB")
+        out.print(f"time saved       {counters.get('saved_ms', 0) / 1000:.1f} s")
+        table = Table(title="outcomes by step kind")
+        for column in ("kind", "hit", "miss", "skip", "bypass", "hit rate"):
+            table.add_column(column)
+        kinds = sorted({k.split("/")[1] for k in counters if k.startswith("count/")})
+        for kind in kinds:
+            n = {o: counters.get(f"count/{kind}/{o}", 0) for o in ("hit", "miss", "skip", "bypass")}
+            looked = n["hit"] + n["miss"]
+            rate = f"{100 * n['hit'] / looked:.0f}%" if looked else "-"
+            table.add_row(kind, *(str(n[o]) for o in ("hit", "miss", "skip", "bypass")), rate)
+        out.print(table)
+    finally:
+        store.close()
+
+
+@app.command()
+def explain(
+    model: str = typer.Argument(..., help="The MODEL as given to `lowercache lower`."),
+    target: str = typer.Option(..., "--target", "-t"),
+    cache_dir: Optional[Path] = CacheDir,
+) -> None:
+    """Say which named key parts changed for the last miss of MODEL on a target."""
+    from . import api, history
+    from .targets import resolve
+
+    try:
+        name = _model_name(model)
+        store = api.open_store(_settings(cache_dir, disable=False))
+        resolved = resolve(target)
+    except LowercacheError as e:
+        _fail(str(e), 2)
+    try:
+        for line in history.explain(store, name, resolved.name):
+            out.print(line, markup=False, highlight=False)
+    finally:
+        store.close()
+
+
+def _model_name(model: str) -> str:
+    """The history name `lower` records for MODEL, without loading it."""
+    if model.endswith(".pt2"):
+        return os.path.abspath(model)
+    path, sep, factory = model.rpartition(":")
+    if not sep:
+        raise LowercacheError(f"bad model {model!r}; expected path/to/file.py:factory or a .pt2 file")
+    return f"{os.path.abspath(path)}:{factory}"
+
+
+@app.command()
+def gc(
+    max_size: Optional[str] = typer.Option(None, "--max-size", help="Evict least-recently-used entries down to this size (e.g. 2G)."),
+    verify: bool = typer.Option(False, "--verify", help="Also check every entry and drop corrupt ones."),
+    cache_dir: Optional[Path] = CacheDir,
+) -> None:
+    """Evict entries over the size limit (and, with --verify, corrupt ones)."""
+    from . import api
+    from .config import parse_size
+
+    try:
+        settings = _settings(cache_dir, disable=False, max_size=max_size)
+        store = api.open_store(settings)
+        limit = parse_size(max_size) if max_size is not None else settings.max_size
+    except LowercacheError as e:
+        _fail(str(e), 2)
+    try:
+        dropped = store.verify_all() if verify else 0
+        freed = store.gc(limit)
+        out.print(f"freed {freed / 2**20:.1f} MiB; {dropped} corrupt entries dropped; size now {store.volume() / 2**20:.1f} MiB")
+    finally:
+        store.close()
+
+
+@app.command()
+def clear(cache_dir: Optional[Path] = CacheDir) -> None:
+    """Remove every entry, counter and run record."""
+    from . import api
+
+    try:
+        store = api.open_store(_settings(cache_dir, disable=False))
+    except LowercacheError as e:
+        _fail(str(e), 2)
+    try:
+        removed = store.clear()
+        out.print(f"removed {removed} entries from {store.directory}")
+    finally:
+        store.close()
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(
+    ctx: typer.Context,
+    cache_dir: Optional[Path] = CacheDir,
+) -> None:
+    """Run a command (e.g. `lowercache run -- python export.py`) with its Arm lowering cached."""
+    from .runhook import command_env
+
+    if not ctx.args:
+        _fail("nothing to run; usage: lowercache run -- python script.py", 2)
+    try:
+        env = command_env(_settings(cache_dir))
+    except LowercacheError as e:
+        _fail(str(e), 2)
+    try:
+        code = subprocess.call(ctx.args, env=env)
+    except OSError as e:
+        _fail(f"cannot run {ctx.args[0]}: {e.strerror or e}", 2)
+    raise typer.Exit(code)
+
+
+@app.command()
+def config(cache_dir: Optional[Path] = CacheDir) -> None:
+    """Show the resolved settings and where each came from."""
+    from .config import config_path
+
+    try:
+        settings = _settings(cache_dir)
+    except LowercacheError as e:
+        _fail(str(e), 2)
+    out.print(f"config file  {config_path()}")
+    for name in ("cache_dir", "max_size", "disable", "read_only"):
+        out.print(f"{name:<10}   {getattr(settings, name)}  ({settings.origin[name]})", markup=False, highlight=False)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    _setup_logging()
+    app(args=argv, prog_name="lowercache")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,113 @@
+"""Settings: flags, then environment, then config file, then defaults.
+
+Precedence, highest first (as in ccache and sccache):
+1. command-line flags or API arguments;
+2. environment variables ``LOWERCACHE_DIR``, ``LOWERCACHE_MAX_SIZE``,
+   ``LOWERCACHE_DISABLE``, ``LOWERCACHE_READ_ONLY``;
+3. the config file: ``$LOWERCACHE_CONFIG``, else
+   ``$XDG_CONFIG_HOME/lowercache/config.toml`` (``~/.config/...``), with keys
+   ``cache_dir``, ``max_size``, ``disable``, ``read_only``;
+4. defaults: ``$XDG_CACHE_HOME/lowercache`` (``~/.cache/lowercache``), 5G.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import LowercacheError
+
+DEFAULT_MAX_SIZE = 5 * 2**30
+
+_ENV = {
+    "cache_dir": "LOWERCACHE_DIR",
+    "max_size": "LOWERCACHE_MAX_SIZE",
+    "disable": "LOWERCACHE_DISABLE",
+    "read_only": "LOWERCACHE_READ_ONLY",
+}
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+@dataclass
+class Settings:
+    cache_dir: Path
+    max_size: int = DEFAULT_MAX_SIZE
+    disable: bool = False
+    read_only: bool = False
+    origin: dict[str, str] = field(default_factory=dict)  # where each value came from
+
+
+def parse_size(text: str | int) -> int:
+    """``"5G"``, ``"500M"``, ``"1048576"`` -> bytes (binary units, as ccache)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", str(text).lower())
+    if not m:
+        raise LowercacheError(f"bad size {text!r}; use a number with an optional K, M, G or T suffix")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def parse_bool(text: str | bool, name: str) -> bool:
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise LowercacheError(f"bad value {text!r} for {name}; use true or false")
+
+
+def config_path() -> Path:
+    explicit = os.environ.get("LOWERCACHE_CONFIG")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "lowercache" / "config.toml"
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lowercache"
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise LowercacheError(f"cannot read config file {path}: {e}") from None
+    unknown = set(data) - set(_ENV)
+    if unknown:
+        raise LowercacheError(f"unknown key(s) {', '.join(sorted(unknown))} in config file {path}")
+    return data
+
+
+def load_settings(**flags: Any) -> Settings:
+    """Resolve every setting; ``flags`` with value None fall through to the next source."""
+    path = config_path()
+    file_values = _read_config_file(path)
+    resolved: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for name, env in _ENV.items():
+        if flags.get(name) is not None:
+            resolved[name], origin[name] = flags[name], "flag"
+        elif os.environ.get(env):
+            resolved[name], origin[name] = os.environ[env], f"env {env}"
+        elif name in file_values:
+            resolved[name], origin[name] = file_values[name], f"file {path}"
+        else:
+            origin[name] = "default"
+    return Settings(
+        cache_dir=Path(resolved.get("cache_dir") or default_cache_dir()).expanduser(),
+        max_size=parse_size(resolved.get("max_size", DEFAULT_MAX_SIZE)),
+        disable=parse_bool(resolved.get("disable", False), "disable"),
+        read_only=parse_bool(resolved.get("read_only", False), "read_only"),
+        origin=origin,
+    )

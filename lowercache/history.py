@@ -1,0 +1,73 @@
+"""Run history per (model, target), and ``explain``: which key part changed.
+
+Each run stores its steps' named key parts. ``explain`` takes the latest run
+that missed and compares its parts with the run before it, step by step, the
+way ccache's debug mode or Bazel's ``--explain`` say why an action reran.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .store import Store
+
+KEEP_RUNS = 10
+
+
+def _record_name(model: str, target: str) -> str:
+    return f"history/{target}/{model}"
+
+
+def record_run(store: Store, model: str, target: str, steps: list[dict[str, Any]]) -> None:
+    runs = store.get_record(_record_name(model, target)) or []
+    runs.append(
+        {
+            "time": time.time(),
+            "steps": [{k: s[k] for k in ("kind", "name", "outcome", "key", "parts")} for s in steps],
+        }
+    )
+    store.put_record(_record_name(model, target), runs[-KEEP_RUNS:])
+
+
+def explain(store: Store, model: str, target: str) -> list[str]:
+    """Lines saying, for the last miss, which parts changed since the run before it."""
+    runs = store.get_record(_record_name(model, target)) or []
+    if not runs:
+        return [f"no recorded runs of {model} for {target}"]
+    lines = []
+    latest = runs[-1]
+    flow = _step(latest, "flow")
+    if flow is not None and flow["outcome"] == "hit":
+        lines.append("the latest run was a hit: nothing changed")
+    last_miss = next(
+        (i for i in range(len(runs) - 1, -1, -1) if any(s["outcome"] == "miss" for s in runs[i]["steps"])),
+        None,
+    )
+    if last_miss is None:
+        return lines + ["no recorded run missed"]
+    if last_miss == 0:
+        return lines + ["the last miss was the first recorded run: the cache had nothing for it"]
+    current, previous = runs[last_miss], runs[last_miss - 1]
+    lines.append(f"last miss: run {last_miss + 1} of {len(runs)}, compared with the run before it")
+    for step in current["steps"]:
+        if step["outcome"] != "miss":
+            continue
+        before = _step(previous, step["kind"], step["name"])
+        label = f"{step['kind']} {step['name']}"
+        if before is None:
+            lines.append(f"{label}: missed; the previous run did not reach this step")
+            continue
+        changed = sorted(k for k in set(step["parts"]) | set(before["parts"]) if step["parts"].get(k) != before["parts"].get(k))
+        if not changed:
+            lines.append(f"{label}: missed with the same key parts (entry evicted, corrupt or never stored)")
+        else:
+            lines.append(f"{label}: missed; changed: {', '.join(changed)}")
+    return lines
+
+
+def _step(run: dict[str, Any], kind: str, name: str | None = None) -> dict[str, Any] | None:
+    for step in run["steps"]:
+        if step["kind"] == kind and (name is None or step["name"] == name):
+            return step
+    return None

@@ -1,0 +1,133 @@
+"""Loading user input: model factories, saved programs, calibration files.
+
+Every failure becomes a one-line :class:`LowercacheError` naming the file and
+the problem, before any lowering starts or any cache entry is written.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import LowercacheError
+
+
+@dataclass
+class LoadedModel:
+    """A model to lower: an ``nn.Module`` or an already exported program."""
+
+    name: str  # stable identity for run history (``explain``)
+    example_inputs: tuple[Any, ...]
+    module: torch.nn.Module | None = None
+    program: torch.export.ExportedProgram | None = None
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def load_model(spec: str) -> LoadedModel:
+    """Load ``path/to/file.py:factory`` or a saved ExportedProgram ``.pt2``."""
+    if spec.endswith(".pt2"):
+        return _load_program(spec)
+    path, sep, factory_name = spec.rpartition(":")
+    if not sep or not path or not factory_name:
+        raise LowercacheError(f"bad model {spec!r}; expected path/to/file.py:factory or a .pt2 file")
+    if not os.path.isfile(path):
+        raise LowercacheError(f"model file not found: {path}")
+    module = _import_file(path)
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise LowercacheError(f"{path} has no function {factory_name!r}")
+    try:
+        result = factory()
+    except Exception as e:
+        raise LowercacheError(f"factory {spec} raised {_describe(e)}") from None
+    if (
+        not isinstance(result, tuple)
+        or len(result) != 2
+        or not isinstance(result[0], torch.nn.Module)
+        or not isinstance(result[1], tuple)
+    ):
+        raise LowercacheError(
+            f"factory {spec} must return (nn.Module, tuple of example inputs), got {_type_summary(result)}"
+        )
+    return LoadedModel(name=f"{os.path.abspath(path)}:{factory_name}", module=result[0], example_inputs=result[1])
+
+
+def _type_summary(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "(" + ", ".join(type(v).__name__ for v in value) + ")"
+    return type(value).__name__
+
+
+def _import_file(path: str) -> Any:
+    name = "lowercache_user_" + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise LowercacheError(f"cannot import {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(name, None)
+        raise LowercacheError(f"error importing {path}: {_describe(e)}") from None
+    return module
+
+
+def _load_program(path: str) -> LoadedModel:
+    if not os.path.isfile(path):
+        raise LowercacheError(f"saved program not found: {path}")
+    try:
+        program = torch.export.load(path)
+    except Exception as e:
+        raise LowercacheError(f"cannot load saved program {path}: {_describe(e)}") from None
+    example = getattr(program, "example_inputs", None)
+    if not example:
+        raise LowercacheError(f"saved program {path} has no example inputs; save it with torch.export.save after export")
+    args, kwargs = example
+    if kwargs:
+        raise LowercacheError(f"saved program {path} takes keyword inputs, which lowercache does not support")
+    return LoadedModel(name=os.path.abspath(path), program=program, example_inputs=tuple(args))
+
+
+def load_calibration(path: str) -> list[tuple[Any, ...]]:
+    """Calibration samples from a ``.pt`` file (loaded with ``weights_only=True``).
+
+    The file holds a list of samples; a sample is a tuple of input tensors, or
+    a single tensor for one-input models. A lone tuple is one sample.
+    """
+    if not os.path.isfile(path):
+        raise LowercacheError(f"calibration file not found: {path}")
+    try:
+        data = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:
+        raise LowercacheError(f"cannot load calibration file {path}: {_describe(e)}") from None
+    if isinstance(data, tuple):
+        data = [data]
+    if not isinstance(data, list) or not data:
+        raise LowercacheError(f"calibration file {path} must hold a non-empty list of input tuples")
+    samples = []
+    for i, sample in enumerate(data):
+        if isinstance(sample, torch.Tensor):
+            sample = (sample,)
+        if not isinstance(sample, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in sample):
+            raise LowercacheError(f"calibration file {path}: sample {i} is not a tuple of tensors")
+        samples.append(tuple(sample))
+    return samples
+
+
+def check_calibration(samples: list[tuple[Any, ...]], example_inputs: tuple[Any, ...], path: str) -> None:
+    """Each sample must match the example inputs' count, shapes and dtypes."""
+    for i, sample in enumerate(samples):
+        if len(sample) != len(example_inputs) or any(
+            not isinstance(e, torch.Tensor) or s.shape != e.shape or s.dtype != e.dtype for s, e in zip(sample, example_inputs)
+        ):
+            raise LowercacheError(f"calibration file {path}: sample {i} does not match the model's example inputs")

@@ -1,0 +1,93 @@
+"""``lowercache run``: cache an existing export script's Arm steps without editing it.
+
+Like ccache in front of a compiler, ``lowercache run -- python export.py``
+starts the script with ``lowercache/_run`` on PYTHONPATH. Its
+``sitecustomize`` installs an import hook, so that when the script imports
+ExecuTorch's Arm backend, the TOSA preprocess and Vela steps are wrapped and
+record into one session for the process. Nothing is imported until the
+script itself imports the Arm backend.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import os
+import sys
+from typing import Any
+
+from .config import Settings
+
+_HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run")
+
+
+def command_env(settings: Settings) -> dict[str, str]:
+    """The environment for the wrapped command: hook on the path, settings pinned."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_HOOK_DIR, env.get("PYTHONPATH", "")) if p)
+    env["LOWERCACHE_RUN"] = "1"
+    env["LOWERCACHE_DIR"] = str(settings.cache_dir)
+    env["LOWERCACHE_MAX_SIZE"] = str(settings.max_size)
+    env["LOWERCACHE_DISABLE"] = "1" if settings.disable else "0"
+    env["LOWERCACHE_READ_ONLY"] = "1" if settings.read_only else "0"
+    return env
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls back once a watched module has finished executing."""
+
+    def __init__(self, watched: tuple[str, ...], callback: Any):
+        self.watched = set(watched)
+        self.callback = callback
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.watched:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            spec = getattr(finder, "find_spec", lambda *a: None)(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                loader = spec.loader
+                original_exec = loader.exec_module
+                callback = self.callback
+
+                def exec_module(module, _original=original_exec):
+                    _original(module)
+                    callback(module.__name__)
+
+                loader.exec_module = exec_module
+                return spec
+        return None
+
+
+_session: list[Any] = []
+
+
+def _process_session() -> Any:
+    if not _session:
+        from .api import open_store
+        from .config import load_settings
+        from .steps import Session
+
+        store = open_store(load_settings())
+        _session.append(Session(store))
+        if store is not None:
+            atexit.register(store.close)
+    return _session[0]
+
+
+def activate_in_process() -> None:
+    """Arrange for the Arm hook modules to be wrapped when (or if) they are imported."""
+    from .hookpoints import HOOK_MODULES
+
+    def on_import(name: str) -> None:
+        from . import arm, steps
+
+        steps.set_fallback(_process_session)
+        arm.install_permanently(name)
+
+    already = [m for m in HOOK_MODULES if m in sys.modules]
+    for name in already:
+        on_import(name)
+    sys.meta_path.insert(0, _AfterImport(tuple(m for m in HOOK_MODULES if m not in already), on_import))
