@@ -46,16 +46,17 @@ def lower(
     cache_dir: str | os.PathLike | None = None,
     calibration: Sequence[Sequence[Any]] | None = None,
     use_cache: bool = True,
+    per_channel: bool = True,
     name: str | None = None,
     listener: Listener | None = None,
     settings: Settings | None = None,
 ) -> Artifacts:
     """Lower ``model`` for ``target`` as the stock ExecuTorch Arm flow would, from cache when possible.
 
-    ``name`` identifies the model in run history (``lowercache explain``);
+    ``per_channel=False`` quantizes weights per tensor. ``name`` identifies the model in run history (``lowercache explain``);
     it defaults to the module's class name.
     """
-    resolved = resolve(target)
+    resolved = resolve(target, per_channel)
     settings = settings or load_settings(cache_dir=cache_dir, disable=None if use_cache else True)
     if isinstance(model, torch.export.ExportedProgram):
         if example_inputs is None:

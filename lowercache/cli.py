@@ -64,6 +64,7 @@ def lower(
     cache_dir: Optional[Path] = CacheDir,
     no_cache: bool = typer.Option(False, "--no-cache", help="Lower without reading or writing the cache."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help=".pt file with a list of input tuples (torch.load weights_only)."),
+    per_tensor: bool = typer.Option(False, "--per-tensor", help="Quantize weights per tensor instead of per channel."),
 ) -> None:
     """Lower MODEL for a target, serving unchanged work from the cache."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -93,6 +94,7 @@ def lower(
                 loaded.example_inputs,
                 target=target,
                 calibration=samples,
+                per_channel=not per_tensor,
                 name=loaded.name,
                 listener=listener,
                 settings=settings,

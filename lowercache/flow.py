@@ -21,7 +21,7 @@ from . import arm
 from .hashing import Unhashable, digest, inputs_digest, program_parts
 from .steps import Session, activate
 from .store import Entry
-from .targets import QUANTIZATION_CONFIG, Target
+from .targets import Target
 from .toolchain import toolchain_parts
 
 # Names the stock flow below; part of the flow key.
@@ -85,7 +85,7 @@ def flow_parts(
     insertions = arm.pass_insertions_digest()
     if insertions is None:
         return None
-    parts["quantizer"] = QUANTIZATION_CONFIG if target.quantized else "none"
+    parts["quantizer"] = target.quantization_config
     parts["target"] = target.name
     parts["compile_spec"] = arm.compile_spec_digest(target.compile_spec())
     parts["pass_insertions"] = insertions
@@ -178,6 +178,7 @@ def manifest(artifacts: Artifacts, target: Target, model: str) -> dict[str, Any]
     return {
         "model": model,
         "target": target.name,
+        "quantization": target.quantization_config,
         "toolchain": toolchain_parts(),
         "key_parts": artifacts.parts,
         "stages": {k: round(v, 4) for k, v in artifacts.stages.items()},

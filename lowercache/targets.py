@@ -28,8 +28,6 @@ ETHOSU_TARGETS = (
 )
 TARGETS = tuple(TOSA_TARGETS) + ETHOSU_TARGETS
 
-# What the quantizer is configured with; recorded as a key part.
-QUANTIZATION_CONFIG = "get_symmetric_quantization_config(is_per_channel=True)"
 
 
 @dataclass(frozen=True)
@@ -37,6 +35,14 @@ class Target:
     """One lowering target, named as on the command line."""
 
     name: str
+    per_channel: bool = True  # weights quantized per channel (the stock default) or per tensor
+
+    @property
+    def quantization_config(self) -> str:
+        """What the quantizer is configured with; recorded as a key part."""
+        if not self.quantized:
+            return "none"
+        return f"get_symmetric_quantization_config(is_per_channel={self.per_channel})"
 
     @property
     def quantized(self) -> bool:
@@ -72,13 +78,13 @@ class Target:
         )
 
         quantizer = EthosUQuantizer(spec) if self.is_ethosu else TOSAQuantizer(spec)
-        quantizer.set_global(get_symmetric_quantization_config())
+        quantizer.set_global(get_symmetric_quantization_config(is_per_channel=self.per_channel))
         return quantizer
 
 
-def resolve(name: str) -> Target:
+def resolve(name: str, per_channel: bool = True) -> Target:
     """The target called ``name``, or a one-line error listing the known ones."""
     key = name.strip().lower()
     if key not in TARGETS:
         raise LowercacheError(f"unknown target {name!r}; known targets: {', '.join(TARGETS)}")
-    return Target(key)
+    return Target(key, per_channel)
