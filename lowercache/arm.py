@@ -45,9 +45,12 @@ def pass_insertions_digest() -> str | None:
     Registered passes are arbitrary user objects, so a step that would run
     them is not keyed (it runs uncached) rather than keyed on a guess.
     """
-    from executorch.backends.arm._passes import arm_pass_manager
+    import sys
 
-    return None if arm_pass_manager._registered_pass_insertions else "none"
+    manager = sys.modules.get("executorch.backends.arm._passes.arm_pass_manager")
+    if manager is None:
+        return "none"  # not imported yet, so nothing can have been registered
+    return None if manager._registered_pass_insertions else "none"
 
 
 def tosa_parts(edge_program: Any, compile_spec: Any) -> dict[str, str] | None:

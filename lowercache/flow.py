@@ -18,9 +18,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import arm
-from .hashing import Unhashable, digest, inputs_digest, program_parts
+from .hashing import Unhashable, digest, digest_json, inputs_digest, program_parts
 from .steps import Session, activate
-from .store import Entry
+from .store import Entry, Store
 from .targets import Target
 from .toolchain import toolchain_parts
 
@@ -69,11 +69,29 @@ def export(module: torch.nn.Module, example_inputs: Inputs) -> torch.export.Expo
     return torch.export.export(module, tuple(example_inputs))
 
 
+def target_spec_digest(target: Target, store: Store | None) -> str:
+    """Digest of the target's compile spec, memoized per toolchain in the store.
+
+    Building a compile spec imports the Arm backend (seconds); the spec is a
+    pure function of the target name and the backend's sources, which the
+    toolchain digest covers, so a warm run need not import it.
+    """
+    name = f"memo/compile_spec/{target.name}/{digest_json(toolchain_parts())}"
+    remembered = store.get_record(name) if store is not None else None
+    if isinstance(remembered, str):
+        return remembered
+    value = arm.compile_spec_digest(target.compile_spec())
+    if store is not None:
+        store.put_record(name, value)
+    return value
+
+
 def flow_parts(
     program: torch.export.ExportedProgram,
     target: Target,
     example_inputs: Inputs,
     calibration: Sequence[Inputs],
+    store: Store | None = None,
 ) -> dict[str, str] | None:
     """Named key parts of the whole flow, or None when the program cannot be keyed."""
     try:
@@ -87,7 +105,7 @@ def flow_parts(
         return None
     parts["quantizer"] = target.quantization_config
     parts["target"] = target.name
-    parts["compile_spec"] = arm.compile_spec_digest(target.compile_spec())
+    parts["compile_spec"] = target_spec_digest(target, store)
     parts["pass_insertions"] = insertions
     parts["flow"] = FLOW_VERSION
     parts.update(toolchain_parts())
@@ -132,7 +150,7 @@ def lower_program(
     """Lower an exported program through the cached flow step."""
     stages = stages or _Stages(session)
     calibration = list(calibration) if calibration is not None else [tuple(example_inputs)]
-    parts = stages.run("hash", lambda: flow_parts(program, target, example_inputs, calibration))
+    parts = stages.run("hash", lambda: flow_parts(program, target, example_inputs, calibration, session.store))
 
     def compute() -> Entry:
         before = {k: len(session.outputs.get(k, [])) for k in ("tosa", "vela")}
