@@ -35,7 +35,7 @@ CacheDir = typer.Option(None, "--cache-dir", help="Cache directory [env: LOWERCA
 
 class _OneLineWarnings(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
-        err.print(f"lowercache: warning: {record.getMessage()}", markup=False, highlight=False)
+        print(f"lowercache: warning: {record.getMessage()}", file=sys.stderr)
 
 
 def _setup_logging() -> None:
@@ -46,7 +46,7 @@ def _setup_logging() -> None:
 
 
 def _fail(message: str, code: int) -> None:
-    err.print(f"lowercache: error: {message}", markup=False, highlight=False)
+    print(f"lowercache: error: {message}", file=sys.stderr)
     raise typer.Exit(code)
 
 
@@ -171,7 +171,7 @@ def explain(
         _fail(str(e), 2)
     try:
         for line in history.explain(store, name, resolved.name):
-            out.print(line, markup=False, highlight=False)
+            typer.echo(line)
     finally:
         store.close()
 

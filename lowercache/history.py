@@ -48,15 +48,19 @@ def explain(store: Store, model: str, target: str) -> list[str]:
         return lines + ["no recorded run missed"]
     if last_miss == 0:
         return lines + ["the last miss was the first recorded run: the cache had nothing for it"]
-    current, previous = runs[last_miss], runs[last_miss - 1]
-    lines.append(f"last miss: run {last_miss + 1} of {len(runs)}, compared with the run before it")
+    current = runs[last_miss]
+    lines.append(f"last miss: run {last_miss + 1} of {len(runs)}, compared with the latest earlier run of each step")
     for step in current["steps"]:
         if step["outcome"] != "miss":
             continue
-        before = _step(previous, step["kind"], step["name"])
+        # A hit of the whole flow does not run its inner steps: look further back.
+        before = next(
+            (found for run in reversed(runs[:last_miss]) if (found := _step(run, step["kind"], step["name"])) is not None),
+            None,
+        )
         label = f"{step['kind']} {step['name']}"
         if before is None:
-            lines.append(f"{label}: missed; the previous run did not reach this step")
+            lines.append(f"{label}: missed; no earlier run reached this step")
             continue
         changed = sorted(k for k in set(step["parts"]) | set(before["parts"]) if step["parts"].get(k) != before["parts"].get(k))
         if not changed:

@@ -1,0 +1,193 @@
+"""The CLI end to end, in subprocesses: outputs, bad input, corrupt entries, concurrency."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowercache import models
+from lowercache.store import Store
+
+from .conftest import reference
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = f"{ROOT}/examples/tiny_cnn.py:model"
+
+
+def cli(*args, cache_dir, cwd=None, env=None):
+    full_env = {**os.environ, "LOWERCACHE_DIR": str(cache_dir), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "lowercache.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=full_env,
+        timeout=900,
+    )
+
+
+def error_lines(result):
+    return [line for line in result.stderr.splitlines() if line.startswith("lowercache: error:")]
+
+
+def stock_tiny(target):
+    """Stock bytes of examples/tiny_cnn.py (its own module, not models.tiny_cnn)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tiny_example", ROOT / "examples" / "tiny_cnn.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from .conftest import stock_pte
+
+    net, example = module.model()
+    return stock_pte(net, example, target)
+
+
+def test_lower_twice_writes_identical_outputs_and_explains(tmp_path, cache_dir):
+    out = tmp_path / "out"
+    first = cli("lower", TINY, "--target", "ethos-u55-128", "--out", out, cache_dir=cache_dir)
+    assert first.returncode == 0, first.stderr
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {"model.pte", "partition_0.tosa", "partition_0.vela.bin", "manifest.json"} <= set(files)
+    assert files["model.pte"] == stock_tiny("ethos-u55-128")
+    manifest = json.loads(files["manifest.json"])
+    assert [s["outcome"] for s in manifest["steps"] if s["kind"] == "flow"] == ["miss"]
+    assert manifest["toolchain"]["executorch"] == "1.5.1"
+
+    second = cli("lower", TINY, "--target", "ethos-u55-128", "--out", out, cache_dir=cache_dir)
+    assert second.returncode == 0, second.stderr
+    manifest2 = json.loads((out / "manifest.json").read_text())
+    assert [s["outcome"] for s in manifest2["steps"]] == ["hit"]
+    assert (out / "model.pte").read_bytes() == files["model.pte"]
+
+    stats = cli("stats", cache_dir=cache_dir)
+    assert stats.returncode == 0 and "flow" in stats.stdout
+
+    # An edit: explain names the part that changed.
+    edited = tmp_path / "edited.py"
+    text = (ROOT / "examples" / "tiny_cnn.py").read_text()
+    for seed in (1, 1, 2):
+        edited.write_text(text.replace("torch.manual_seed(0)", f"torch.manual_seed({seed})"))
+        result = cli("lower", f"{edited}:model", "-t", "ethos-u55-128", "-o", out, cache_dir=cache_dir)
+        assert result.returncode == 0, result.stderr
+    explained = cli("explain", f"{edited}:model", "-t", "ethos-u55-128", cache_dir=cache_dir)
+    lines = explained.stdout.splitlines()
+    assert "flow ethos-u55-128: missed; changed: calibration, example_inputs, program.constants" in lines, lines
+    assert any(line.startswith("tosa partition 0: missed; changed: ") and "program.constants" in line for line in lines), lines
+
+
+BAD_FACTORIES = {
+    "raises": "def model():\n    raise ValueError('no weights here')\n",
+    "wrong_type": "def model():\n    return 42\n",
+}
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing_file", "model file not found"),
+        ("raises", "raised ValueError: no weights here"),
+        ("wrong_type", "must return (nn.Module, tuple of example inputs), got int"),
+        ("unknown_target", "unknown target 'ethos-u99'"),
+        ("corrupt_pt2", "cannot load saved program"),
+        ("unwritable_cache", "is not writable"),
+        ("bad_calibration", "cannot load calibration file"),
+    ],
+)
+def test_bad_input_gives_one_line_and_leaves_nothing(case, expected, tmp_path, cache_dir):
+    out = tmp_path / "out"
+    model, target, extra = TINY, "ethos-u55-128", []
+    if case == "missing_file":
+        model = f"{tmp_path}/nope.py:model"
+    elif case in BAD_FACTORIES:
+        (tmp_path / "bad.py").write_text(BAD_FACTORIES[case])
+        model = f"{tmp_path}/bad.py:model"
+    elif case == "unknown_target":
+        target = "ethos-u99"
+    elif case == "corrupt_pt2":
+        (tmp_path / "broken.pt2").write_bytes(b"PK\x03\x04 this is not a saved program")
+        model = str(tmp_path / "broken.pt2")
+    elif case == "unwritable_cache":
+        (tmp_path / "a-file").write_text("")
+        cache_dir = tmp_path / "a-file" / "cache"
+    elif case == "bad_calibration":
+        (tmp_path / "calib.pt").write_bytes(b"not a torch file")
+        extra = ["--calibration", tmp_path / "calib.pt"]
+    result = cli("lower", model, "--target", target, "--out", out, *extra, cache_dir=cache_dir)
+    assert result.returncode != 0
+    lines = error_lines(result)
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert not out.exists()
+    assert not list(tmp_path.glob(".out.tmp-*"))
+    if cache_dir.is_dir():
+        assert Store(cache_dir).entry_count() == {"actions": 0, "blobs": 0}
+
+
+def test_saved_program_and_calibration_file(tmp_path, cache_dir):
+    module, example = models.tiny_cnn()
+    torch.export.save(torch.export.export(module, example), tmp_path / "tiny.pt2")
+    samples = models.calibration_samples(example)
+    torch.save(samples, tmp_path / "calib.pt")
+    out = tmp_path / "out"
+    result = cli("lower", tmp_path / "tiny.pt2", "-t", "tosa-int", "-o", out, "--calibration", tmp_path / "calib.pt", cache_dir=cache_dir)
+    assert result.returncode == 0, result.stderr
+    from .conftest import stock_pte
+
+    assert (out / "model.pte").read_bytes() == stock_pte(module, example, "tosa-int", calibration=samples)
+
+
+def test_corrupt_entry_is_recomputed_with_a_warning(tmp_path, cache_dir):
+    out = tmp_path / "out"
+    assert cli("lower", TINY, "-t", "tosa-int", "-o", out, cache_dir=cache_dir).returncode == 0
+    expected = (out / "model.pte").read_bytes()
+    for path in (cache_dir / "entries").rglob("*.val"):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x55
+        path.write_bytes(bytes(data))
+    again = cli("lower", TINY, "-t", "tosa-int", "-o", out, cache_dir=cache_dir)
+    assert again.returncode == 0, again.stderr
+    assert "lowercache: warning:" in again.stderr and "recomputing" in again.stderr
+    assert (out / "model.pte").read_bytes() == expected
+    third = cli("lower", TINY, "-t", "tosa-int", "-o", out, cache_dir=cache_dir)
+    assert "warning" not in third.stderr
+    assert json.loads((out / "manifest.json").read_text())["steps"][0]["outcome"] == "hit"
+
+
+def test_concurrent_processes_share_one_cache(tmp_path, cache_dir):
+    jobs = [
+        ("tiny_cnn", "ethos-u55-128"),
+        ("tiny_cnn", "ethos-u55-128"),
+        ("tiny_cnn", "tosa-int"),
+        ("transformer_block", "tosa-fp"),
+    ]
+    script = tmp_path / "factories.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            from lowercache import models
+            def tiny_cnn():
+                return models.tiny_cnn()
+            def transformer_block():
+                return models.transformer_block()
+            """
+        )
+    )
+    procs = []
+    for i, (model, target) in enumerate(jobs):
+        cmd = [sys.executable, "-m", "lowercache.cli", "lower", f"{script}:{model}", "-t", target, "-o", str(tmp_path / f"out{i}")]
+        env = {**os.environ, "LOWERCACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=900)
+        assert proc.returncode == 0, stderr
+    for i, (model, target) in enumerate(jobs):
+        assert (tmp_path / f"out{i}" / "model.pte").read_bytes() == reference(model, target)
+    again = cli("lower", f"{script}:tiny_cnn", "-t", "ethos-u55-128", "-o", tmp_path / "again", cache_dir=cache_dir)
+    assert json.loads((tmp_path / "again" / "manifest.json").read_text())["steps"][0]["outcome"] == "hit"

@@ -1,0 +1,106 @@
+"""Key sensitivity: what must change the flow key does; what must not, does not."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lowercache import flow, models, toolchain
+from lowercache.steps import step_key
+from lowercache.targets import resolve
+
+
+def parts_of(module, example, target="ethos-u55-128", calibration=None, per_channel=True):
+    program = flow.export(module, example)
+    return flow.flow_parts(program, resolve(target, per_channel), example, calibration or [example])
+
+
+def changed(a, b):
+    return sorted(k for k in a if a[k] != b[k])
+
+
+@pytest.fixture(scope="module")
+def base():
+    module, example = models.tiny_cnn()
+    return module, example, parts_of(module, example)
+
+
+def test_rerun_gives_the_same_key(base):
+    module, example, parts = base
+    again, example2 = models.tiny_cnn()
+    assert parts_of(again, example2) == parts
+    assert step_key("flow", parts_of(again, example2)) == step_key("flow", parts)
+
+
+def test_one_weight_changes_constants_only(base):
+    module, example, parts = base
+    edited, _ = models.tiny_cnn()
+    with torch.no_grad():
+        edited.get_parameter("block2.0.weight")[0, 0, 0, 0] += 1e-3
+    assert changed(parts, parts_of(edited, example)) == ["program.constants"]
+
+
+def test_target_quantizer_and_calibration_change_the_key(base):
+    module, example, parts = base
+    assert "target" in changed(parts, parts_of(module, example, target="ethos-u85-256"))
+    assert "compile_spec" in changed(parts, parts_of(module, example, target="ethos-u55-256"))
+    assert changed(parts, parts_of(module, example, per_channel=False)) == ["quantizer"]
+    samples = models.calibration_samples(example)
+    assert changed(parts, parts_of(module, example, calibration=samples)) == ["calibration"]
+
+
+def test_toolchain_version_changes_the_key(base, monkeypatch):
+    module, example, parts = base
+    fake = dict(toolchain.toolchain_parts(), vela="0.0.0")
+    monkeypatch.setattr(flow, "toolchain_parts", lambda: fake)
+    assert changed(parts, parts_of(module, example)) == ["vela"]
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        hidden = self.conv(x)
+        return torch.relu(hidden)
+
+
+class _NetRenamed(_Net):
+    def forward(self, x):
+        renamed_local = self.conv(x)
+        return torch.relu(renamed_local)
+
+
+def test_renaming_a_local_variable_keeps_the_key():
+    torch.manual_seed(0)
+    a = _Net().eval()
+    b = _NetRenamed().eval()
+    b.load_state_dict(a.state_dict())
+    example = (torch.randn(1, 3, 8, 8),)
+    assert parts_of(a, example) == parts_of(b, example)
+
+
+def test_key_is_independent_of_pythonhashseed():
+    code = (
+        "from lowercache import flow, models; from lowercache.steps import step_key;"
+        "from lowercache.targets import resolve;"
+        "m, e = models.tiny_cnn(); p = flow.flow_parts(flow.export(m, e), resolve('tosa-int'), e, [e]);"
+        "print(step_key('flow', p))"
+    )
+    keys = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**_env(), "PYTHONHASHSEED": seed}
+        ).stdout.strip().splitlines()[-1]
+        for seed in ("1", "987")
+    }
+    assert len(keys) == 1
+
+
+def _env():
+    import os
+
+    return dict(os.environ)
