@@ -146,9 +146,13 @@ class Store:
         raw = self._entries.get(f"blob/{blob_digest}")
         if raw is None:
             raise CorruptEntry(f"blob {blob_digest[:12]} is missing")
-        payload = unframe(raw)
-        if digest(payload) != blob_digest:
-            raise CorruptEntry(f"blob {blob_digest[:12]} holds other content")
+        try:
+            payload = unframe(raw)
+            if digest(payload) != blob_digest:
+                raise CorruptEntry(f"blob {blob_digest[:12]} holds other content")
+        except CorruptEntry:
+            self._discard(f"blob/{blob_digest}")  # so the recomputed entry writes it afresh
+            raise
         return payload
 
     def put(self, kind: str, key: str, entry: Entry) -> bool:
@@ -160,14 +164,21 @@ class Store:
             for name, data in entry.blobs.items():
                 blob_digest = digest(data)
                 names[name] = blob_digest
-                blob_key = f"blob/{blob_digest}"
-                if blob_key not in self._entries:
-                    self._entries.set(blob_key, frame(data))
+                if not self._has_good_blob(blob_digest):
+                    self._entries.set(f"blob/{blob_digest}", frame(data))
             record = {"kind": kind, "key": key, "meta": entry.meta, "blobs": names, "cost": entry.cost}
             self._entries.set(f"action/{kind}/{key}", frame(json.dumps(record, sort_keys=True).encode()))
             return True
         except (OSError, sqlite3.Error) as e:
             log.warning("could not write cache entry %s/%s (%s)", kind, key[:12], e)
+            return False
+
+    def _has_good_blob(self, blob_digest: str) -> bool:
+        """True when an intact copy is stored (a miss path only, so reading it is cheap enough)."""
+        try:
+            self._get_blob(blob_digest)
+            return True
+        except (CorruptEntry, OSError, sqlite3.Error):
             return False
 
     def _discard(self, key: str) -> None:
