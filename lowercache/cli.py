@@ -124,6 +124,42 @@ def _print_summary(records: list[dict], stages: dict[str, float]) -> None:
 
 
 @app.command()
+def verify(
+    model: str = typer.Argument(..., help="path/to/file.py:factory or a saved .pt2."),
+    target: str = typer.Option(..., "--target", "-t"),
+    cache_dir: Optional[Path] = CacheDir,
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help=".pt file with a list of input tuples."),
+) -> None:
+    """Lower with and without the cache (and in a fresh cache); fail on any byte difference."""
+    from . import loading
+    from .verify import verify as run_verify
+
+    try:
+        settings = _settings(cache_dir, disable=False)
+        loaded = loading.load_model(model)
+        samples = loading.load_calibration(str(calibration)) if calibration is not None else None
+        mismatches = run_verify(loaded, target, settings, calibration=samples)
+    except LowercacheError as e:
+        _fail(str(e), 2)
+    for m in mismatches:
+        print(f"lowercache: mismatch: {m}", file=sys.stderr)
+    if mismatches:
+        raise typer.Exit(1)
+    out.print("verified: cached, fresh-cache and uncached lowerings are byte-identical")
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def bench(ctx: typer.Context) -> None:
+    """Benchmark stock ExecuTorch vs lowercache (options: see `lowercache bench --help`)."""
+    from .bench import main as bench_main
+
+    raise typer.Exit(bench_main(ctx.args))
+
+
+@app.command()
 def stats(cache_dir: Optional[Path] = CacheDir) -> None:
     """Entries, size and hit rate by step kind."""
     from . import api
