@@ -23,6 +23,7 @@ import tempfile
 import threading
 from typing import Any, Iterator
 
+from . import provenance
 from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
 from .hashing import Unhashable, canon, digest, digest_json, program_parts
 from .steps import current_session
@@ -198,6 +199,7 @@ def install() -> None:
         if _installed == 0:
             for name in HOOK_MODULES:
                 _patch(name)
+            provenance.enable()
         _installed += 1
 
 
@@ -205,14 +207,18 @@ def uninstall() -> None:
     global _installed
     with _lock:
         _installed -= 1
-        if _installed == 0 and not _permanent:
-            _unpatch()
+        if _installed == 0:
+            provenance.disable()
+            if not _permanent:
+                _unpatch()
 
 
 def install_permanently(module_name: str) -> None:
     """Used by ``lowercache run``: wrap a hook module for the life of the process."""
     global _permanent
     with _lock:
+        if not _permanent:
+            provenance.enable()
         _permanent = True
         _patch(module_name)
 
