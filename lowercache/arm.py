@@ -23,7 +23,7 @@ import tempfile
 import threading
 from typing import Any, Iterator
 
-from . import provenance
+from . import provenance, qparams
 from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
 from .hashing import Unhashable, canon, digest, digest_json, program_parts
 from .steps import current_session
@@ -200,6 +200,7 @@ def install() -> None:
             for name in HOOK_MODULES:
                 _patch(name)
             provenance.enable()
+            qparams.enable()
         _installed += 1
 
 
@@ -209,6 +210,7 @@ def uninstall() -> None:
         _installed -= 1
         if _installed == 0:
             provenance.disable()
+            qparams.disable()
             if not _permanent:
                 _unpatch()
 
@@ -219,6 +221,7 @@ def install_permanently(module_name: str) -> None:
     with _lock:
         if not _permanent:
             provenance.enable()
+            qparams.enable()
         _permanent = True
         _patch(module_name)
 

@@ -115,10 +115,18 @@ def _print_summary(records: list[dict], stages: dict[str, float]) -> None:
     table = Table(title="lowercache steps")
     for column in ("step", "outcome", "seconds", "saved"):
         table.add_column(column)
-    for r in records:
+    from .steps import BULK_KINDS, listed, outcome_counts
+
+    for r in listed(records):
         table.add_row(f"{r['kind']}: {r['name']}", r["outcome"], f"{r['seconds']:.2f}", f"{r['saved']:.2f}")
+    for kind in sorted(BULK_KINDS):
+        bulk = [r for r in records if r["kind"] == kind]
+        if bulk:
+            counts = ", ".join(f"{n} {o}" for o, n in sorted(outcome_counts(bulk)[kind].items()))
+            seconds = sum(r["seconds"] for r in bulk)
+            table.add_row(f"{kind}: {len(bulk)} steps", counts, f"{seconds:.2f}", f"{sum(r['saved'] for r in bulk):.2f}")
     err.print(table)
-    saved = sum(r["saved"] for r in records if r["kind"] == "flow" or r["outcome"] == "hit")
+    saved = sum(r["saved"] for r in records if r["outcome"] == "hit")
     total = sum(stages.values())
     err.print(f"total {total:.2f}s; served from cache: {saved:.2f}s of work saved")
 

@@ -19,7 +19,7 @@ import torch
 
 from . import arm
 from .hashing import Unhashable, digest, digest_json, inputs_digest, program_parts
-from .steps import Session, activate
+from .steps import Session, activate, listed, outcome_counts
 from .store import Entry, Store
 from .targets import Target
 from .toolchain import toolchain_parts
@@ -200,6 +200,7 @@ def manifest(artifacts: Artifacts, target: Target, model: str) -> dict[str, Any]
         "toolchain": toolchain_parts(),
         "key_parts": artifacts.parts,
         "stages": {k: round(v, 4) for k, v in artifacts.stages.items()},
-        "steps": artifacts.records,
+        "steps": listed(artifacts.records),
+        "step_counts": outcome_counts(artifacts.records),
         "files": {name: {"size": len(data), "xxh3_128": digest(data)} for name, data in sorted(artifacts.files.items())},
     }

@@ -138,7 +138,7 @@ def canon(value: Any, *, real_tensors: bool = False, _depth: int = 0) -> Any:
         if real_tensors and not _is_fake(value):
             return ["tensor_data", tensor_digest(value)]
         return _tensor_meta(value)
-    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format, torch.qscheme)):
         return ["torch", str(value)]
     if isinstance(value, torch.Size):
         return ["size", [rec(v) for v in value]]

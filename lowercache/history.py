@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from .steps import listed
 from .store import Store
 
 KEEP_RUNS = 10
@@ -24,7 +25,7 @@ def record_run(store: Store, model: str, target: str, steps: list[dict[str, Any]
     runs.append(
         {
             "time": time.time(),
-            "steps": [{k: s[k] for k in ("kind", "name", "outcome", "key", "parts")} for s in steps],
+            "steps": [{k: s[k] for k in ("kind", "name", "outcome", "key", "parts")} for s in listed(steps)],
         }
     )
     store.put_record(_record_name(model, target), runs[-KEEP_RUNS:])

@@ -44,6 +44,24 @@ class StepRecord:
         return asdict(self)
 
 
+# Kinds with one step per observer or node: counted in manifests and history, not listed.
+BULK_KINDS = frozenset({"qparams"})
+
+
+def listed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records worth listing one by one (all but bulk kinds)."""
+    return [r for r in records if r["kind"] not in BULK_KINDS]
+
+
+def outcome_counts(records: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Outcome counts by step kind."""
+    out: dict[str, dict[str, int]] = {}
+    for r in records:
+        by_kind = out.setdefault(r["kind"], {})
+        by_kind[r["outcome"]] = by_kind.get(r["outcome"], 0) + 1
+    return out
+
+
 def step_key(kind: str, parts: dict[str, str]) -> str:
     """The key of a step: its kind and every named part."""
     return digest_json({"kind": kind, "parts": parts})
@@ -65,6 +83,7 @@ class Session:
         self.records: list[StepRecord] = []
         self.listener = listener
         self.outputs: dict[str, list[Entry]] = {}
+        self._memo: dict[tuple[str, str], Entry] = {}  # entries seen this run: no second disk read
 
     def _emit(self, phase: str, record: StepRecord | None, label: str) -> None:
         if self.listener is not None:
@@ -88,7 +107,7 @@ class Session:
         key = step_key(kind, parts) if parts is not None else ""
         entry = None
         if parts is not None and self.store is not None:
-            entry = self.store.get(kind, key)
+            entry = self._memo.get((kind, key)) or self.store.get(kind, key)
         if entry is not None:
             outcome = "hit"
         else:
@@ -101,6 +120,8 @@ class Session:
                 outcome = "miss"
                 if self.store is not None:
                     self.store.put(kind, key, entry)
+        if parts is not None and self.store is not None:
+            self._memo[(kind, key)] = entry
         seconds = time.perf_counter() - start
         record = StepRecord(
             kind=kind,
@@ -122,11 +143,7 @@ class Session:
 
     def summary(self) -> dict[str, dict[str, int]]:
         """Outcome counts by step kind."""
-        out: dict[str, dict[str, int]] = {}
-        for r in self.records:
-            by_kind = out.setdefault(r.kind, {})
-            by_kind[r.outcome] = by_kind.get(r.outcome, 0) + 1
-        return out
+        return outcome_counts([r.to_json() for r in self.records])
 
 
 _active: list[Session] = []

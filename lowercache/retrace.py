@@ -1,0 +1,507 @@
+"""Dirty-region retracing: reuse fake-tensor propagation for unchanged nodes.
+
+Every ExecuTorch ``ExportPass`` rebuilds the whole graph by interpreting it
+node by node. For each ``call_function`` node, ``_ExportPassBase._fx``
+(``exir/pass_base.py``) does three things:
+
+1. ``res_data = self.interpreter.call_function(target, args_data, kwargs_data)``:
+   the op is *dispatched* on the input FakeTensors under the pass's
+   FakeTensorMode (plus the python dispatcher) to compute the output's
+   shape/dtype/stride. ``self.interpreter`` is a bare ``torch.fx.Interpreter``,
+   so this is literally ``target(*args_data, **kwargs_data)``;
+2. ``self.tracer.create_proxy(...)``: the new node, named by the tracer's
+   graph-local op-name counters;
+3. ``res_proxy.node.meta.update(meta)`` and ``set_metadata`` (``val``).
+
+Step 1 is the expensive part (~0.5-0.7 ms for an edge op) and, for the many
+nodes a pass leaves alone, it recomputes the result the previous retrace
+already computed. This module replaces *only step 1*, and only when the
+result is provably what the dispatch would return; steps 2 and 3 always run
+unchanged, so node names, ``meta`` merging, ``input_qparams`` /
+``output_qparams`` / ``tosa_special_dtype`` and every other key behave exactly
+as in the stock retrace.
+
+Hooks (both thin wrappers around the original functions, no copied code):
+
+- ``_ExportPassBase.ExportInterpreter.run_node``: remembers, on the pass, which
+  node of the *input* graph is being interpreted (saved/restored, so nested
+  control-flow submodules keep their own current node).
+- ``_ExportPassBase._fx``: for the duration of the original ``_fx``, swaps
+  ``self.interpreter`` for a shim whose ``call_function`` either returns the
+  input node's existing ``val`` or calls the real interpreter.
+
+Why the reuse is exact. Graph metadata is never trusted: a pass may rewrite
+the graph in ``call()`` before ``super().call()`` and leave ``val`` stale.
+Instead, every dispatch made while the mechanism is enabled is *recorded*
+in a side table keyed by the identity of the output FakeTensor(s): the op,
+the pytree structure of its arguments, a signature of every leaf (for a
+FakeTensor: exact type, fake mode, dtype, device, layout, sizes, strides,
+storage offset, requires_grad, conj/neg bits, view-ness, no ``constant``; for
+a literal: its exact type and value) and the dispatch context (grad and
+inference mode, python dispatcher, the torch-dispatch/function mode stacks,
+the TOSA lowering context's spec and shape env, which TOSA fake kernels
+read). The record is therefore a fact about the dispatch, "``target`` on
+inputs like these returned exactly these objects", not about any node.
+
+When a later retrace interprets node ``n`` and the pass asks to dispatch
+``target`` on ``args_data``, the candidate is ``n.meta["val"]``. It is reused
+only if a record exists for exactly those output objects and the record's
+op, argument structure, leaf signatures and context all equal the current
+call's. A fake kernel's output metadata is a deterministic function of that
+information for the ops admitted below, so the stock dispatch would produce
+an object with identical metadata; the reused object is one such object.
+Everything downstream (``set_metadata``, TOSA serialization, Vela, .pte
+emission) only reads metadata, so bytes are identical.
+
+Restrictions (each falls back to the normal dispatch, and is counted):
+
+- only ``OpOverload`` / ``EdgeOpOverload`` targets in the namespaces
+  ``aten``, ``prims``, ``quantized_decomposed``, ``dim_order_ops``, ``tosa``
+  (custom ops elsewhere may have fake kernels reading unknown global state);
+- not mutable schemas (in-place/out variants mutate their inputs' fake
+  metadata: skipping them would skip the mutation); not ops tagged
+  ``data_dependent_output``, ``dynamic_output_shape`` (they allocate unbacked
+  symbols, a shape-env side effect), ``nondeterministic_seeded``,
+  ``inplace_view`` or ``maybe_aliasing_or_mutating``; only ops whose returns
+  are all ``Tensor`` / ``Tensor[]`` (no scalar / SymInt / None returns such as
+  ``sym_size`` or ``_assert_*``);
+- no symbolic shapes anywhere (inputs, outputs or SymInt/SymFloat/SymBool
+  arguments): symbolic dispatches add guards and symbols to the ShapeEnv,
+  side effects a reuse would skip;
+- no FakeTensor with ``constant`` (constant propagation makes the result
+  depend on data), no real tensors, no tensor subclasses, only strided
+  layouts, and no argument leaf of any type other than the plain literals
+  (int, float, bool, str, None, dtype, device, layout, memory_format, Size);
+- ops whose result aliases an input (schema alias annotations, e.g.
+  ``view``/``permute``/``split``) are reused only when every tensor input is
+  the *very same object* as at record time, so storage sharing between the
+  new input and the output is preserved too; for functional ops equal
+  metadata suffices (their outputs have fresh storage);
+- results that are (or contain) one of the op's inputs are never recorded;
+- each candidate object is reused at most once per retrace, so two live
+  nodes never end up sharing one ``val`` where the stock retrace would have
+  made two;
+- a node's ``val`` that did not come from a recorded dispatch (the first
+  retrace after the mechanism is enabled, a deep-copied partition, a ``val``
+  set by hand) is never reused; the first dispatch records it.
+
+``getitem``, symbolic-int ops, ``executorch_call_delegate``, ``memory.alloc``
+and higher-order ops go through unchanged (they are not fake dispatches of a
+node or are excluded above) and are counted as ``not_applicable``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import weakref
+from typing import Any, Iterator
+
+_lock = threading.Lock()
+_depth = 0
+_originals: dict[str, Any] = {}
+# (input-graph node being interpreted, the pass interpreting it, candidates reused in this retrace)
+_tls = threading.local()
+
+_ALLOWED_NAMESPACES = frozenset({"aten", "prims", "quantized_decomposed", "dim_order_ops", "tosa"})
+_MISS = object()
+
+# id(first output leaf) -> (weakref to it, record); entries die with the tensor.
+_records: dict[int, tuple[Any, tuple]] = {}
+# op target -> None when ineligible, else (result may alias an input, fake kernel reads the TOSA context).
+_op_policy: dict[Any, tuple[bool, bool] | None] = {}
+
+_stats_lock = threading.Lock()
+_STAT_KEYS = (
+    "reused",
+    "redispatched",
+    "redispatched_ineligible",
+    "redispatched_no_record",
+    "redispatched_changed",
+    "not_applicable",
+)
+_stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
+
+
+def _count(*keys: str) -> None:
+    with _stats_lock:
+        for key in keys:
+            _stats[key] += 1
+
+
+def stats() -> dict[str, int]:
+    """Counters since the last :func:`reset_stats`.
+
+    ``reused``: op dispatches served from the input node's ``val`` (nodes
+    copied). ``redispatched``: op dispatches that ran through FakeTensor
+    (nodes re-traced), split into ``redispatched_ineligible`` (op or arguments
+    excluded), ``redispatched_no_record`` (no proof for the candidate, e.g.
+    first retrace) and ``redispatched_changed`` (the call differs from the
+    recorded one: the dirty region). ``not_applicable``: other ``_fx``
+    calls (getitem, sym ops, delegates, higher-order ops).
+    """
+    with _stats_lock:
+        return dict(_stats)
+
+
+def reset_stats() -> None:
+    with _stats_lock:
+        for key in _STAT_KEYS:
+            _stats[key] = 0
+
+
+def _policy(target: Any) -> tuple[bool, bool] | None:
+    """None when ``target`` must always be dispatched, else ``(may_alias, reads_tosa_context)``."""
+    try:
+        return _op_policy[target]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable target
+        return None
+    _op_policy[target] = result = _compute_policy(target)
+    return result
+
+
+def _compute_policy(target: Any) -> tuple[bool, bool] | None:
+    import torch
+    from executorch.exir.dialects.edge._ops import EdgeOpOverload
+
+    op = target._op if isinstance(target, EdgeOpOverload) else target
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    if op.namespace not in _ALLOWED_NAMESPACES:
+        return None
+    schema = op._schema
+    if schema.is_mutable:
+        return None
+    banned = {
+        torch.Tag.data_dependent_output,
+        torch.Tag.dynamic_output_shape,
+        torch.Tag.nondeterministic_seeded,
+        torch.Tag.inplace_view,
+        torch.Tag.maybe_aliasing_or_mutating,
+    }
+    if banned.intersection(op.tags):
+        return None
+    if not schema.returns:
+        return None
+    aliases = False
+    for ret in schema.returns:
+        rtype = ret.type
+        if isinstance(rtype, torch._C.ListType):
+            rtype = rtype.getElementType()
+        if not isinstance(rtype, torch._C.TensorType):
+            return None
+        if ret.alias_info is not None:
+            if ret.alias_info.is_write:
+                return None
+            aliases = True
+    return aliases, op.namespace == "tosa"
+
+
+def _is_op(target: Any) -> bool:
+    import torch
+    from executorch.exir.dialects.edge._ops import EdgeOpOverload
+
+    return isinstance(target, (EdgeOpOverload, torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+
+
+def _context(mode: Any, tosa: bool) -> tuple | None:
+    """Global state a fake kernel may read, or None when reuse is off the table."""
+    import torch
+
+    if mode is None:
+        return None
+    if torch._C._len_torch_dispatch_stack() != 1 or torch._C._get_dispatch_stack_at(0) is not mode:
+        return None  # another mode (e.g. an outer tracer) would observe the dispatch
+    if torch._C._len_torch_function_stack() != 0:
+        return None
+    ctx = (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher),
+    )
+    if tosa:
+        # TOSA dialect fake kernels read the active TosaSpecification (and
+        # ShapeEnv) from context variables: the very same objects are required.
+        spec_module = sys.modules.get("executorch.backends.arm.tosa.specification")
+        if spec_module is None:
+            return None
+        lowering = spec_module.TosaLoweringContext
+        ctx += (id(lowering.tosa_spec_var.get(None)), id(lowering.shape_env_var.get(None)))
+    return ctx
+
+
+_types: dict[str, Any] = {}
+
+
+def _load_types() -> dict[str, Any]:
+    if not _types:
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+        _types["fake"] = FakeTensor
+        _types["strided"] = torch.strided
+        _types["size"] = torch.Size
+        # After the C++ argument parser (every admitted target is an OpOverload),
+        # an immutable_list is indistinguishable from a list.
+        _types["lists"] = (list, immutable_list)
+        _types["literals"] = frozenset(
+            {int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size}
+        )
+        _types["dicts"] = (dict, immutable_dict)
+    return _types
+
+
+def _tensor_sig(x: Any, mode: Any) -> tuple | None:
+    """Everything a fake kernel can see of a FakeTensor, or None when it is not static and plain."""
+    if x.fake_mode is not mode or x.constant is not None or x.layout is not _types["strided"]:
+        return None
+    shape = tuple(x.shape)
+    stride = x.stride()
+    offset = x.storage_offset()
+    if type(offset) is not int or not all(type(d) is int for d in shape) or not all(type(d) is int for d in stride):
+        return None
+    return (x.dtype, x.device, shape, stride, offset, x.requires_grad, x.is_conj(), x.is_neg(), x._is_view())
+
+
+def _signature(args: tuple, kwargs: dict, mode: Any) -> tuple[tuple, list] | None:
+    """Signature of a dispatch's arguments and its tensor inputs; None when not reusable.
+
+    The signature holds the argument structure (tuple vs list, lengths,
+    keyword names) and one entry per leaf: exact type and value for literals,
+    the full fake-tensor metadata for FakeTensors. Anything else (real
+    tensors, SymInts, modules, other objects) makes the call ineligible.
+    """
+    types = _load_types()
+    fake_type = types["fake"]
+    size_type = types["size"]
+    list_types = types["lists"]
+    literal_types = types["literals"]
+    sig: list = []
+    tensors: list = []
+
+    def walk(x: Any) -> bool:
+        tx = type(x)
+        if tx is fake_type:
+            tsig = _tensor_sig(x, mode)
+            if tsig is None:
+                return False
+            sig.append(tsig)
+            tensors.append(x)
+            return True
+        if tx is float:
+            sig.append((float, x.hex()))  # exact, keeps -0.0 and NaN payloads apart
+            return True
+        if tx is tuple or tx in list_types:
+            sig.append(("(" if tx is tuple else "[", len(x)))
+            return all(walk(item) for item in x)
+        if tx in literal_types:
+            if tx is size_type and not all(type(d) is int for d in x):
+                return False
+            sig.append((tx, x))
+            return True
+        return False
+
+    if type(args) is not tuple or not isinstance(kwargs, types["dicts"]):
+        return None
+    if not all(walk(a) for a in args):
+        return None
+    # keyword arguments are passed by name: order and container type do not reach the op
+    names = tuple(sorted(kwargs))
+    sig.append(("kw", len(args), names))
+    if not all(walk(kwargs[name]) for name in names):
+        return None
+    return tuple(sig), tensors
+
+
+def _flatten_output(res: Any, mode: Any) -> tuple[list, Any, tuple] | None:
+    """Leaves, structure and leaf signatures of a dispatch result; None unless all static FakeTensors."""
+    fake_type = _load_types()["fake"]
+    if type(res) is fake_type:
+        leaves, spec = [res], None
+    else:
+        from torch.utils import _pytree as pytree
+
+        leaves, spec = pytree.tree_flatten(res)
+        if not leaves:
+            return None
+    sigs = []
+    for x in leaves:
+        tsig = _tensor_sig(x, mode) if type(x) is fake_type else None
+        if tsig is None:
+            return None
+        sigs.append(tsig)
+    return leaves, spec, tuple(sigs)
+
+
+def _forget(key: int, ref: Any) -> None:
+    entry = _records.get(key)
+    if entry is not None and entry[0] is ref:
+        del _records[key]
+
+
+def _record(target: Any, sig: tuple, tensors: list, ctx: tuple, res: Any, mode: Any) -> None:
+    out = _flatten_output(res, mode)
+    if out is None:
+        return
+    leaves, out_spec, out_sigs = out
+    in_ids = {id(x) for x in tensors}
+    if any(id(x) in in_ids for x in leaves):
+        return  # the op returned one of its inputs: leave such calls to the dispatcher
+    first = leaves[0]
+    key = id(first)
+    ref = weakref.ref(first, lambda r, key=key: _forget(key, r))
+    record = (
+        target,
+        sig,
+        ctx,
+        tuple(weakref.ref(x) for x in tensors),
+        out_spec,
+        tuple(weakref.ref(x) for x in leaves),
+        out_sigs,
+    )
+    _records[key] = (ref, record)
+
+
+class _Shim:
+    """Stands in for ``pass.interpreter`` during one ``_fx`` call."""
+
+    __slots__ = ("_inner", "_pass")
+
+    def __init__(self, inner: Any, pass_: Any):
+        self._inner = inner
+        self._pass = pass_
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        inner = self._inner
+        policy = _policy(target)
+        if policy is None:
+            _count(*(("redispatched", "redispatched_ineligible") if _is_op(target) else ("not_applicable",)))
+            return inner.call_function(target, args, kwargs)
+        aliases, tosa = policy
+        mode = getattr(self._pass, "fake_tensor_mode", None)
+        ctx = _context(mode, tosa)
+        found = _signature(args, kwargs, mode) if ctx is not None else None
+        if found is None:
+            _count("redispatched", "redispatched_ineligible")
+            return inner.call_function(target, args, kwargs)
+        sig, tensors = found
+        res = self._reuse(target, sig, tensors, ctx, aliases, mode)
+        if res is not _MISS:
+            return res
+        res = inner.call_function(target, args, kwargs)
+        _record(target, sig, tensors, ctx, res, mode)
+        return res
+
+    def _reuse(self, target: Any, sig: tuple, tensors: list, ctx: tuple, aliases: bool, mode: Any) -> Any:
+        frame = getattr(_tls, "frame", None)
+        if frame is None or frame[1] is not self._pass:
+            _count("redispatched", "redispatched_no_record")
+            return _MISS
+        node, _, used = frame
+        candidate = node.meta.get("val") if node.op == "call_function" else None
+        out = _flatten_output(candidate, mode) if candidate is not None else None
+        entry = _records.get(id(out[0][0])) if out is not None else None
+        if entry is None or entry[0]() is not out[0][0]:
+            _count("redispatched", "redispatched_no_record")
+            return _MISS
+        leaves, out_spec, out_sigs = out
+        r_target, r_sig, r_ctx, r_inputs, r_out_spec, r_out, r_out_sigs = entry[1]
+        if (
+            r_target is not target
+            or r_ctx != ctx
+            or r_sig != sig
+            or r_out_spec != out_spec
+            or len(r_out) != len(leaves)
+            or any(ref() is not x for ref, x in zip(r_out, leaves))
+            # the objects must not have been mutated in place since the dispatch
+            or r_out_sigs != out_sigs
+            # an aliasing result must share storage with the very same inputs
+            or (aliases and any(ref() is not x for ref, x in zip(r_inputs, tensors)))
+        ):
+            _count("redispatched", "redispatched_changed")
+            return _MISS
+        key = id(leaves[0])
+        if key in used:
+            _count("redispatched", "redispatched_changed")
+            return _MISS
+        used.add(key)
+        _count("reused")
+        if out_spec is None:
+            return leaves[0]
+        from torch.utils import _pytree as pytree
+
+        return pytree.tree_unflatten(list(leaves), out_spec)
+
+
+def _fx(self: Any, kind: str, target: Any, args: Any, kwargs: Any, meta: Any) -> Any:
+    original = _originals["_fx"]
+    if kind != "call_function":
+        return original(self, kind, target, args, kwargs, meta)
+    inner = self.interpreter
+    self.interpreter = _Shim(inner, self)
+    try:
+        return original(self, kind, target, args, kwargs, meta)
+    finally:
+        self.interpreter = inner
+
+
+def _run_node(self: Any, n: Any) -> Any:
+    previous = getattr(_tls, "frame", None)
+    used = self.__dict__.get("_lowercache_retrace_used")
+    if used is None:
+        used = self._lowercache_retrace_used = set()  # per interpreter, i.e. per (sub)graph retrace
+    _tls.frame = (n, self.callback, used)
+    try:
+        return _originals["run_node"](self, n)
+    finally:
+        _tls.frame = previous
+
+
+def enable() -> None:
+    """Reuse fake propagation for unchanged nodes in every ExportPass (reference counted)."""
+    global _depth
+    with _lock:
+        if _depth == 0:
+            from executorch.exir.pass_base import _ExportPassBase
+
+            _originals.setdefault("_fx", _ExportPassBase._fx)
+            _originals.setdefault("run_node", _ExportPassBase.ExportInterpreter.run_node)
+            _ExportPassBase._fx = _fx
+            _ExportPassBase.ExportInterpreter.run_node = _run_node
+        _depth += 1
+
+
+def disable() -> None:
+    global _depth
+    with _lock:
+        if _depth == 0:
+            raise RuntimeError("lowercache.retrace.disable() without a matching enable()")
+        _depth -= 1
+        if _depth == 0:
+            from executorch.exir.pass_base import _ExportPassBase
+
+            # The originals stay in ``_originals``: a retrace still running in
+            # another thread keeps calling through them.
+            _ExportPassBase._fx = _originals["_fx"]
+            _ExportPassBase.ExportInterpreter.run_node = _originals["run_node"]
+
+
+def enabled() -> bool:
+    return _depth > 0
+
+
+@contextlib.contextmanager
+def reuse_fake_propagation() -> Iterator[None]:
+    """Context manager form of :func:`enable` / :func:`disable`."""
+    enable()
+    try:
+        yield
+    finally:
+        disable()

@@ -1,0 +1,49 @@
+"""Observer qparams steps: repeated work within a run hits; edits miss only where they should."""
+
+from __future__ import annotations
+
+import torch
+
+import lowercache
+from lowercache import models
+from lowercache.qparams import observer_parts
+
+from .conftest import reference
+
+
+def qparams_outcomes(artifacts):
+    return artifacts.manifest["step_counts"].get("qparams", {})
+
+
+def test_cold_run_reuses_observer_results_and_matches_stock(cache_dir):
+    module, example = models.residual_cnn()
+    cold = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
+    assert cold.pte == reference("residual_cnn", "ethos-u55-128")
+    counts = qparams_outcomes(cold)
+    assert counts.get("miss", 0) > 0 and counts.get("hit", 0) > 0  # bias qspecs ask again
+
+
+def test_weights_edit_misses_only_changed_observers(cache_dir):
+    module, example = models.residual_cnn()
+    lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
+    module, example = models.residual_cnn(edit="weights")
+    edited = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
+    assert edited.pte == reference("residual_cnn", "ethos-u55-128", "weights")
+    counts = qparams_outcomes(edited)
+    assert counts.get("hit", 0) > counts.get("miss", 0) > 0
+
+
+def test_observer_key_sees_statistics_and_config():
+    from torchao.quantization.pt2e.observer import HistogramObserver
+
+    def observer(eps=2**-16):
+        return HistogramObserver(dtype=torch.int8, qscheme=torch.per_tensor_affine, quant_min=-128, quant_max=127, eps=eps)
+
+    a, b, c = observer(), observer(), observer(eps=2**-12)
+    for o in (a, b, c):
+        o(torch.linspace(-1, 1, 100))
+    assert observer_parts(a) == observer_parts(b)
+    assert observer_parts(a)["statistics"] != observer_parts(c)["statistics"]  # eps is a buffer
+    b(torch.linspace(-2, 2, 100))
+    assert observer_parts(a)["statistics"] != observer_parts(b)["statistics"]
+    assert observer_parts(a)["config"] == observer_parts(b)["config"]
