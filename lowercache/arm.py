@@ -21,9 +21,10 @@ import io
 import os
 import tempfile
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 from . import provenance, qparams
+from .patching import Patch
 from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
 from .hashing import Unhashable, canon, digest, digest_json, program_parts
 from .steps import current_session
@@ -31,7 +32,6 @@ from .store import Entry
 from .toolchain import toolchain_parts
 
 _lock = threading.Lock()
-_installed = 0
 _originals: dict[str, Any] = {}
 
 
@@ -170,7 +170,7 @@ def _vela_compile(
 _permanent = False
 
 
-def _patch(module_name: str) -> None:
+def _wrap_module(module_name: str) -> None:
     """Wrap the hook point that lives in ``module_name`` (once)."""
     import importlib
 
@@ -183,7 +183,7 @@ def _patch(module_name: str) -> None:
         module.vela_compile = _vela_compile
 
 
-def _unpatch() -> None:
+def _unwrap_modules() -> None:
     import importlib
 
     if "tosa" in _originals:
@@ -192,27 +192,24 @@ def _unpatch() -> None:
         importlib.import_module(ETHOSU_MODULE).vela_compile = _originals.pop("vela")
 
 
-def install() -> None:
-    """Wrap the Arm hook points (reference counted, so nesting is safe)."""
-    global _installed
-    with _lock:
-        if _installed == 0:
-            for name in HOOK_MODULES:
-                _patch(name)
-            provenance.enable()
-            qparams.enable()
-        _installed += 1
+def _apply() -> None:
+    for name in HOOK_MODULES:
+        _wrap_module(name)
+    provenance.enable()
+    qparams.enable()
 
 
-def uninstall() -> None:
-    global _installed
-    with _lock:
-        _installed -= 1
-        if _installed == 0:
-            provenance.disable()
-            qparams.disable()
-            if not _permanent:
-                _unpatch()
+def _undo() -> None:
+    provenance.disable()
+    qparams.disable()
+    if not _permanent:
+        _unwrap_modules()
+
+
+_hooks = Patch(_apply, _undo)
+install = _hooks.enable  # wrap the Arm hook points (reference counted, so nesting is safe)
+uninstall = _hooks.disable
+hooks = _hooks.active
 
 
 def install_permanently(module_name: str) -> None:
@@ -223,13 +220,4 @@ def install_permanently(module_name: str) -> None:
             provenance.enable()
             qparams.enable()
         _permanent = True
-        _patch(module_name)
-
-
-@contextlib.contextmanager
-def hooks() -> Iterator[None]:
-    install()
-    try:
-        yield
-    finally:
-        uninstall()
+        _wrap_module(module_name)

@@ -14,14 +14,12 @@ byte; the byte-identity tests check that.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Any, Iterator
+from typing import Any
 
 from torch.fx.traceback import NodeSource
 
-_lock = threading.Lock()
-_depth = 0
+from .patching import Patch
+
 _original_init = NodeSource.__init__
 
 
@@ -45,27 +43,15 @@ def _shared_init(self: NodeSource, node: Any, pass_name: str = "", action: Any =
     self.from_node = list(node.meta["from_node"])
 
 
-def enable() -> None:
-    """Make NodeSource share its parent chain (reference counted)."""
-    global _depth
-    with _lock:
-        if _depth == 0:
-            NodeSource.__init__ = _shared_init
-        _depth += 1
+def _apply() -> None:
+    NodeSource.__init__ = _shared_init
 
 
-def disable() -> None:
-    global _depth
-    with _lock:
-        _depth -= 1
-        if _depth == 0:
-            NodeSource.__init__ = _original_init
+def _undo() -> None:
+    NodeSource.__init__ = _original_init
 
 
-@contextlib.contextmanager
-def shared_provenance() -> Iterator[None]:
-    enable()
-    try:
-        yield
-    finally:
-        disable()
+_patch = Patch(_apply, _undo)
+enable = _patch.enable
+disable = _patch.disable
+shared_provenance = _patch.active

@@ -16,17 +16,15 @@ original method.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 
+from .patching import Patch
 from .hashing import Unhashable, canon, digest_json, tensor_bytes, tensor_digest
 from .steps import current_session
 from .store import Entry
 
-_lock = threading.Lock()
-_depth = 0
 _originals: dict[type, Any] = {}
 
 
@@ -102,22 +100,18 @@ def _wrap(original: Any) -> Any:
     return calculate_qparams
 
 
-def enable() -> None:
-    """Serve observer qparams through the active session (reference counted)."""
-    global _depth
-    with _lock:
-        if _depth == 0:
-            for cls in _observer_classes():
-                _originals[cls] = cls.__dict__["calculate_qparams"]
-                cls.calculate_qparams = _wrap(_originals[cls])
-        _depth += 1
+def _apply() -> None:
+    for cls in _observer_classes():
+        _originals[cls] = cls.__dict__["calculate_qparams"]
+        cls.calculate_qparams = _wrap(_originals[cls])
 
 
-def disable() -> None:
-    global _depth
-    with _lock:
-        _depth -= 1
-        if _depth == 0:
-            for cls, original in _originals.items():
-                cls.calculate_qparams = original
-            _originals.clear()
+def _undo() -> None:
+    for cls, original in _originals.items():
+        cls.calculate_qparams = original
+    _originals.clear()
+
+
+_patch = Patch(_apply, _undo)
+enable = _patch.enable  # serve observer qparams through the active session
+disable = _patch.disable

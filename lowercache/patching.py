@@ -1,0 +1,41 @@
+"""Reference-counted monkeypatches: applied on the first enable, undone on the last disable.
+
+lowercache changes ExecuTorch's behaviour only by wrapping functions, and
+only while a lowering needs it; nested and concurrent users share one patch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, Iterator
+
+
+class Patch:
+    """A patch with an ``apply`` and an ``undo``, both run under a lock."""
+
+    def __init__(self, apply: Callable[[], None], undo: Callable[[], None]):
+        self._apply = apply
+        self._undo = undo
+        self._lock = threading.Lock()
+        self._depth = 0
+
+    def enable(self) -> None:
+        with self._lock:
+            if self._depth == 0:
+                self._apply()
+            self._depth += 1
+
+    def disable(self) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                self._undo()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        self.enable()
+        try:
+            yield
+        finally:
+            self.disable()

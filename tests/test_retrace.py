@@ -1,0 +1,206 @@
+"""Dirty-region retracing: reused fake propagation gives the stock bytes, and is really used."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from lowercache import models, retrace
+
+from .conftest import stock_pte
+
+TARGETS = ("tosa-fp", "tosa-int", "ethos-u55-128")
+
+
+def _lower_both(module_fn, target):
+    assert not retrace.enabled()
+    expected = stock_pte(*module_fn(), target)
+    retrace.reset_stats()
+    with retrace.reuse_fake_propagation():
+        got = stock_pte(*module_fn(), target)
+    assert not retrace.enabled()
+    return expected, got, retrace.stats()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("model", ["tiny_cnn", "residual_cnn", "transformer_block"])
+def test_pte_bytes_identical_and_reuse_happens(model, target):
+    expected, got, counts = _lower_both(models.MODELS[model], target)
+    assert got == expected
+    assert counts["reused"] > 0, counts
+    assert counts["redispatched"] > 0, counts  # first retraces and changed nodes still dispatch
+
+
+@pytest.mark.parametrize("edit", ["structure", "weights"])
+def test_edit_variants_identical(edit):
+    expected, got, counts = _lower_both(lambda: models.residual_cnn(edit=edit), "ethos-u55-128")
+    assert got == expected
+    assert counts["reused"] > 0, counts
+
+
+# --- ExportPass-level checks: graphs, names and meta compared node by node ---------
+
+
+def _describe(gm: torch.fx.GraphModule) -> list:
+    """Everything of a graph that the lowering can observe, nested graphs included."""
+    out = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        leaves = val if isinstance(val, (list, tuple)) else [val]
+        metas = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                metas.append((str(leaf.shape), str(leaf.stride()), leaf.dtype, leaf.device, leaf.storage_offset()))
+            else:
+                metas.append(repr(leaf))
+        keys = sorted(k for k in node.meta if k not in ("stack_trace", "from_node", "seq_nr", "nn_module_stack", "val", "source_fn_stack", "torch_fn"))
+        out.append((node.op, node.name, str(node.target), str(node.args), str(node.kwargs), metas, keys))
+    for name, child in gm.named_children():
+        if isinstance(child, torch.fx.GraphModule):
+            out.append(("child", name, _describe(child)))
+    return out
+
+
+def _run_passes(make_gm, passes, reuse):
+    gm = make_gm()
+    ctx = retrace.reuse_fake_propagation() if reuse else _null()
+    with ctx:
+        for p in passes:
+            gm = p()(gm).graph_module
+    return gm
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _exported(module, example, dynamic_shapes=None):
+    def make():
+        return torch.export.export(module, example, dynamic_shapes=dynamic_shapes, strict=False).graph_module
+
+    return make
+
+
+class _Small(torch.nn.Module):
+    def forward(self, x):
+        a = torch.relu(x)
+        b = torch.sum(a, dim=[1])
+        c = a.permute(1, 0)  # an aliasing op
+        d = torch.split(x, 1, dim=0)  # list output + getitem
+        return b, c * 2, d[0] + 1
+
+
+def _passes():
+    from executorch.exir.pass_base import ExportPass
+
+    class ReluToSigmoid(ExportPass):
+        def call_operator(self, op, args, kwargs, meta):
+            if op == torch.ops.aten.relu.default:
+                op = torch.ops.aten.sigmoid.default
+            return super().call_operator(op, args, kwargs, meta)
+
+    class StaleArgs(ExportPass):
+        """Rewrites a node in call() and leaves its ``val`` stale, as some passes do."""
+
+        def call(self, gm):
+            for node in gm.graph.nodes:
+                if node.target == torch.ops.aten.sum.dim_IntList:
+                    node.args = (node.args[0], [0])  # val still says shape (3,)
+            return super().call(gm)
+
+    return ExportPass, ReluToSigmoid, StaleArgs
+
+
+def test_export_pass_chain_matches_node_by_node():
+    ExportPass, ReluToSigmoid, StaleArgs = _passes()
+    make = _exported(_Small(), (torch.randn(3, 4),))
+    chain = [ExportPass, ExportPass, ReluToSigmoid, ExportPass, StaleArgs, ExportPass]
+    stock = _run_passes(make, chain, reuse=False)
+    retrace.reset_stats()
+    reused = _run_passes(make, chain, reuse=True)
+    counts = retrace.stats()
+    assert _describe(reused) == _describe(stock)
+    assert reused.code == stock.code
+    sums = [n for n in reused.graph.nodes if n.target == torch.ops.aten.sum.dim_IntList]
+    assert tuple(sums[0].meta["val"].shape) == (4,)  # the stale val was recomputed, not reused
+    assert counts["reused"] > 0 and counts["redispatched_changed"] > 0, counts
+
+
+def test_stale_val_with_a_record_is_not_trusted():
+    """A node whose args change in place keeps a recorded val: the recomputation must win."""
+    ExportPass, _, StaleArgs = _passes()
+    make = _exported(_Small(), (torch.randn(3, 4),))
+    with retrace.reuse_fake_propagation():
+        gm = ExportPass()(make()).graph_module  # records every node's val
+        (s,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.sum.dim_IntList]
+        assert tuple(s.meta["val"].shape) == (3,)
+        gm = StaleArgs()(gm).graph_module
+    (s,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.sum.dim_IntList]
+    assert tuple(s.meta["val"].shape) == (4,)
+
+
+def test_symbolic_shapes_are_never_reused():
+    ExportPass, ReluToSigmoid, _ = _passes()
+    batch = torch.export.Dim("batch", min=2, max=64)
+    make = _exported(_Small(), (torch.randn(3, 4),), dynamic_shapes={"x": {1: batch}})
+    chain = [ExportPass, ReluToSigmoid, ExportPass]
+    stock = _run_passes(make, chain, reuse=False)
+    retrace.reset_stats()
+    reused = _run_passes(make, chain, reuse=True)
+    assert _describe(reused) == _describe(stock)
+    assert retrace.stats()["reused"] == 0
+
+
+class _Cond(torch.nn.Module):
+    def forward(self, x):
+        def true_fn(x):
+            return torch.relu(x) + 1
+
+        def false_fn(x):
+            return torch.sigmoid(x) * 2
+
+        y = torch.cond(x.sum() > 0, true_fn, false_fn, (x,))
+        return torch.relu(y) - 1
+
+
+def test_control_flow_submodules_match():
+    ExportPass, ReluToSigmoid, _ = _passes()
+    make = _exported(_Cond(), (torch.randn(2, 3),))
+    chain = [ExportPass, ExportPass, ReluToSigmoid, ExportPass]
+    stock = _run_passes(make, chain, reuse=False)
+    retrace.reset_stats()
+    reused = _run_passes(make, chain, reuse=True)
+    assert _describe(reused) == _describe(stock)
+    assert retrace.stats()["reused"] > 0
+
+
+def test_enable_disable_reference_counted_and_restores_originals():
+    from executorch.exir.pass_base import _ExportPassBase
+
+    fx, run_node = _ExportPassBase._fx, _ExportPassBase.ExportInterpreter.run_node
+    with retrace.reuse_fake_propagation():
+        with retrace.reuse_fake_propagation():
+            assert _ExportPassBase._fx is not fx
+        assert retrace.enabled() and _ExportPassBase._fx is not fx
+    assert not retrace.enabled()
+    assert _ExportPassBase._fx is fx and _ExportPassBase.ExportInterpreter.run_node is run_node
+    with pytest.raises(RuntimeError):
+        retrace.disable()
+
+    def churn():
+        for _ in range(200):
+            retrace.enable()
+            retrace.disable()
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not retrace.enabled() and _ExportPassBase._fx is fx
