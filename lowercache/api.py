@@ -78,6 +78,7 @@ def lower(
         else:
             artifacts = flow.lower_module(model, example, resolved, samples, session)
         artifacts.manifest = flow.manifest(artifacts, resolved, name or default_name)
+        session.flush_counts()
         if store is not None:
             history.record_run(store, name or default_name, resolved.name, artifacts.records)
         return artifacts
@@ -131,5 +132,6 @@ def cached(cache_dir: str | os.PathLike | None = None, *, read_only: bool | None
         with arm.hooks(), activate(session):
             yield session
     finally:
+        session.flush_counts()
         if store is not None:
             store.close()

@@ -23,7 +23,7 @@ import tempfile
 import threading
 from typing import Any
 
-from . import provenance, qparams
+from . import passes, provenance, qparams
 from .patching import Patch
 from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
 from .hashing import Unhashable, canon, digest, digest_json, program_parts
@@ -197,11 +197,13 @@ def _apply() -> None:
         _wrap_module(name)
     provenance.enable()
     qparams.enable()
+    passes.enable()
 
 
 def _undo() -> None:
     provenance.disable()
     qparams.disable()
+    passes.disable()
     if not _permanent:
         _unwrap_modules()
 
@@ -219,5 +221,6 @@ def install_permanently(module_name: str) -> None:
         if not _permanent:
             provenance.enable()
             qparams.enable()
+            passes.enable()
         _permanent = True
         _wrap_module(module_name)

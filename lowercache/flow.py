@@ -202,5 +202,10 @@ def manifest(artifacts: Artifacts, target: Target, model: str) -> dict[str, Any]
         "stages": {k: round(v, 4) for k, v in artifacts.stages.items()},
         "steps": listed(artifacts.records),
         "step_counts": outcome_counts(artifacts.records),
+        "passes": [
+            {"pass": r["name"], "outcome": r["outcome"], "seconds": round(r["seconds"], 4)}
+            for r in artifacts.records
+            if r["kind"] == "pass"
+        ],
         "files": {name: {"size": len(data), "xxh3_128": digest(data)} for name, data in sorted(artifacts.files.items())},
     }

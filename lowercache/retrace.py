@@ -208,7 +208,12 @@ def _is_op(target: Any) -> bool:
 
 
 def _context(mode: Any, tosa: bool) -> tuple | None:
-    """Global state a fake kernel may read, or None when reuse is off the table."""
+    """Global state a fake kernel may read, or None when reuse is off the table.
+
+    Objects are compared by identity: their ids are in the key, and the
+    objects themselves ride along in the last slot (kept alive by the record,
+    so an id cannot be recycled while a record mentions it; not compared).
+    """
     import torch
 
     if mode is None:
@@ -229,8 +234,9 @@ def _context(mode: Any, tosa: bool) -> tuple | None:
         if spec_module is None:
             return None
         lowering = spec_module.TosaLoweringContext
-        ctx += (id(lowering.tosa_spec_var.get(None)), id(lowering.shape_env_var.get(None)))
-    return ctx
+        spec, env = lowering.tosa_spec_var.get(None), lowering.shape_env_var.get(None)
+        return ctx + (id(spec), id(env)), (spec, env)
+    return ctx, ()
 
 
 _types: dict[str, Any] = {}
@@ -343,7 +349,7 @@ def _forget(key: int, ref: Any) -> None:
         del _records[key]
 
 
-def _record(target: Any, sig: tuple, tensors: list, ctx: tuple, res: Any, mode: Any) -> None:
+def _record(target: Any, sig: tuple, tensors: list, ctx: tuple, keep: tuple, res: Any, mode: Any) -> None:
     out = _flatten_output(res, mode)
     if out is None:
         return
@@ -362,6 +368,7 @@ def _record(target: Any, sig: tuple, tensors: list, ctx: tuple, res: Any, mode: 
         out_spec,
         tuple(weakref.ref(x) for x in leaves),
         out_sigs,
+        keep,
     )
     _records[key] = (ref, record)
 
@@ -386,17 +393,18 @@ class _Shim:
             return inner.call_function(target, args, kwargs)
         aliases, tosa = policy
         mode = getattr(self._pass, "fake_tensor_mode", None)
-        ctx = _context(mode, tosa)
-        found = _signature(args, kwargs, mode) if ctx is not None else None
+        context = _context(mode, tosa)
+        found = _signature(args, kwargs, mode) if context is not None else None
         if found is None:
             _count("redispatched", "redispatched_ineligible")
             return inner.call_function(target, args, kwargs)
         sig, tensors = found
+        ctx, keep = context
         res = self._reuse(target, sig, tensors, ctx, aliases, mode)
         if res is not _MISS:
             return res
         res = inner.call_function(target, args, kwargs)
-        _record(target, sig, tensors, ctx, res, mode)
+        _record(target, sig, tensors, ctx, keep, res, mode)
         return res
 
     def _reuse(self, target: Any, sig: tuple, tensors: list, ctx: tuple, aliases: bool, mode: Any) -> Any:
@@ -412,7 +420,7 @@ class _Shim:
             _count("redispatched", "redispatched_no_record")
             return _MISS
         leaves, out_spec, out_sigs = out
-        r_target, r_sig, r_ctx, r_inputs, r_out_spec, r_out, r_out_sigs = entry[1]
+        r_target, r_sig, r_ctx, r_inputs, r_out_spec, r_out, r_out_sigs, _ = entry[1]
         if (
             r_target is not target
             or r_ctx != ctx

@@ -71,9 +71,11 @@ def _process_session() -> Any:
         from .steps import Session
 
         store = open_store(load_settings())
-        _session.append(Session(store))
+        session = Session(store)
+        _session.append(session)
         if store is not None:
             atexit.register(store.close)
+            atexit.register(session.flush_counts)
     return _session[0]
 
 

@@ -45,7 +45,7 @@ class StepRecord:
 
 
 # Kinds with one step per observer or node: counted in manifests and history, not listed.
-BULK_KINDS = frozenset({"qparams"})
+BULK_KINDS = frozenset({"qparams", "pass"})
 
 
 def listed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -84,6 +84,7 @@ class Session:
         self.listener = listener
         self.outputs: dict[str, list[Entry]] = {}
         self._memo: dict[tuple[str, str], Entry] = {}  # entries seen this run: no second disk read
+        self._counted = 0
 
     def _emit(self, phase: str, record: StepRecord | None, label: str) -> None:
         if self.listener is not None:
@@ -136,10 +137,21 @@ class Session:
         )
         self.records.append(record)
         self.outputs.setdefault(kind, []).append(entry)
-        if self.store is not None:
-            self.store.count(kind, outcome, record.saved)
         self._emit("end", record, label)
         return entry
+
+    def note(self, kind: str, name: str, outcome: str, seconds: float) -> None:
+        """Record a step that is observed, not cached (a pass that ran or was skipped)."""
+        self.records.append(StepRecord(kind=kind, name=name, outcome=outcome, seconds=seconds))
+
+    def flush_counts(self) -> None:
+        """Add this run's outcome counts and time saved to the store's counters, once."""
+        if self.store is None:
+            return
+        new = self.records[self._counted :]
+        self._counted = len(self.records)
+        counts = outcome_counts([r.to_json() for r in new])
+        self.store.add_counts(counts, sum(r.saved for r in new))
 
     def summary(self) -> dict[str, dict[str, int]]:
         """Outcome counts by step kind."""

@@ -207,11 +207,15 @@ class Store:
 
     # -- counters and history ------------------------------------------------
 
-    def count(self, kind: str, outcome: str, seconds_saved: float = 0.0) -> None:
+    def add_counts(self, counts: dict[str, dict[str, int]], seconds_saved: float = 0.0) -> None:
+        """Add outcome counts by kind (and time saved) in one transaction."""
         try:
-            self._meta.incr(f"count/{kind}/{outcome}")
-            if seconds_saved > 0:
-                self._meta.incr("saved_ms", int(seconds_saved * 1000))
+            with self._meta.transact():
+                for kind, by_outcome in counts.items():
+                    for outcome, n in by_outcome.items():
+                        self._meta.incr(f"count/{kind}/{outcome}", n)
+                if seconds_saved > 0:
+                    self._meta.incr("saved_ms", int(seconds_saved * 1000))
         except (OSError, sqlite3.Error):
             pass
 

@@ -33,9 +33,11 @@ def test_pte_bytes_identical_and_reuse_happens(model, target):
     assert counts["redispatched"] > 0, counts  # first retraces and changed nodes still dispatch
 
 
-@pytest.mark.parametrize("edit", ["structure", "weights"])
-def test_edit_variants_identical(edit):
-    expected, got, counts = _lower_both(lambda: models.residual_cnn(edit=edit), "ethos-u55-128")
+# Two targets keep the test file near three minutes; the structure edit takes the
+# full INT + Vela path, the weights edit (same graph, other constants) the FP one.
+@pytest.mark.parametrize(("edit", "target"), [("structure", "ethos-u55-128"), ("weights", "tosa-fp")])
+def test_edit_variants_identical(edit, target):
+    expected, got, counts = _lower_both(lambda: models.residual_cnn(edit=edit), target)
     assert got == expected
     assert counts["reused"] > 0, counts
 

@@ -1,0 +1,24 @@
+"""Per-pass records: every Arm pass is seen, with skip / noop / ran and seconds."""
+
+from __future__ import annotations
+
+import lowercache
+from lowercache import models
+
+
+def test_manifest_lists_every_arm_pass(cache_dir):
+    from executorch.backends.arm._passes.arm_pass import ArmPass
+
+    original = ArmPass.__call__
+    module, example = models.tiny_cnn()
+    artifacts = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
+    passes = artifacts.manifest["passes"]
+    outcomes = {p["outcome"] for p in passes}
+    assert outcomes == {"skip", "noop", "ran"}
+    by_name = {p["pass"]: p["outcome"] for p in passes}
+    assert by_name["FoldAndAnnotateQParamsPass"] == "ran"
+    assert len(passes) > 150  # both pipelines: transform-for-annotation and TOSA backend
+    assert sum(p["seconds"] for p in passes) < artifacts.stages["to_edge"] + artifacts.stages["quantize"]
+    assert ArmPass.__call__ is original  # unpatched after the run
+    warm = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
+    assert warm.manifest["passes"] == []  # a flow hit runs no pass
