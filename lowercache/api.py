@@ -32,10 +32,20 @@ __all__ = ["lower", "cached", "write_artifacts", "open_store", "Artifacts"]
 
 
 def open_store(settings: Settings) -> Store | None:
-    """The store the settings name, or None when caching is disabled."""
+    """The store the settings name (local, or local then remote), or None when caching is disabled."""
     if settings.disable:
         return None
-    return Store(settings.cache_dir, max_size=settings.max_size, read_only=settings.read_only)
+    local = Store(settings.cache_dir, max_size=settings.max_size, read_only=settings.read_only)
+    if not settings.remote:
+        return local
+    from .remote import TieredStore, connect, hmac_key_from_env
+
+    try:
+        remote = connect(settings.remote, mode=settings.remote_mode, hmac_key=hmac_key_from_env())
+    except LowercacheError:
+        local.close()
+        raise
+    return TieredStore(local, remote)
 
 
 def lower(
@@ -78,6 +88,9 @@ def lower(
         else:
             artifacts = flow.lower_module(model, example, resolved, samples, session)
         artifacts.manifest = flow.manifest(artifacts, resolved, name or default_name)
+        remote = getattr(store, "remote", None)
+        if remote is not None:
+            artifacts.manifest["remote"] = remote.stats()
         session.flush_counts()
         if store is not None:
             history.record_run(store, name or default_name, resolved.name, artifacts.records)

@@ -31,6 +31,9 @@ err = Console(stderr=True)
 out = Console()
 
 CacheDir = typer.Option(None, "--cache-dir", help="Cache directory [env: LOWERCACHE_DIR].")
+RemoteUrl = typer.Option(
+    None, "--remote", help="Shared cache: redis://host:port/db or s3://bucket/prefix [env: LOWERCACHE_REMOTE]."
+)
 
 
 class _OneLineWarnings(logging.Handler):
@@ -65,6 +68,7 @@ def lower(
     no_cache: bool = typer.Option(False, "--no-cache", help="Lower without reading or writing the cache."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help=".pt file with a list of input tuples (torch.load weights_only)."),
     per_tensor: bool = typer.Option(False, "--per-tensor", help="Quantize weights per tensor instead of per channel."),
+    remote: Optional[str] = RemoteUrl,
 ) -> None:
     """Lower MODEL for a target, serving unchanged work from the cache."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -73,7 +77,7 @@ def lower(
     from .targets import resolve
 
     try:
-        settings = _settings(cache_dir, disable=True if no_cache else None)
+        settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote)
         resolve(target)
         if not settings.disable:
             api.open_store(settings).close()  # fail early on an unusable cache directory
@@ -137,13 +141,14 @@ def verify(
     target: str = typer.Option(..., "--target", "-t"),
     cache_dir: Optional[Path] = CacheDir,
     calibration: Optional[Path] = typer.Option(None, "--calibration", help=".pt file with a list of input tuples."),
+    remote: Optional[str] = RemoteUrl,
 ) -> None:
     """Lower with and without the cache (and in a fresh cache); fail on any byte difference."""
     from . import loading
     from .verify import verify as run_verify
 
     try:
-        settings = _settings(cache_dir, disable=False)
+        settings = _settings(cache_dir, disable=False, remote=remote)
         loaded = loading.load_model(model)
         samples = loading.load_calibration(str(calibration)) if calibration is not None else None
         mismatches = run_verify(loaded, target, settings, calibration=samples)
@@ -184,14 +189,15 @@ def stats(cache_dir: Optional[Path] = CacheDir) -> None:
         out.print(f"size             {store.volume() / 2**20:.1f} MiB")
         out.print(f"time saved       {counters.get('saved_ms', 0) / 1000:.1f} s")
         table = Table(title="outcomes by step kind")
-        for column in ("kind", "hit", "miss", "skip", "bypass", "hit rate"):
+        outcomes = ("hit", "remote_hit", "miss", "skip", "bypass", "noop", "ran")
+        for column in ("kind", "hits (local+remote)", "of which remote", "miss", "skip", "bypass", "noop", "ran", "hit rate"):
             table.add_column(column)
         kinds = sorted({k.split("/")[1] for k in counters if k.startswith("count/")})
         for kind in kinds:
-            n = {o: counters.get(f"count/{kind}/{o}", 0) for o in ("hit", "miss", "skip", "bypass")}
+            n = {o: counters.get(f"count/{kind}/{o}", 0) for o in outcomes}
             looked = n["hit"] + n["miss"]
             rate = f"{100 * n['hit'] / looked:.0f}%" if looked else "-"
-            table.add_row(kind, *(str(n[o]) for o in ("hit", "miss", "skip", "bypass")), rate)
+            table.add_row(kind, *(str(n[o]) for o in outcomes), rate)
         out.print(table)
     finally:
         store.close()
@@ -274,6 +280,7 @@ def clear(cache_dir: Optional[Path] = CacheDir) -> None:
 def run(
     ctx: typer.Context,
     cache_dir: Optional[Path] = CacheDir,
+    remote: Optional[str] = RemoteUrl,
 ) -> None:
     """Run a command (e.g. `lowercache run -- python export.py`) with its Arm lowering cached."""
     from .runhook import command_env
@@ -281,7 +288,7 @@ def run(
     if not ctx.args:
         _fail("nothing to run; usage: lowercache run -- python script.py", 2)
     try:
-        env = command_env(_settings(cache_dir))
+        env = command_env(_settings(cache_dir, remote=remote))
     except LowercacheError as e:
         _fail(str(e), 2)
     try:
@@ -301,7 +308,7 @@ def config(cache_dir: Optional[Path] = CacheDir) -> None:
     except LowercacheError as e:
         _fail(str(e), 2)
     out.print(f"config file  {config_path()}")
-    for name in ("cache_dir", "max_size", "disable", "read_only"):
+    for name in ("cache_dir", "max_size", "disable", "read_only", "remote", "remote_mode"):
         out.print(f"{name:<10}   {getattr(settings, name)}  ({settings.origin[name]})", markup=False, highlight=False)
 
 

@@ -3,10 +3,15 @@
 Precedence, highest first (as in ccache and sccache):
 1. command-line flags or API arguments;
 2. environment variables ``LOWERCACHE_DIR``, ``LOWERCACHE_MAX_SIZE``,
-   ``LOWERCACHE_DISABLE``, ``LOWERCACHE_READ_ONLY``;
+   ``LOWERCACHE_DISABLE``, ``LOWERCACHE_READ_ONLY``, ``LOWERCACHE_REMOTE``,
+   ``LOWERCACHE_REMOTE_MODE``;
 3. the config file: ``$LOWERCACHE_CONFIG``, else
    ``$XDG_CONFIG_HOME/lowercache/config.toml`` (``~/.config/...``), with keys
-   ``cache_dir``, ``max_size``, ``disable``, ``read_only``;
+   ``cache_dir``, ``max_size``, ``disable``, ``read_only``, ``remote``,
+   ``remote_mode``.
+
+The remote's signing secret, ``LOWERCACHE_HMAC_KEY``, is read from the
+environment only, never from a file lowercache reads or writes.
 4. defaults: ``$XDG_CACHE_HOME/lowercache`` (``~/.cache/lowercache``), 5G.
 """
 
@@ -28,6 +33,8 @@ _ENV = {
     "max_size": "LOWERCACHE_MAX_SIZE",
     "disable": "LOWERCACHE_DISABLE",
     "read_only": "LOWERCACHE_READ_ONLY",
+    "remote": "LOWERCACHE_REMOTE",
+    "remote_mode": "LOWERCACHE_REMOTE_MODE",
 }
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -38,6 +45,8 @@ class Settings:
     max_size: int = DEFAULT_MAX_SIZE
     disable: bool = False
     read_only: bool = False
+    remote: str | None = None  # redis://host:port/db or s3://bucket/prefix
+    remote_mode: str = "read-write"  # read-only for untrusted jobs; write-only to refresh
     origin: dict[str, str] = field(default_factory=dict)  # where each value came from
 
 
@@ -109,5 +118,14 @@ def load_settings(**flags: Any) -> Settings:
         max_size=parse_size(resolved.get("max_size", DEFAULT_MAX_SIZE)),
         disable=parse_bool(resolved.get("disable", False), "disable"),
         read_only=parse_bool(resolved.get("read_only", False), "read_only"),
+        remote=str(resolved["remote"]) if resolved.get("remote") else None,
+        remote_mode=_remote_mode(resolved.get("remote_mode", "read-write")),
         origin=origin,
     )
+
+
+def _remote_mode(value: str) -> str:
+    modes = ("read-write", "read-only", "write-only")
+    if value not in modes:
+        raise LowercacheError(f"bad remote mode {value!r}; use one of {', '.join(modes)}")
+    return value

@@ -617,6 +617,7 @@ class TieredStore:
         self.local = local
         self.remote = remote
         self._uploaded: set[str] = set()  # blob digests already sent in this process
+        self.last_tier = "local"  # which tier served the latest hit (recorded per step)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.local, name)
@@ -624,11 +625,13 @@ class TieredStore:
     def get(self, kind: str, key: str) -> Entry | None:
         entry = self.local.get(kind, key)
         if entry is not None:
+            self.last_tier = "local"
             if self.remote.mode == "write-only":
                 self._upload(kind, key, entry)
             return entry
         entry = self._fetch(kind, key)
         if entry is not None:
+            self.last_tier = "remote"
             self.local.put(kind, key, entry)
         return entry
 

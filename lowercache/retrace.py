@@ -268,9 +268,43 @@ def _tensor_sig(x: Any, mode: Any) -> tuple | None:
     shape = tuple(x.shape)
     stride = x.stride()
     offset = x.storage_offset()
-    if type(offset) is not int or not all(type(d) is int for d in shape) or not all(type(d) is int for d in stride):
+    if type(offset) is not int:
         return None
+    for d in shape:
+        if type(d) is not int:
+            return None
+    for d in stride:
+        if type(d) is not int:
+            return None
     return (x.dtype, x.device, shape, stride, offset, x.requires_grad, x.is_conj(), x.is_neg(), x._is_view())
+
+
+def _walk(x: Any, mode: Any, sig: list, tensors: list, types: dict) -> bool:
+    tx = type(x)
+    if tx is types["fake"]:
+        tsig = _tensor_sig(x, mode)
+        if tsig is None:
+            return False
+        sig.append(tsig)
+        tensors.append(x)
+        return True
+    if tx is float:
+        sig.append((float, x.hex()))  # exact, keeps -0.0 and NaN payloads apart
+        return True
+    if tx is tuple or tx in types["lists"]:
+        sig.append(("(" if tx is tuple else "[", len(x)))
+        for item in x:
+            if not _walk(item, mode, sig, tensors, types):
+                return False
+        return True
+    if tx in types["literals"]:
+        if tx is types["size"]:
+            for d in x:
+                if type(d) is not int:
+                    return False
+        sig.append((tx, x))
+        return True
+    return False  # real tensors, SymInts, modules, arbitrary objects
 
 
 def _signature(args: tuple, kwargs: dict, mode: Any) -> tuple[tuple, list] | None:
@@ -282,44 +316,19 @@ def _signature(args: tuple, kwargs: dict, mode: Any) -> tuple[tuple, list] | Non
     tensors, SymInts, modules, other objects) makes the call ineligible.
     """
     types = _load_types()
-    fake_type = types["fake"]
-    size_type = types["size"]
-    list_types = types["lists"]
-    literal_types = types["literals"]
-    sig: list = []
-    tensors: list = []
-
-    def walk(x: Any) -> bool:
-        tx = type(x)
-        if tx is fake_type:
-            tsig = _tensor_sig(x, mode)
-            if tsig is None:
-                return False
-            sig.append(tsig)
-            tensors.append(x)
-            return True
-        if tx is float:
-            sig.append((float, x.hex()))  # exact, keeps -0.0 and NaN payloads apart
-            return True
-        if tx is tuple or tx in list_types:
-            sig.append(("(" if tx is tuple else "[", len(x)))
-            return all(walk(item) for item in x)
-        if tx in literal_types:
-            if tx is size_type and not all(type(d) is int for d in x):
-                return False
-            sig.append((tx, x))
-            return True
-        return False
-
     if type(args) is not tuple or not isinstance(kwargs, types["dicts"]):
         return None
-    if not all(walk(a) for a in args):
-        return None
+    sig: list = []
+    tensors: list = []
+    for a in args:
+        if not _walk(a, mode, sig, tensors, types):
+            return None
     # keyword arguments are passed by name: order and container type do not reach the op
-    names = tuple(sorted(kwargs))
+    names = tuple(sorted(kwargs)) if kwargs else ()
     sig.append(("kw", len(args), names))
-    if not all(walk(kwargs[name]) for name in names):
-        return None
+    for name in names:
+        if not _walk(kwargs[name], mode, sig, tensors, types):
+            return None
     return tuple(sig), tensors
 
 

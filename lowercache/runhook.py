@@ -30,6 +30,9 @@ def command_env(settings: Settings) -> dict[str, str]:
     env["LOWERCACHE_MAX_SIZE"] = str(settings.max_size)
     env["LOWERCACHE_DISABLE"] = "1" if settings.disable else "0"
     env["LOWERCACHE_READ_ONLY"] = "1" if settings.read_only else "0"
+    env["LOWERCACHE_REMOTE_MODE"] = settings.remote_mode
+    if settings.remote:
+        env["LOWERCACHE_REMOTE"] = settings.remote
     return env
 
 

@@ -39,6 +39,7 @@ class StepRecord:
     saved: float = 0.0
     output: str = ""
     note: str = ""
+    tier: str = ""  # for hits: "local", "remote" or "memory" (seen earlier this run)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,8 +108,13 @@ class Session:
         start = time.perf_counter()
         key = step_key(kind, parts) if parts is not None else ""
         entry = None
+        tier = ""
         if parts is not None and self.store is not None:
-            entry = self._memo.get((kind, key)) or self.store.get(kind, key)
+            entry = self._memo.get((kind, key))
+            tier = "memory"
+            if entry is None:
+                entry = self.store.get(kind, key)
+                tier = self.store.last_tier
         if entry is not None:
             outcome = "hit"
         else:
@@ -134,6 +140,7 @@ class Session:
             saved=max(entry.cost - seconds, 0.0) if outcome == "hit" else 0.0,
             output=entry.digest(),
             note=note,
+            tier=tier if outcome == "hit" else "",
         )
         self.records.append(record)
         self.outputs.setdefault(kind, []).append(entry)
@@ -151,7 +158,11 @@ class Session:
         new = self.records[self._counted :]
         self._counted = len(self.records)
         counts = outcome_counts([r.to_json() for r in new])
-        self.store.add_counts(counts, sum(r.saved for r in new))
+        remote_hits: dict[str, int] = {}
+        for r in new:
+            if r.tier == "remote":
+                remote_hits[r.kind] = remote_hits.get(r.kind, 0) + 1
+        self.store.add_counts(counts, sum(r.saved for r in new), remote_hits)
 
     def summary(self) -> dict[str, dict[str, int]]:
         """Outcome counts by step kind."""

@@ -100,6 +100,8 @@ class Store:
     mode); counters and run history are still kept so ``stats`` stays true.
     """
 
+    last_tier = "local"  # which tier served the latest hit; a tiered store may say "remote"
+
     def __init__(self, directory: str | os.PathLike, max_size: int = DEFAULT_MAX_SIZE, read_only: bool = False):
         self.directory = Path(directory).expanduser()
         self.read_only = read_only
@@ -207,13 +209,17 @@ class Store:
 
     # -- counters and history ------------------------------------------------
 
-    def add_counts(self, counts: dict[str, dict[str, int]], seconds_saved: float = 0.0) -> None:
-        """Add outcome counts by kind (and time saved) in one transaction."""
+    def add_counts(
+        self, counts: dict[str, dict[str, int]], seconds_saved: float = 0.0, remote_hits: dict[str, int] | None = None
+    ) -> None:
+        """Add outcome counts by kind, remote hits by kind, and time saved, in one transaction."""
         try:
             with self._meta.transact():
                 for kind, by_outcome in counts.items():
                     for outcome, n in by_outcome.items():
                         self._meta.incr(f"count/{kind}/{outcome}", n)
+                for kind, n in (remote_hits or {}).items():
+                    self._meta.incr(f"count/{kind}/remote_hit", n)
                 if seconds_saved > 0:
                     self._meta.incr("saved_ms", int(seconds_saved * 1000))
         except (OSError, sqlite3.Error):

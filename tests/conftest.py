@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import shutil
+import uuid
 
 import pytest
 import torch
 
 from lowercache import models
+
+from .servers import RedisServer, start_moto
 
 SMALL_TARGETS = ("tosa-int", "tosa-fp", "ethos-u55-128", "ethos-u55-256", "ethos-u85-256")
 
@@ -55,8 +59,86 @@ def cache_dir(tmp_path):
 @pytest.fixture(autouse=True)
 def _isolated_config(tmp_path, monkeypatch):
     """No test reads the developer's own config file or cache."""
-    for var in ("LOWERCACHE_DIR", "LOWERCACHE_MAX_SIZE", "LOWERCACHE_DISABLE", "LOWERCACHE_READ_ONLY"):
+    for var in (
+        "LOWERCACHE_DIR",
+        "LOWERCACHE_MAX_SIZE",
+        "LOWERCACHE_DISABLE",
+        "LOWERCACHE_READ_ONLY",
+        "LOWERCACHE_REMOTE",
+        "LOWERCACHE_REMOTE_MODE",
+        "LOWERCACHE_HMAC_KEY",
+        "LOWERCACHE_S3_ENDPOINT",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("LOWERCACHE_CONFIG", str(tmp_path / "no-config.toml"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
     logging.getLogger("lowercache").propagate = True
+
+
+# Real servers for the shared-cache tests, on loopback only.
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = RedisServer()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    """The shared server, emptied for each test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def raw_redis(redis_url):
+    """A plain redis-py client, to look at and tamper with what lowercache stored."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+BUCKET = "lowercache-test"
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    import boto3
+
+    server, endpoint = start_moto()
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test"
+    )
+    client.create_bucket(Bucket=BUCKET)
+    client.close()
+    yield endpoint
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(monkeypatch):
+    """Fake credentials, so no test can reach a real AWS account."""
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "LOWERCACHE_S3_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+
+
+@pytest.fixture
+def s3_url(moto_endpoint, s3_env, monkeypatch):
+    """A fresh prefix in the shared bucket, reached through LOWERCACHE_S3_ENDPOINT."""
+    monkeypatch.setenv("LOWERCACHE_S3_ENDPOINT", moto_endpoint)
+    return f"s3://{BUCKET}/test-{uuid.uuid4().hex[:8]}"

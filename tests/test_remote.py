@@ -6,7 +6,6 @@ import logging
 import shutil
 import threading
 import time
-import uuid
 
 import pytest
 
@@ -14,7 +13,8 @@ from lowercache import remote as rm
 from lowercache.errors import LowercacheError
 from lowercache.store import Entry, Store
 
-from .servers import RedisServer, SilentServer, free_port, start_moto
+from .conftest import BUCKET
+from .servers import RedisServer, SilentServer, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,72 +27,6 @@ def remote_warnings(caplog, text: str) -> list[str]:
 
 
 # -- servers -------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def redis_server():
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    server = RedisServer()
-    yield server
-    server.kill()
-
-
-@pytest.fixture
-def redis_url(redis_server):
-    """The shared server, emptied for each test."""
-    import redis
-
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushall()
-    client.close()
-    return redis_server.url
-
-
-@pytest.fixture
-def raw_redis(redis_url):
-    """A plain redis-py client, to look at and tamper with what lowercache stored."""
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
-
-
-BUCKET = "lowercache-test"
-
-
-@pytest.fixture(scope="session")
-def moto_endpoint():
-    import boto3
-
-    server, endpoint = start_moto()
-    client = boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test"
-    )
-    client.create_bucket(Bucket=BUCKET)
-    client.close()
-    yield endpoint
-    server.stop()
-
-
-@pytest.fixture
-def s3_env(monkeypatch):
-    """Fake credentials, so no test can reach a real AWS account."""
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", rm.ENV_S3_ENDPOINT):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-
-
-@pytest.fixture
-def s3_url(moto_endpoint, s3_env, monkeypatch):
-    """A fresh prefix in the shared bucket, reached through LOWERCACHE_S3_ENDPOINT."""
-    monkeypatch.setenv(rm.ENV_S3_ENDPOINT, moto_endpoint)
-    return f"s3://{BUCKET}/test-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(params=["redis", "s3"])
