@@ -298,6 +298,42 @@ def run(
     raise typer.Exit(code)
 
 
+@app.command(name="export")
+def export_cmd(
+    archive: Path = typer.Argument(..., help="Tar file to write."),
+    cache_dir: Optional[Path] = CacheDir,
+) -> None:
+    """Pack every local cache entry into one archive (for CI caches that store one file)."""
+    from . import api
+    from .archive import export_entries
+
+    try:
+        store = api.open_store(_settings(cache_dir, disable=False, remote=""))
+        actions, blobs = export_entries(store, archive)
+    except LowercacheError as e:
+        _fail(str(e), 2)
+    store.close()
+    out.print(f"exported {actions} steps and {blobs} blobs to {archive}")
+
+
+@app.command(name="import")
+def import_cmd(
+    archive: Path = typer.Argument(..., help="Tar file made by `lowercache export`."),
+    cache_dir: Optional[Path] = CacheDir,
+) -> None:
+    """Load an archive made by `lowercache export`, checking every entry."""
+    from . import api
+    from .archive import import_entries
+
+    try:
+        store = api.open_store(_settings(cache_dir, disable=False, remote=""))
+        stored = import_entries(store, archive)
+    except LowercacheError as e:
+        _fail(str(e), 2)
+    store.close()
+    out.print(f"imported {stored} steps from {archive}")
+
+
 @app.command()
 def config(cache_dir: Optional[Path] = CacheDir) -> None:
     """Show the resolved settings and where each came from."""

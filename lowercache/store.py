@@ -191,8 +191,12 @@ class Store:
         except (OSError, sqlite3.Error):
             pass
 
-    def blob_keys(self) -> Iterator[str]:
-        return (k for k in self._entries.iterkeys() if k.startswith("blob/"))
+    def actions(self) -> Iterator[tuple[str, str]]:
+        """(kind, key) of every stored action entry."""
+        for k in list(self._entries.iterkeys()):
+            if k.startswith("action/"):
+                _, kind, key = k.split("/", 2)
+                yield kind, key
 
     def verify_all(self) -> int:
         """Check every entry; drop the bad ones. Returns how many were dropped."""

@@ -82,3 +82,34 @@ def test_verify_all_drops_corrupt_entries(tmp_path):
     path = max(value_files(tmp_path), key=lambda p: p.stat().st_size)
     path.write_bytes(path.read_bytes()[:-10])
     assert store.verify_all() == 1
+
+
+def test_export_import_round_trip_checks_content(tmp_path, caplog):
+    import io
+    import tarfile
+
+    from lowercache.archive import export_entries, import_entries
+
+    source = Store(tmp_path / "a")
+    source.put("flow", "a" * 32, Entry(meta={"m": 1}, blobs={"model.pte": b"pte-bytes", "x.tosa": b"tosa"}))
+    source.put("tosa", "b" * 32, Entry(blobs={"tosa": b"tosa"}))
+    assert export_entries(source, tmp_path / "cache.tar") == (2, 2)
+
+    target = Store(tmp_path / "b")
+    assert import_entries(target, tmp_path / "cache.tar") == 2
+    assert target.get("flow", "a" * 32).blobs == {"model.pte": b"pte-bytes", "x.tosa": b"tosa"}
+
+    # A tampered archive: the blob no longer hashes to its name, so its record is skipped.
+    with tarfile.open(tmp_path / "cache.tar") as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar]
+    with tarfile.open(tmp_path / "bad.tar", "w") as tar:
+        for member, data in members:
+            if data == b"pte-bytes":
+                data = b"PTE-BYTES"
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    fresh = Store(tmp_path / "c")
+    with caplog.at_level(logging.WARNING, logger="lowercache"):
+        assert import_entries(fresh, tmp_path / "bad.tar") == 1
+    assert fresh.get("flow", "a" * 32) is None and fresh.get("tosa", "b" * 32) is not None
+    assert "other content" in caplog.text
