@@ -47,3 +47,16 @@ def test_observer_key_sees_statistics_and_config():
     b(torch.linspace(-2, 2, 100))
     assert observer_parts(a)["statistics"] != observer_parts(b)["statistics"]
     assert observer_parts(a)["config"] == observer_parts(b)["config"]
+
+
+def test_calibration_change_misses_activation_observers_only(cache_dir):
+    module, example = models.tiny_cnn()
+    cold = qparams_outcomes(lowercache.lower(module, example, target="tosa-int", cache_dir=cache_dir))
+    samples = models.calibration_samples(example)
+    changed = lowercache.lower(module, example, target="tosa-int", cache_dir=cache_dir, calibration=samples)
+    flow = [r for r in changed.records if r["kind"] == "flow"][0]
+    assert flow["outcome"] == "miss"
+    counts = qparams_outcomes(changed)
+    # Weight observers saw the same weights: hits. Activation observers saw new data: misses.
+    assert 0 < counts.get("miss", 0) < cold["miss"]
+    assert counts.get("hit", 0) > cold.get("hit", 0)
