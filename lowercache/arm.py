@@ -10,7 +10,11 @@ Two hook points, both wrapped rather than subclassed (the backends are
   Ethos-U command stream. Step kind ``vela``.
 
 While installed, the hooks record into the active :class:`~lowercache.steps.Session`
-and pass straight through when there is none. Calls that ask for debug
+and pass straight through when there is none. Installing them also turns on
+the in-flow speed-ups that keep output bytes identical: shared provenance
+(``provenance.py``), observer qparams steps (``qparams.py``), per-pass
+records (``passes.py``) and reuse of unchanged nodes' fake-tensor values
+during retraces (``retrace.py``). Calls that ask for debug
 artifacts on disk run uncached (a hit would not write them).
 """
 
@@ -23,7 +27,7 @@ import tempfile
 import threading
 from typing import Any
 
-from . import passes, provenance, qparams
+from . import passes, provenance, qparams, retrace
 from .patching import Patch
 from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
 from .hashing import Unhashable, canon, digest, digest_json, program_parts
@@ -198,12 +202,14 @@ def _apply() -> None:
     provenance.enable()
     qparams.enable()
     passes.enable()
+    retrace.enable()
 
 
 def _undo() -> None:
     provenance.disable()
     qparams.disable()
     passes.disable()
+    retrace.disable()
     if not _permanent:
         _unwrap_modules()
 
@@ -222,5 +228,6 @@ def install_permanently(module_name: str) -> None:
             provenance.enable()
             qparams.enable()
             passes.enable()
+            retrace.enable()
         _permanent = True
         _wrap_module(module_name)

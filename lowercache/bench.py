@@ -73,8 +73,10 @@ OUTCOMES: tuple[str, ...] = ("hit", "miss", "skip", "bypass")
 STEP_KINDS: tuple[str, ...] = ("flow", "quantize", "partition", "tosa", "pass", "vela")
 """Step kinds in report order, outermost first; kinds not listed follow alphabetically."""
 
-NODES_NOTE = "n/a (pass-level steps not implemented)"
-"""What the report says for "nodes re-traced vs copied" until pass-level steps exist."""
+NODES_NOTE = (
+    "nodes re-traced vs copied counts, within lowercache's run, the op dispatches of ExportPass retraces "
+    "that went through FakeTensor vs those whose value was reused from the unchanged input node (retrace.py)"
+)
 
 RSS_NOTE = (
     "Peak RSS is ru_maxrss of the benchmark process, read after each case: it never decreases, "
@@ -160,8 +162,8 @@ def _stock(model: str, edit: str | None, target: str, custom_calibration: bool) 
 
 def _lowercache(
     model: str, edit: str | None, target: str, custom_calibration: bool, cache_dir: Path
-) -> tuple[float, dict[str, float], bytes, list[dict[str, Any]]]:
-    """One timed :func:`lowercache.lower` call: seconds, stages, .pte bytes, step records.
+) -> tuple[float, dict[str, float], bytes, list[dict[str, Any]], dict[str, int]]:
+    """One timed :func:`lowercache.lower` call: seconds, stages, .pte bytes, step records, node counts.
 
     stdout is silenced as for the stock side: on a hit lowercache replays
     Vela's summary, which would otherwise flood the console.
@@ -173,7 +175,7 @@ def _lowercache(
         artifacts = lower(module, example, target=target, calibration=calibration, name=model, settings=_settings(cache_dir))
     seconds = time.perf_counter() - start
     records = [{k: r[k] for k in ("kind", "name", "outcome", "seconds", "saved")} for r in artifacts.records]
-    return seconds, _with_other(artifacts.stages, seconds), artifacts.pte, records
+    return seconds, _with_other(artifacts.stages, seconds), artifacts.pte, records, artifacts.nodes
 
 
 def _counts(records: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -249,6 +251,7 @@ def _run_case(
     lc_stages: list[dict[str, float]] = []
     records: list[list[dict[str, Any]]] = []
     equal: list[bool] = []
+    nodes: list[dict[str, int]] = []
     pte_size = 0
     for rep in range(repeat):
         work = cache_root / f"{spec.name}-{model}-{target}-{rep}"
@@ -259,7 +262,8 @@ def _run_case(
         seconds, stages, stock_pte = _stock(model, spec.edit, target, spec.custom_calibration)
         stock_s.append(seconds)
         stock_stages.append(stages)
-        seconds, stages, pte, recs = _lowercache(model, spec.edit, target, spec.custom_calibration, work)
+        seconds, stages, pte, recs, node_counts = _lowercache(model, spec.edit, target, spec.custom_calibration, work)
+        nodes.append(node_counts)
         lc_s.append(seconds)
         lc_stages.append(stages)
         records.append(recs)
@@ -292,7 +296,7 @@ def _run_case(
         "equal": all(equal),
         "pte_size": pte_size,
         "peak_rss_mib": _peak_rss_mib(),
-        "nodes_retraced_vs_copied": NODES_NOTE,
+        "nodes_retraced_vs_copied": nodes[0],
     }
 
 
@@ -406,6 +410,10 @@ def _stages_cell(row: dict[str, Any]) -> str:
     )
 
 
+def _nodes_cell(nodes: dict[str, int]) -> str:
+    return f"{nodes.get('retraced', 0)}/{nodes.get('copied', 0)}" if nodes else "-"
+
+
 def _counts_cell(counts: dict[str, dict[str, int]], sep: str = "<br>") -> str:
     """``kind hit/miss/skip/bypass`` per step kind."""
     return sep.join(f"{kind} {'/'.join(str(c.get(o, 0)) for o in OUTCOMES)}" for kind, c in counts.items())
@@ -443,14 +451,14 @@ def _markdown(results: dict[str, Any], plot_note: str) -> str:
         if measured:
             lines += [
                 "| model | target | stock median s | lowercache median s | ratio | stages stock/lowercache (s) "
-                "| steps hit/miss/skip/bypass | peak RSS so far (MiB) | bytes equal |",
-                "|---|---|---:|---:|---:|---|---|---:|---|",
+                "| steps hit/miss/skip/bypass | nodes re-traced/copied | peak RSS so far (MiB) | bytes equal |",
+                "|---|---|---:|---:|---:|---|---|---|---:|---|",
             ]
             for r in measured:
                 lines.append(
                     f"| {r['model']} | {r['target']} | {_fmt_s(r['stock_median'])} | {_fmt_s(r['lowercache_median'])} "
                     f"| {_fmt_ratio(r['ratio'])} | {_stages_cell(r)} | {_counts_cell(r['counts'])} "
-                    f"| {r['peak_rss_mib']:.0f} | {'yes' if r['equal'] else '**no**'} |"
+                    f"| {_nodes_cell(r['nodes_retraced_vs_copied'])} | {r['peak_rss_mib']:.0f} | {'yes' if r['equal'] else '**no**'} |"
                 )
             lines.append("")
         for r in rows:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import arm
+from . import arm, retrace
 from .hashing import Unhashable, digest, digest_json, inputs_digest, program_parts
 from .steps import Session, activate, listed, outcome_counts
 from .store import Entry, Store
@@ -39,6 +39,7 @@ class Artifacts:
     parts: dict[str, str] = field(default_factory=dict)
     stages: dict[str, float] = field(default_factory=dict)
     manifest: dict[str, Any] = field(default_factory=dict)
+    nodes: dict[str, int] = field(default_factory=dict)  # retraced vs copied in ExportPass retraces
 
     @property
     def pte(self) -> bytes:
@@ -168,13 +169,16 @@ def lower_program(
                     blobs[f"partition_{i}.vela_{name[len('output/'):]}"] = data
         return Entry(blobs=blobs)
 
+    retrace.reset_stats()
     with arm.hooks(), activate(session):
         entry = session.run("flow", target.name, parts, compute)
+    counts = retrace.stats()
     return Artifacts(
         files=dict(entry.blobs),
         records=[r.to_json() for r in session.records],
         parts=parts or {},
         stages=stages.seconds,
+        nodes={"retraced": counts["redispatched"], "copied": counts["reused"]},
     )
 
 
@@ -202,6 +206,7 @@ def manifest(artifacts: Artifacts, target: Target, model: str) -> dict[str, Any]
         "stages": {k: round(v, 4) for k, v in artifacts.stages.items()},
         "steps": listed(artifacts.records),
         "step_counts": outcome_counts(artifacts.records),
+        "nodes": artifacts.nodes,
         "passes": [
             {"pass": r["name"], "outcome": r["outcome"], "seconds": round(r["seconds"], 4)}
             for r in artifacts.records

@@ -190,4 +190,5 @@ def test_concurrent_processes_share_one_cache(tmp_path, cache_dir):
     for i, (model, target) in enumerate(jobs):
         assert (tmp_path / f"out{i}" / "model.pte").read_bytes() == reference(model, target)
     again = cli("lower", f"{script}:tiny_cnn", "-t", "ethos-u55-128", "-o", tmp_path / "again", cache_dir=cache_dir)
+    assert again.returncode == 0, again.stderr
     assert json.loads((tmp_path / "again" / "manifest.json").read_text())["steps"][0]["outcome"] == "hit"

@@ -20,5 +20,7 @@ def test_manifest_lists_every_arm_pass(cache_dir):
     assert len(passes) > 150  # both pipelines: transform-for-annotation and TOSA backend
     assert sum(p["seconds"] for p in passes) < artifacts.stages["to_edge"] + artifacts.stages["quantize"]
     assert ArmPass.__call__ is original  # unpatched after the run
+    nodes = artifacts.manifest["nodes"]
+    assert nodes["copied"] > 0 and nodes["retraced"] > 0  # unchanged nodes reuse their fake values
     warm = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
     assert warm.manifest["passes"] == []  # a flow hit runs no pass
