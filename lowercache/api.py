@@ -41,7 +41,8 @@ def open_store(settings: Settings) -> Store | None:
     from .remote import TieredStore, connect, hmac_key_from_env
 
     try:
-        remote = connect(settings.remote, mode=settings.remote_mode, hmac_key=hmac_key_from_env())
+        ttl = {"ttl_seconds": settings.remote_ttl} if settings.remote_ttl else {}
+        remote = connect(settings.remote, mode=settings.remote_mode, hmac_key=hmac_key_from_env(), **ttl)
     except LowercacheError:
         local.close()
         raise

@@ -344,7 +344,7 @@ def config(cache_dir: Optional[Path] = CacheDir) -> None:
     except LowercacheError as e:
         _fail(str(e), 2)
     out.print(f"config file  {config_path()}")
-    for name in ("cache_dir", "max_size", "disable", "read_only", "remote", "remote_mode"):
+    for name in ("cache_dir", "max_size", "disable", "read_only", "remote", "remote_mode", "remote_ttl"):
         out.print(f"{name:<10}   {getattr(settings, name)}  ({settings.origin[name]})", markup=False, highlight=False)
 
 

@@ -4,11 +4,11 @@ Precedence, highest first (as in ccache and sccache):
 1. command-line flags or API arguments;
 2. environment variables ``LOWERCACHE_DIR``, ``LOWERCACHE_MAX_SIZE``,
    ``LOWERCACHE_DISABLE``, ``LOWERCACHE_READ_ONLY``, ``LOWERCACHE_REMOTE``,
-   ``LOWERCACHE_REMOTE_MODE``;
+   ``LOWERCACHE_REMOTE_MODE``, ``LOWERCACHE_REMOTE_TTL``;
 3. the config file: ``$LOWERCACHE_CONFIG``, else
    ``$XDG_CONFIG_HOME/lowercache/config.toml`` (``~/.config/...``), with keys
    ``cache_dir``, ``max_size``, ``disable``, ``read_only``, ``remote``,
-   ``remote_mode``.
+   ``remote_mode``, ``remote_ttl`` (Redis only).
 
 The remote's signing secret, ``LOWERCACHE_HMAC_KEY``, is read from the
 environment only, never from a file lowercache reads or writes.
@@ -35,6 +35,7 @@ _ENV = {
     "read_only": "LOWERCACHE_READ_ONLY",
     "remote": "LOWERCACHE_REMOTE",
     "remote_mode": "LOWERCACHE_REMOTE_MODE",
+    "remote_ttl": "LOWERCACHE_REMOTE_TTL",
 }
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -47,6 +48,7 @@ class Settings:
     read_only: bool = False
     remote: str | None = None  # redis://host:port/db or s3://bucket/prefix
     remote_mode: str = "read-write"  # read-only for untrusted jobs; write-only to refresh
+    remote_ttl: int | None = None  # seconds a Redis entry lives (refreshed on every write)
     origin: dict[str, str] = field(default_factory=dict)  # where each value came from
 
 
@@ -120,8 +122,18 @@ def load_settings(**flags: Any) -> Settings:
         read_only=parse_bool(resolved.get("read_only", False), "read_only"),
         remote=str(resolved["remote"]) if resolved.get("remote") else None,
         remote_mode=_remote_mode(resolved.get("remote_mode", "read-write")),
+        remote_ttl=_seconds(resolved.get("remote_ttl")),
         origin=origin,
     )
+
+
+def _seconds(value: Any) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise LowercacheError(f"bad remote TTL {value!r}; use a whole number of seconds") from None
 
 
 def _remote_mode(value: str) -> str:

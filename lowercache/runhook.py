@@ -33,6 +33,8 @@ def command_env(settings: Settings) -> dict[str, str]:
     env["LOWERCACHE_REMOTE_MODE"] = settings.remote_mode
     if settings.remote:
         env["LOWERCACHE_REMOTE"] = settings.remote
+    if settings.remote_ttl:
+        env["LOWERCACHE_REMOTE_TTL"] = str(settings.remote_ttl)
     return env
 
 

@@ -66,6 +66,7 @@ def _isolated_config(tmp_path, monkeypatch):
         "LOWERCACHE_READ_ONLY",
         "LOWERCACHE_REMOTE",
         "LOWERCACHE_REMOTE_MODE",
+        "LOWERCACHE_REMOTE_TTL",
         "LOWERCACHE_HMAC_KEY",
         "LOWERCACHE_S3_ENDPOINT",
     ):

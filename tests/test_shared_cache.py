@@ -124,3 +124,21 @@ def test_malformed_remote_url_is_a_one_line_error(tmp_path, url):
     assert result.returncode == 2
     assert len([line for line in result.stderr.splitlines() if line.startswith("lowercache: error:")]) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_redis_ttl_from_settings(tmp_path, redis_url, monkeypatch):
+    import redis
+
+    monkeypatch.setenv("LOWERCACHE_REMOTE", redis_url)
+    monkeypatch.setenv("LOWERCACHE_REMOTE_TTL", "3600")
+    from lowercache.api import open_store
+    from lowercache.config import load_settings
+    from lowercache.store import Entry
+
+    store = open_store(load_settings(cache_dir=tmp_path / "cache"))
+    store.put("flow", "c" * 32, Entry(blobs={"model.pte": b"x"}))
+    store.close()
+    client = redis.Redis.from_url(redis_url)
+    ttls = [client.ttl(k) for k in client.keys("*")]
+    client.close()
+    assert ttls and all(0 < t <= 3600 for t in ttls)
