@@ -69,6 +69,7 @@ add up to the measured total.
 """
 
 OUTCOMES: tuple[str, ...] = ("hit", "miss", "skip", "bypass")
+PASS_OUTCOMES: tuple[str, ...] = ("skip", "noop", "ran")  # passes are observed, not cached (passes.py)
 
 STEP_KINDS: tuple[str, ...] = ("flow", "quantize", "partition", "tosa", "pass", "vela")
 """Step kinds in report order, outermost first; kinds not listed follow alphabetically."""
@@ -411,12 +412,15 @@ def _stages_cell(row: dict[str, Any]) -> str:
 
 
 def _nodes_cell(nodes: dict[str, int]) -> str:
-    return f"{nodes.get('retraced', 0)}/{nodes.get('copied', 0)}" if nodes else "-"
+    return f"{nodes.get('retraced', 0)}/{nodes.get('copied', 0)}" if isinstance(nodes, dict) and nodes else "-"
 
 
 def _counts_cell(counts: dict[str, dict[str, int]], sep: str = "<br>") -> str:
-    """``kind hit/miss/skip/bypass`` per step kind."""
-    return sep.join(f"{kind} {'/'.join(str(c.get(o, 0)) for o in OUTCOMES)}" for kind, c in counts.items())
+    """``kind hit/miss/skip/bypass`` per step kind; passes as ``pass skip/noop/ran``."""
+    return sep.join(
+        f"{kind} {'/'.join(str(c.get(o, 0)) for o in (PASS_OUTCOMES if kind == 'pass' else OUTCOMES))}"
+        for kind, c in counts.items()
+    )
 
 
 def _markdown(results: dict[str, Any], plot_note: str) -> str:
@@ -434,7 +438,7 @@ def _markdown(results: dict[str, Any], plot_note: str) -> str:
         "Times are medians over the repetitions of the whole flow (export, quantize, lower, to_executorch); "
         "for lowercache the whole `lowercache.lower` call. Ratio = stock median / lowercache median. "
         "Stages are median seconds, stock/lowercache. Steps are counts per step kind as "
-        "hit/miss/skip/bypass, from the first repetition (every repetition starts from the same cache state).",
+        "hit/miss/skip/bypass (passes: skip/noop/ran), from the first repetition (every repetition starts from the same cache state).",
         "",
         f"{RSS_NOTE}",
         "",
