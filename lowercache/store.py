@@ -11,8 +11,8 @@ Safety rules, all enforced here:
 - nothing is unpickled: :class:`_BytesOnlyDisk` refuses diskcache's pickle
   mode for keys and values, so a planted pickle is rejected, not loaded;
 - diskcache writes a value file first and commits its row after, inside an
-  SQLite transaction, so writes are atomic and several processes can share
-  one directory.
+  SQLite transaction (values under 1 KiB live in the row itself), so writes
+  are atomic and several processes can share one directory.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class Store:
                 str(self.directory / "entries"),
                 disk=_BytesOnlyDisk,
                 size_limit=max_size,
-                disk_min_file_size=0,
+                disk_min_file_size=1024,  # small entries (qparams, action records) stay in SQLite
                 eviction_policy="least-recently-used",
                 statistics=False,
             )
