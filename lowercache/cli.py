@@ -8,12 +8,13 @@ A failure inside ExecuTorch itself prints one line and exits 1; set
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import typer
 from rich.console import Console
@@ -51,6 +52,21 @@ def _setup_logging() -> None:
 def _fail(message: str, code: int) -> None:
     print(f"lowercache: error: {message}", file=sys.stderr)
     raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _local_store(cache_dir: Optional[Path], **flags) -> Iterator:
+    """The local store for housekeeping commands; a one-line error if it cannot be opened."""
+    from . import api
+
+    try:
+        store = api.open_store(_settings(cache_dir, disable=False, remote="", **flags))
+    except LowercacheError as e:
+        _fail(str(e), 2)
+    try:
+        yield store
+    finally:
+        store.close()
 
 
 def _settings(cache_dir: Optional[Path], **flags):
@@ -175,13 +191,7 @@ def bench(ctx: typer.Context) -> None:
 @app.command()
 def stats(cache_dir: Optional[Path] = CacheDir) -> None:
     """Entries, size and hit rate by step kind."""
-    from . import api
-
-    try:
-        store = api.open_store(_settings(cache_dir, disable=False))
-    except LowercacheError as e:
-        _fail(str(e), 2)
-    try:
+    with _local_store(cache_dir) as store:
         counters = store.counters()
         entries = store.entry_count()
         out.print(f"cache directory  {store.directory}")
@@ -199,8 +209,6 @@ def stats(cache_dir: Optional[Path] = CacheDir) -> None:
             rate = f"{100 * n['hit'] / looked:.0f}%" if looked else "-"
             table.add_row(kind, *(str(n[o]) for o in outcomes), rate)
         out.print(table)
-    finally:
-        store.close()
 
 
 @app.command()
@@ -210,20 +218,17 @@ def explain(
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Say which named key parts changed for the last miss of MODEL on a target."""
-    from . import api, history
+    from . import history
     from .targets import resolve
 
     try:
         name = _model_name(model)
-        store = api.open_store(_settings(cache_dir, disable=False))
         resolved = resolve(target)
     except LowercacheError as e:
         _fail(str(e), 2)
-    try:
+    with _local_store(cache_dir) as store:
         for line in history.explain(store, name, resolved.name):
             typer.echo(line)
-    finally:
-        store.close()
 
 
 def _model_name(model: str) -> str:
@@ -243,37 +248,22 @@ def gc(
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Evict entries over the size limit (and, with --verify, corrupt ones)."""
-    from . import api
-    from .config import parse_size
-
     try:
-        settings = _settings(cache_dir, disable=False, max_size=max_size)
-        store = api.open_store(settings)
-        limit = parse_size(max_size) if max_size is not None else settings.max_size
+        limit = _settings(cache_dir, max_size=max_size).max_size
     except LowercacheError as e:
         _fail(str(e), 2)
-    try:
+    with _local_store(cache_dir, max_size=max_size) as store:
         dropped = store.verify_all() if verify else 0
         freed = store.gc(limit)
         out.print(f"freed {freed / 2**20:.1f} MiB; {dropped} corrupt entries dropped; size now {store.volume() / 2**20:.1f} MiB")
-    finally:
-        store.close()
 
 
 @app.command()
 def clear(cache_dir: Optional[Path] = CacheDir) -> None:
     """Remove every entry, counter and run record."""
-    from . import api
-
-    try:
-        store = api.open_store(_settings(cache_dir, disable=False))
-    except LowercacheError as e:
-        _fail(str(e), 2)
-    try:
+    with _local_store(cache_dir) as store:
         removed = store.clear()
         out.print(f"removed {removed} entries from {store.directory}")
-    finally:
-        store.close()
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -304,15 +294,13 @@ def export_cmd(
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Pack every local cache entry into one archive (for CI caches that store one file)."""
-    from . import api
     from .archive import export_entries
 
-    try:
-        store = api.open_store(_settings(cache_dir, disable=False, remote=""))
-        actions, blobs = export_entries(store, archive)
-    except LowercacheError as e:
-        _fail(str(e), 2)
-    store.close()
+    with _local_store(cache_dir) as store:
+        try:
+            actions, blobs = export_entries(store, archive)
+        except LowercacheError as e:
+            _fail(str(e), 2)
     out.print(f"exported {actions} steps and {blobs} blobs to {archive}")
 
 
@@ -322,15 +310,13 @@ def import_cmd(
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Load an archive made by `lowercache export`, checking every entry."""
-    from . import api
     from .archive import import_entries
 
-    try:
-        store = api.open_store(_settings(cache_dir, disable=False, remote=""))
-        stored = import_entries(store, archive)
-    except LowercacheError as e:
-        _fail(str(e), 2)
-    store.close()
+    with _local_store(cache_dir) as store:
+        try:
+            stored = import_entries(store, archive)
+        except LowercacheError as e:
+            _fail(str(e), 2)
     out.print(f"imported {stored} steps from {archive}")
 
 
