@@ -42,7 +42,7 @@ from . import __version__, flow
 from .api import lower
 from .config import Settings
 from .models import MODELS, SMALL, calibration_samples
-from .steps import Session
+from .steps import Session, listed, outcome_counts
 from .targets import resolve
 from .toolchain import _version
 
@@ -181,10 +181,7 @@ def _lowercache(
 
 def _counts(records: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     """Outcome counts by step kind, outermost kind first (records list the flow step last: it ends last)."""
-    out: dict[str, dict[str, int]] = {}
-    for r in records:
-        by_kind = out.setdefault(r["kind"], dict.fromkeys(OUTCOMES, 0))
-        by_kind[r["outcome"]] = by_kind.get(r["outcome"], 0) + 1
+    out = {kind: {**dict.fromkeys(OUTCOMES, 0), **c} for kind, c in outcome_counts(records).items()}
     rank = {kind: i for i, kind in enumerate(STEP_KINDS)}
     return dict(sorted(out.items(), key=lambda item: (rank.get(item[0], len(rank)), item[0])))
 
@@ -292,7 +289,7 @@ def _run_case(
         "stock_stages": _median_stages(stock_stages),
         "lowercache_stages": _median_stages(lc_stages),
         "counts": _counts(records[0]),
-        "lowercache_records": records,
+        "lowercache_records": [listed(rep) for rep in records],  # per-pass and per-observer steps only counted
         "bytes_equal": equal,
         "equal": all(equal),
         "pte_size": pte_size,
