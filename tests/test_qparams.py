@@ -60,3 +60,60 @@ def test_calibration_change_misses_activation_observers_only(cache_dir):
     # Weight observers saw the same weights: hits. Activation observers saw new data: misses.
     assert 0 < counts.get("miss", 0) < cold["miss"]
     assert counts.get("hit", 0) > cold.get("hit", 0)
+
+
+def _histogram_observers():
+    """Observers with varied, realistic histograms: several batches, outliers, one-sided and heavy tails."""
+    from torchao.quantization.pt2e.observer import HistogramObserver
+
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(24):
+        observer = HistogramObserver(dtype=torch.int8, qscheme=torch.per_tensor_affine, quant_min=-128, quant_max=127)
+        for _ in range(1 + i % 3):
+            x = torch.randn(3000, generator=gen) * (1 + i)
+            shape = i % 4
+            if shape == 1:
+                x = x.abs()
+            elif shape == 2:
+                x = torch.cat([x, torch.tensor([40.0 * (i + 1)])])
+            elif shape == 3:
+                x = torch.relu(x) ** 3
+            observer(x)
+        out.append(observer)
+    constant = HistogramObserver()
+    constant(torch.full((100,), 0.5))
+    out.append(constant)
+    return out
+
+
+def test_fast_histogram_search_equals_torchao():
+    from torchao.quantization.pt2e.observer import HistogramObserver
+
+    from lowercache.qparams import fast_non_linear_param_search
+
+    for observer in _histogram_observers():
+        stock = HistogramObserver._non_linear_param_search(observer)
+        fast = fast_non_linear_param_search(observer)
+        assert torch.equal(stock[0], fast[0]) and torch.equal(stock[1], fast[1])
+
+
+def test_fast_histogram_search_equals_torchao_on_a_real_model():
+    """Every activation observer of a calibrated model, searched both ways."""
+    from torchao.quantization.pt2e.observer import HistogramObserver
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+    from lowercache.qparams import fast_non_linear_param_search
+    from lowercache.targets import resolve
+
+    module, example = models.residual_cnn()
+    target = resolve("ethos-u55-128")
+    prepared = prepare_pt2e(torch.export.export(module, example).module(check_guards=False), target.quantizer(target.compile_spec()))
+    for sample in models.calibration_samples(example):
+        prepared(*sample)
+    observers = [m for m in prepared.modules() if isinstance(m, HistogramObserver)]
+    assert len(observers) > 10
+    for observer in observers:
+        stock = HistogramObserver._non_linear_param_search(observer)
+        fast = fast_non_linear_param_search(observer)
+        assert torch.equal(stock[0], fast[0]) and torch.equal(stock[1], fast[1])
