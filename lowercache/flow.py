@@ -2,8 +2,9 @@
 
 The flow is exactly the documented stock one (README, "The flow"):
 export -> [prepare_pt2e -> calibrate -> convert_pt2e -> re-export] ->
-to_edge_transform_and_lower -> to_executorch. Inside it, every partition's
-TOSA lowering and Vela compile are cached steps of their own (``arm.py``).
+to_edge_transform_and_lower -> to_executorch. Inside it, the quantization
+stage (``quantize.py``) and every partition's TOSA lowering and Vela compile
+(``arm.py``) are cached steps of their own.
 The whole flow is keyed by the exported program's content, the calibration
 data, the quantizer config, the compile spec and the toolchain, so an
 unchanged model costs an export and a hash.
@@ -17,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import arm, retrace
+from . import arm, quantize, retrace
 from .hashing import Unhashable, digest, digest_json, inputs_digest, program_parts
 from .steps import Session, activate, listed, outcome_counts
 from .store import Entry, Store
@@ -119,23 +120,27 @@ def run_stock(
     example_inputs: Inputs,
     calibration: Sequence[Inputs],
     stages: _Stages | None = None,
+    session: Session | None = None,
+    parts: dict[str, str] | None = None,
 ) -> bytes:
-    """The stock ExecuTorch flow from an exported program; returns the .pte bytes."""
+    """The stock ExecuTorch flow from an exported program; returns the .pte bytes.
+
+    With a ``session``, the quantization stage runs as its cached step
+    (``quantize.py``, keyed by the flow's ``parts``); without, it is the stock code.
+    """
     from executorch.exir import to_edge_transform_and_lower
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     run = stages.run if stages is not None else (lambda _name, fn: fn())
     spec = target.compile_spec()
     if target.quantized:
-
-        def quantize() -> torch.export.ExportedProgram:
-            prepared = prepare_pt2e(program.module(check_guards=False), target.quantizer(spec))
-            for sample in calibration:
-                prepared(*sample)
-            converted = convert_pt2e(prepared)
-            return torch.export.export(converted, tuple(example_inputs))
-
-        program = run("quantize", quantize)
+        if session is None:
+            program = run("quantize", lambda: quantize.run_stock(program, target, spec, example_inputs, calibration))
+        else:
+            step_parts = quantize.quantize_parts(parts)
+            program, spec = run(
+                "quantize",
+                lambda: quantize.quantize(program, target, spec, example_inputs, calibration, step_parts, session),
+            )
     edge = run("to_edge", lambda: to_edge_transform_and_lower(program, partitioner=[target.partitioner(spec)]))
     return run("to_executorch", lambda: edge.to_executorch().buffer)
 
@@ -155,7 +160,7 @@ def lower_program(
 
     def compute() -> Entry:
         before = {k: len(session.outputs.get(k, [])) for k in ("tosa", "vela")}
-        pte = run_stock(program, target, example_inputs, calibration, stages)
+        pte = run_stock(program, target, example_inputs, calibration, stages, session, parts)
         blobs = {"model.pte": bytes(pte)}
         for i, entry in enumerate(session.outputs.get("tosa", [])[before["tosa"] :]):
             blobs[f"partition_{i}.tosa"] = entry.blobs["tosa"]

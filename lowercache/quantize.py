@@ -1,0 +1,252 @@
+"""The quantization stage as a cached step, and a safe stored form of its output.
+
+The stage (``prepare_pt2e`` -> calibrate -> ``convert_pt2e`` -> re-export)
+is a pure function of the float program, the calibration data, the
+quantizer config and the compile spec, so it is a step of its own, kind
+``quantize``. Inside it, observer qparams are steps too (``qparams.py``), so
+a miss re-computes only observers whose statistics changed.
+
+Its output is an ``ExportedProgram``, which must be stored without pickle.
+The stored form is torch.export's own JSON schema for the graph (op identity
+by qualified name, arguments, node metadata), written with the tensor parts
+switched off, plus every parameter, buffer, constant and example input as
+raw bytes with dtype, shape and stride. Before a stored program is rebuilt,
+the JSON is checked for anything that would run code or evaluate text:
+symbolic shape expressions (sympy parses them), guard code, custom objects
+and nested graphs are refused, so such programs are not stored at all.
+
+One side effect of the stock stage is reproduced on a hit: the Arm
+quantizer materializes the compile spec's default pass-pipeline config,
+which the partitioner later serializes into the .pte. The entry records the
+compile spec's digest after the stage; a hit applies the same
+materialization and checks the digest, and recomputes on any difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import typing
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from .hashing import tensor_bytes
+from .steps import Session
+from .store import Entry
+
+log = logging.getLogger("lowercache")
+
+QUANTIZE_VERSION = "prepare_pt2e>calibrate>convert_pt2e>export:v1"
+
+# Flow key parts that the quantization stage does not depend on.
+_NOT_QUANTIZE_PARTS = ("flow", "target")
+
+# JSON keys of torch.export's schema whose content would be parsed as code or
+# expressions when the program is rebuilt, or that this format does not carry.
+_REFUSED_KEYS = (b'"as_expr"', b'"as_custom_obj"', b'"as_graph"', b'"as_sym_float"', b'"as_sym_bool"')
+
+
+class FormatError(ValueError):
+    """A stored program that cannot be rebuilt safely; the stage recomputes."""
+
+
+def quantize_parts(flow_parts: dict[str, str] | None) -> dict[str, str] | None:
+    """Key parts of the stage: the flow's parts it depends on, and its own version."""
+    if flow_parts is None:
+        return None
+    parts = {k: v for k, v in flow_parts.items() if k not in _NOT_QUANTIZE_PARTS}
+    parts["stage"] = QUANTIZE_VERSION
+    return parts
+
+
+def run_stock(
+    program: torch.export.ExportedProgram,
+    target: Any,
+    spec: Any,
+    example_inputs: tuple[Any, ...],
+    calibration: Sequence[tuple[Any, ...]],
+) -> torch.export.ExportedProgram:
+    """The stock stage: prepare, calibrate, convert, re-export."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    prepared = prepare_pt2e(program.module(check_guards=False), target.quantizer(spec))
+    for sample in calibration:
+        prepared(*sample)
+    converted = convert_pt2e(prepared)
+    return torch.export.export(converted, tuple(example_inputs))
+
+
+def quantize(
+    program: torch.export.ExportedProgram,
+    target: Any,
+    spec: Any,
+    example_inputs: tuple[Any, ...],
+    calibration: Sequence[tuple[Any, ...]],
+    parts: dict[str, str] | None,
+    session: Session,
+) -> tuple[torch.export.ExportedProgram, Any]:
+    """The stage through the ``quantize`` step: the quantized program, and the
+    compile spec as the stock stage leaves it (for the partitioner)."""
+    from . import arm
+
+    computed: list[torch.export.ExportedProgram] = []
+
+    def compute() -> Entry:
+        result = run_stock(program, target, spec, example_inputs, calibration)
+        computed.append(result)
+        try:
+            return encode(result, arm.compile_spec_digest(spec))
+        except FormatError as err:
+            log.info("lowercache: quantized program not stored (%s)", err)
+            return Entry(meta={"stored": False, "reason": str(err)})
+
+    entry = session.run("quantize", target.name, parts, compute)
+    if computed:
+        return computed[0], spec
+    try:
+        spec._get_pass_pipeline_config()
+        if entry.meta.get("compile_spec_after") != arm.compile_spec_digest(spec):
+            raise FormatError("the compile spec would differ from the stock stage's")
+        return decode(entry), spec
+    except Exception as err:  # a stored program that does not rebuild is a miss, never a crash
+        if entry.meta.get("stored", True):
+            log.warning("lowercache: warning: cached quantized program unusable (%s); recomputing", err)
+        fresh = target.compile_spec()
+        return run_stock(program, target, fresh, example_inputs, calibration), fresh
+
+
+def _tensor_record(t: Any) -> dict[str, Any]:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu" or t.is_sparse or t.is_quantized:
+        raise FormatError(f"unsupported tensor {type(t).__name__}")
+    return {
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "shape": list(t.shape),
+        "stride": list(t.stride()),
+        "parameter": isinstance(t, torch.nn.Parameter),
+        "requires_grad": bool(t.requires_grad),
+    }
+
+
+def encode(program: torch.export.ExportedProgram, spec_digest: str) -> Entry:
+    """The stored form of a quantized program (JSON graph + raw tensors)."""
+    from torch._export.serde import serialize as serde
+
+    if program.example_inputs is None:
+        raise FormatError("no example inputs")
+    args, kwargs = program.example_inputs
+    if kwargs:
+        raise FormatError("keyword example inputs")
+    with _no_canonical_form_check():
+        graph = serde.serialize(
+            program, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
+        ).exported_program
+    _check_graph(graph)
+    tensors: dict[str, dict[str, Any]] = {}
+    blobs = {"program.json": graph}
+    groups = {"state_dict": program.state_dict, "constants": program.constants}
+    groups["example_inputs"] = {str(i): t for i, t in enumerate(args)}
+    for group, items in groups.items():
+        for name, t in items.items():
+            record = _tensor_record(t)
+            blob = f"{group}/{name}"
+            tensors[blob] = record
+            blobs[blob] = tensor_bytes(t)
+    meta = {"format": QUANTIZE_VERSION, "tensors": tensors, "compile_spec_after": spec_digest}
+    return Entry(meta=meta, blobs=blobs)
+
+
+def _check_graph(graph: bytes) -> None:
+    for key in _REFUSED_KEYS:
+        if key in graph:
+            raise FormatError(f"program holds {key.decode()} values")
+    try:
+        doc = json.loads(graph)
+    except ValueError as err:
+        raise FormatError(f"program JSON: {err}") from None
+    if not isinstance(doc, dict) or doc.get("range_constraints") or doc.get("guards_code"):
+        raise FormatError("program has shape constraints or guard code")
+
+
+def _tensor(record: dict[str, Any], data: bytes) -> torch.Tensor:
+    dtype = getattr(torch, record["dtype"])
+    if not isinstance(dtype, torch.dtype):
+        raise FormatError(f"unknown dtype {record['dtype']!r}")
+    flat = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+    t = torch.empty_strided(record["shape"], record["stride"], dtype=dtype)
+    t.copy_(flat.reshape(record["shape"]))
+    if record["parameter"]:
+        return torch.nn.Parameter(t, requires_grad=record["requires_grad"])
+    return t.requires_grad_(record["requires_grad"])
+
+
+def decode(entry: Entry) -> torch.export.ExportedProgram:
+    """Rebuild a stored quantized program; FormatError if it is not one this format wrote."""
+    from torch._export.serde import serialize as serde
+
+    if entry.meta.get("format") != QUANTIZE_VERSION:
+        raise FormatError("not a stored quantized program")
+    graph = entry.blobs["program.json"]
+    _check_graph(graph)
+    groups: dict[str, dict[str, torch.Tensor]] = {"state_dict": {}, "constants": {}, "example_inputs": {}}
+    for blob, record in entry.meta["tensors"].items():
+        group, _, name = blob.partition("/")
+        groups[group][name] = _tensor(record, entry.blobs[blob])
+    args = tuple(groups["example_inputs"][str(i)] for i in range(len(groups["example_inputs"])))
+    with _cached_type_hints():
+        artifact = serde.SerializedArtifact(graph, groups["state_dict"], groups["constants"], (args, {}))
+        return serde.deserialize(artifact)
+
+
+class _TypingWithCachedHints:
+    """``typing`` as torch's deserializer sees it, with ``get_type_hints`` memoized.
+
+    The JSON-to-schema conversion asks for the same dataclasses' hints once
+    per node field; caching them makes rebuilding a program several times
+    faster. The schema classes are fixed, so the cache is exact.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(typing, name)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def _hints(cls: Any, include_extras: bool) -> dict[str, Any]:
+        from torch._export.serde import schema
+
+        return typing.get_type_hints(cls, globalns=vars(schema), include_extras=include_extras)
+
+    def get_type_hints(self, obj: Any, globalns: Any = None, localns: Any = None, include_extras: bool = False) -> Any:
+        from torch._export.serde import schema
+
+        if globalns is vars(schema) and localns is None:
+            return self._hints(obj, include_extras)
+        return typing.get_type_hints(obj, globalns, localns, include_extras)
+
+
+@contextlib.contextmanager
+def _no_canonical_form_check() -> Iterator[None]:
+    """Skip ``serialize``'s self-test of the canonical form (a deep copy whose
+    result is discarded; two thirds of the serialization time)."""
+    from torch._export.serde import serialize as serde
+
+    original = serde.canonicalize
+    serde.canonicalize = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        serde.canonicalize = original
+
+
+@contextlib.contextmanager
+def _cached_type_hints() -> Iterator[None]:
+    from torch._export.serde import serialize as serde
+
+    original = serde.typing
+    serde.typing = _TypingWithCachedHints()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        serde.typing = original
