@@ -82,7 +82,7 @@ def lower(
     out_dir: Path = typer.Option(..., "--out", "-o", help="Directory that receives model.pte, TOSA, Vela output, manifest.json."),
     cache_dir: Optional[Path] = CacheDir,
     no_cache: bool = typer.Option(False, "--no-cache", help="Lower without reading or writing the cache."),
-    calibration: Optional[Path] = typer.Option(None, "--calibration", help=".pt file with a list of input tuples (torch.load weights_only)."),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help=".pt file with a list of input tuples (torch.load weights_only), or .npz with one array per input, samples on axis 0."),
     per_tensor: bool = typer.Option(False, "--per-tensor", help="Quantize weights per tensor instead of per channel."),
     remote: Optional[str] = RemoteUrl,
 ) -> None:
@@ -156,7 +156,7 @@ def verify(
     model: str = typer.Argument(..., help="path/to/file.py:factory or a saved .pt2."),
     target: str = typer.Option(..., "--target", "-t"),
     cache_dir: Optional[Path] = CacheDir,
-    calibration: Optional[Path] = typer.Option(None, "--calibration", help=".pt file with a list of input tuples."),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration file, as for lower (.pt or .npz)."),
     remote: Optional[str] = RemoteUrl,
 ) -> None:
     """Lower with and without the cache (and in a fresh cache); fail on any byte difference."""

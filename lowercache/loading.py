@@ -99,13 +99,20 @@ def _load_program(path: str) -> LoadedModel:
 
 
 def load_calibration(path: str) -> list[tuple[Any, ...]]:
-    """Calibration samples from a ``.pt`` file (loaded with ``weights_only=True``).
+    """Calibration samples from a ``.pt`` or ``.npz`` file; nothing is unpickled.
 
-    The file holds a list of samples; a sample is a tuple of input tensors, or
-    a single tensor for one-input models. A lone tuple is one sample.
+    ``.pt`` (loaded with ``weights_only=True``): a list of samples; a sample
+    is a tuple of input tensors, or a single tensor for one-input models. A
+    lone tuple is one sample.
+
+    ``.npz`` (loaded with ``allow_pickle=False``): one array per model input,
+    in input order (``numpy.savez(f, x)`` or ``savez(f, x=..., y=...)``), each
+    stacking the samples along a new first axis: ``(samples, *input_shape)``.
     """
     if not os.path.isfile(path):
         raise LowercacheError(f"calibration file not found: {path}")
+    if path.endswith(".npz"):
+        return _load_npz_calibration(path)
     try:
         data = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:
@@ -122,6 +129,22 @@ def load_calibration(path: str) -> list[tuple[Any, ...]]:
             raise LowercacheError(f"calibration file {path}: sample {i} is not a tuple of tensors")
         samples.append(tuple(sample))
     return samples
+
+
+def _load_npz_calibration(path: str) -> list[tuple[Any, ...]]:
+    import numpy
+
+    try:
+        with numpy.load(path, allow_pickle=False) as archive:
+            arrays = [archive[name] for name in archive.files]
+    except Exception as e:
+        raise LowercacheError(f"cannot load calibration file {path}: {_describe(e)}") from None
+    if not arrays or any(a.ndim < 1 or a.dtype.kind not in "biuf" for a in arrays):
+        raise LowercacheError(f"calibration file {path} must hold one numeric array per input, samples on the first axis")
+    count = arrays[0].shape[0]
+    if count == 0 or any(a.shape[0] != count for a in arrays):
+        raise LowercacheError(f"calibration file {path}: every array needs the same, non-zero number of samples")
+    return [tuple(torch.from_numpy(a[i].copy()) for a in arrays) for i in range(count)]
 
 
 def check_calibration(samples: list[tuple[Any, ...]], example_inputs: tuple[Any, ...], path: str) -> None:

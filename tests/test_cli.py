@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
@@ -99,6 +100,8 @@ BAD_FACTORIES = {
         ("corrupt_pt2", "cannot load saved program"),
         ("unwritable_cache", "is not writable"),
         ("bad_calibration", "cannot load calibration file"),
+        ("bad_npz_calibration", "same, non-zero number of samples"),
+        ("pickled_npz_calibration", "cannot load calibration file"),
     ],
 )
 def test_bad_input_gives_one_line_and_leaves_nothing(case, expected, tmp_path, cache_dir):
@@ -120,6 +123,12 @@ def test_bad_input_gives_one_line_and_leaves_nothing(case, expected, tmp_path, c
     elif case == "bad_calibration":
         (tmp_path / "calib.pt").write_bytes(b"not a torch file")
         extra = ["--calibration", tmp_path / "calib.pt"]
+    elif case == "bad_npz_calibration":
+        numpy.savez(tmp_path / "calib.npz", numpy.zeros((2, 1, 3, 16, 16), "float32"), numpy.zeros((3, 1), "float32"))
+        extra = ["--calibration", tmp_path / "calib.npz"]
+    elif case == "pickled_npz_calibration":
+        numpy.savez(tmp_path / "calib.npz", numpy.array([{"a": 1}], dtype=object))
+        extra = ["--calibration", tmp_path / "calib.npz"]
     result = cli("lower", model, "--target", target, "--out", out, *extra, cache_dir=cache_dir)
     assert result.returncode != 0
     lines = error_lines(result)
@@ -141,6 +150,18 @@ def test_saved_program_and_calibration_file(tmp_path, cache_dir):
     from .conftest import stock_pte
 
     assert (out / "model.pte").read_bytes() == stock_pte(module, example, "tosa-int", calibration=samples)
+
+
+def test_npz_calibration_file_equals_the_same_samples(tmp_path):
+    from lowercache.loading import load_calibration
+
+    _, example = models.transformer_block()
+    samples = models.calibration_samples(example, n=3)
+    numpy.savez(tmp_path / "calib.npz", *[numpy.stack([s[i].numpy() for s in samples]) for i in range(len(example))])
+    loaded = load_calibration(str(tmp_path / "calib.npz"))
+    assert len(loaded) == 3
+    for got, want in zip(loaded, samples):
+        assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_corrupt_entry_is_recomputed_with_a_warning(tmp_path, cache_dir):
