@@ -145,15 +145,18 @@ def encode(program: torch.export.ExportedProgram, spec_digest: str) -> Entry:
         ).exported_program
     _check_graph(graph)
     tensors: dict[str, dict[str, Any]] = {}
-    blobs = {"program.json": graph}
+    chunks: list[bytes] = []
+    offset = 0
     groups = {"state_dict": program.state_dict, "constants": program.constants}
     groups["example_inputs"] = {str(i): t for i, t in enumerate(args)}
     for group, items in groups.items():
         for name, t in items.items():
             record = _tensor_record(t)
-            blob = f"{group}/{name}"
-            tensors[blob] = record
-            blobs[blob] = tensor_bytes(t)
+            data = tensor_bytes(t)
+            tensors[f"{group}/{name}"] = {**record, "offset": offset, "size": len(data)}
+            chunks.append(data)
+            offset += len(data)
+    blobs = {"program.json": graph, "tensors": b"".join(chunks)}  # one blob: one file write per entry
     meta = {"format": QUANTIZE_VERSION, "tensors": tensors, "compile_spec_after": spec_digest}
     return Entry(meta=meta, blobs=blobs)
 
@@ -170,7 +173,11 @@ def _check_graph(graph: bytes) -> None:
         raise FormatError("program has shape constraints or guard code")
 
 
-def _tensor(record: dict[str, Any], data: bytes) -> torch.Tensor:
+def _tensor(record: dict[str, Any], packed: bytes) -> torch.Tensor:
+    start, size = record["offset"], record["size"]
+    if start < 0 or size < 0 or start + size > len(packed):
+        raise FormatError("tensor outside the stored bytes")
+    data = packed[start : start + size]
     dtype = getattr(torch, record["dtype"])
     if not isinstance(dtype, torch.dtype):
         raise FormatError(f"unknown dtype {record['dtype']!r}")
@@ -193,7 +200,7 @@ def decode(entry: Entry) -> torch.export.ExportedProgram:
     groups: dict[str, dict[str, torch.Tensor]] = {"state_dict": {}, "constants": {}, "example_inputs": {}}
     for blob, record in entry.meta["tensors"].items():
         group, _, name = blob.partition("/")
-        groups[group][name] = _tensor(record, entry.blobs[blob])
+        groups[group][name] = _tensor(record, entry.blobs["tensors"])
     args = tuple(groups["example_inputs"][str(i)] for i in range(len(groups["example_inputs"])))
     with _cached_type_hints():
         artifact = serde.SerializedArtifact(graph, groups["state_dict"], groups["constants"], (args, {}))

@@ -75,6 +75,9 @@ def test_stored_form_round_trips_without_pickle():
     for name, tensor in program.state_dict.items():
         assert torch.equal(rebuilt.state_dict[name], tensor)
         assert type(rebuilt.state_dict[name]) is type(tensor)
+    # The Arm annotation info (which nodes are quantized) steers folding and partitioning.
+    annotated = [(a.meta["custom"], b.meta.get("custom")) for a, b in zip(program.graph.nodes, rebuilt.graph.nodes) if "custom" in a.meta]
+    assert annotated and all(dict(a) == b for a, b in annotated)
 
 
 @pytest.mark.parametrize("key", [b'"as_expr"', b'"as_custom_obj"'])
