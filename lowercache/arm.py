@@ -13,8 +13,9 @@ While installed, the hooks record into the active :class:`~lowercache.steps.Sess
 and pass straight through when there is none. Installing them also turns on
 the in-flow speed-ups that keep output bytes identical: shared provenance
 (``provenance.py``), observer qparams steps (``qparams.py``), per-pass
-records (``passes.py``) and reuse of unchanged nodes' fake-tensor values
-during retraces (``retrace.py``). Calls that ask for debug
+records (``passes.py``), reuse of unchanged nodes' fake-tensor values
+during retraces (``retrace.py``) and fast copies of the nodes a pass leaves
+alone (``fastcopy.py``). Calls that ask for debug
 artifacts on disk run uncached (a hit would not write them).
 """
 
@@ -27,7 +28,7 @@ import tempfile
 import threading
 from typing import Any
 
-from . import passes, provenance, qparams, retrace
+from . import fastcopy, passes, provenance, qparams, retrace
 from .patching import Patch
 from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
 from .hashing import Unhashable, canon, digest, digest_json, program_parts
@@ -203,6 +204,7 @@ def _apply() -> None:
     qparams.enable()
     passes.enable()
     retrace.enable()
+    fastcopy.enable()
 
 
 def _undo() -> None:
@@ -210,6 +212,7 @@ def _undo() -> None:
     qparams.disable()
     passes.disable()
     retrace.disable()
+    fastcopy.disable()
     if not _permanent:
         _unwrap_modules()
 
@@ -229,5 +232,6 @@ def install_permanently(module_name: str) -> None:
             qparams.enable()
             passes.enable()
             retrace.enable()
+            fastcopy.enable()
         _permanent = True
         _wrap_module(module_name)

@@ -502,14 +502,36 @@ def _fx(self: Any, kind: str, target: Any, args: Any, kwargs: Any, meta: Any) ->
         self.interpreter = inner
 
 
+def _frame(interpreter: Any, n: Any) -> tuple:
+    used = interpreter.__dict__.get("_lowercache_retrace_used")
+    if used is None:
+        used = interpreter._lowercache_retrace_used = set()  # per interpreter, i.e. per (sub)graph retrace
+    return (n, interpreter.callback, used)
+
+
 def _run_node(self: Any, n: Any) -> Any:
     previous = getattr(_tls, "frame", None)
-    used = self.__dict__.get("_lowercache_retrace_used")
-    if used is None:
-        used = self._lowercache_retrace_used = set()  # per interpreter, i.e. per (sub)graph retrace
-    _tls.frame = (n, self.callback, used)
+    _tls.frame = _frame(self, n)
     try:
         return _originals["run_node"](self, n)
+    finally:
+        _tls.frame = previous
+
+
+def fake_value(interpreter: Any, n: Any, target: Any, args: tuple, kwargs: dict) -> Any:
+    """The value ``_fx`` computes when ``interpreter`` retraces ``n`` (``args_data`` given).
+
+    For callers that build the new node themselves (``fastcopy``): the very
+    call ``_fx`` makes, through the reuse shim while enabled (same checks,
+    records and counters), else straight to the pass's interpreter.
+    """
+    pass_ = interpreter.callback
+    if not enabled():
+        return pass_.interpreter.call_function(target, args, kwargs)
+    previous = getattr(_tls, "frame", None)
+    _tls.frame = _frame(interpreter, n)
+    try:
+        return _Shim(pass_.interpreter, pass_).call_function(target, args, kwargs)
     finally:
         _tls.frame = previous
 

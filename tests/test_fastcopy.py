@@ -1,0 +1,371 @@
+"""Fast node copy: the stock bytes, the stock graphs node by node, and it really copies."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+
+import pytest
+import torch
+
+from lowercache import fastcopy, models, provenance, retrace
+
+from .conftest import reference, stock_pte
+from .test_retrace import _Cond
+
+TARGETS = ("tosa-int", "tosa-fp", "ethos-u55-128")
+
+
+@contextlib.contextmanager
+def _mechanism(reuse: bool = True):
+    """Fast copy as the flow runs it: with shared provenance and fake-value reuse."""
+    fastcopy.reset_stats()
+    retrace.reset_stats()
+    with provenance.shared_provenance(), contextlib.ExitStack() as stack:
+        if reuse:
+            stack.enter_context(retrace.reuse_fake_propagation())
+        stack.enter_context(fastcopy.fast_copy())
+        yield
+    assert not fastcopy.enabled()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("model", ["tiny_cnn", "residual_cnn", "transformer_block"])
+def test_pte_bytes_identical_and_copies_happen(model, target):
+    expected = reference(model, target)
+    with _mechanism():
+        got = stock_pte(*models.MODELS[model](), target)
+    counts = fastcopy.stats()
+    assert got == expected
+    assert counts["copied"] > 0, counts
+    assert counts["fallback_pass"] > 0, counts  # target ops and unaudited passes take the stock path
+    assert counts["fallback_unaudited"] == 0, counts
+
+
+def test_without_fake_value_reuse_still_identical():
+    expected = reference("residual_cnn", "ethos-u55-128")
+    with _mechanism(reuse=False):
+        got = stock_pte(*models.residual_cnn(), "ethos-u55-128")
+    assert got == expected
+    assert fastcopy.stats()["copied"] > 0
+    assert retrace.stats()["reused"] == 0
+
+
+# --- graph-level checks: everything a later step can read, node by node -------------
+
+
+def _source(ns):
+    """The newest link of a provenance chain: which node, under which pass, made this one.
+
+    Deeper links are left out: the quantizer's part of the history already differs between
+    two stock lowerings in one process. Fast copies hand on the old node's list either way.
+    """
+    return ("src", ns.name, str(ns.target), ns.pass_name, str(ns.action), len(ns.from_node))
+
+
+def _canon(value):
+    """A comparable rendering of a meta value."""
+    from torch.fx.traceback import NodeSource
+
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.stride(), value.dtype, value.device, value.storage_offset(), value.requires_grad)
+    if isinstance(value, NodeSource):
+        return _source(value)
+    if isinstance(value, torch.fx.Node):
+        return ("node", value.name)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [_canon(v) for v in value])
+    if isinstance(value, dict):
+        return ("dict", [(k, _canon(v)) for k, v in value.items()])
+    if isinstance(value, (int, float, str, bool, type(None), torch.dtype, torch.device)):
+        return value
+    return (type(value).__qualname__, re.sub(r" at 0x[0-9a-f]+", "", repr(value)))  # no addresses
+
+
+def _describe(gm: torch.fx.GraphModule, seq_nr: bool = True) -> list:
+    """Names, ops, targets, args, kwargs, meta keys in order with their values; nested graphs too.
+
+    ``seq_nr=False`` keeps the key but not its value: a node created without one takes the
+    process-wide autograd sequence number, which the calibration run moves on between lowerings.
+    """
+    out = []
+    for node in gm.graph.nodes:
+        meta = [(k, _canon(v)) for k, v in node.meta.items()]
+        # export's generated-code file names count up per process: not part of the comparison
+        meta = [(k, re.sub(r"<eval_with_key>\.\d+", "<eval_with_key>", v) if k == "stack_trace" and isinstance(v, str) else v) for k, v in meta]
+        if not seq_nr:
+            meta = [(k, "-" if k == "seq_nr" else v) for k, v in meta]
+        out.append((node.op, node.name, str(node.target), _canon(node.args), _canon(node.kwargs), meta))
+    for name, child in gm.named_children():
+        if isinstance(child, torch.fx.GraphModule):
+            out.append(("child", name, _describe(child, seq_nr)))
+    return out
+
+
+@contextlib.contextmanager
+def _recording(log: list):
+    """Record every ExportPass retrace's output graph and every Arm pass's result."""
+    from executorch.backends.arm._passes.arm_pass import ArmPass
+    from executorch.exir.pass_base import _ExportPassBase
+
+    retrace_call, arm_call = _ExportPassBase.call, ArmPass.__call__
+
+    def call(self, gm):
+        result = retrace_call(self, gm)
+        log.append(("retrace", type(self).__name__, _describe(result.graph_module, False), result.graph_module.code))
+        return result
+
+    def arm(self, gm):
+        result = arm_call(self, gm)
+        if result is not None:
+            log.append(("arm", type(self).__name__, _describe(result.graph_module, False)))
+        return result
+
+    _ExportPassBase.call, ArmPass.__call__ = call, arm
+    try:
+        yield
+    finally:
+        _ExportPassBase.call, ArmPass.__call__ = retrace_call, arm_call
+
+
+@pytest.mark.parametrize(("model", "target"), [("residual_cnn", "ethos-u55-128"), ("transformer_block", "tosa-fp")])
+def test_every_pass_output_matches_node_by_node(model, target):
+    """Both Arm pipelines and the edge passes, compared after every retrace and every Arm pass."""
+    stock_log: list = []
+    with provenance.shared_provenance(), retrace.reuse_fake_propagation(), _recording(stock_log):
+        expected = stock_pte(*models.MODELS[model](), target)
+    fast_log: list = []
+    with _mechanism(), _recording(fast_log):
+        got = stock_pte(*models.MODELS[model](), target)
+    assert got == expected
+    assert len(fast_log) == len(stock_log)
+    for stock, fast in zip(stock_log, fast_log):
+        assert fast[:2] == stock[:2]
+        assert fast == stock, f"{stock[0]} {stock[1]} differs"
+    assert fastcopy.stats()["copied"] > 0
+
+
+def _targeted_passes():
+    from executorch.backends.arm._passes.arm_pass import ArmOpTargetedPass
+
+    class _Targeted(ArmOpTargetedPass):
+        _passes_required_after: set = set()
+
+    class SumOverRows(_Targeted):
+        """Rewrites ``sum`` over dim 1 into a sum over dim 0: every node downstream changes shape."""
+
+        target_ops = {torch.ops.aten.sum.dim_IntList}
+
+        def call_operator(self, op, args, kwargs, meta):
+            if op not in self.target_ops:
+                return super().call_operator(op, args, kwargs, meta)
+            return super().call_operator(op, (args[0], [0]), kwargs, meta, updated=True)
+
+    class ReluToHalf(_Targeted):
+        """Follows relu with a float16 cast: downstream dtypes change."""
+
+        target_ops = (torch.ops.aten.relu.default,)
+
+        def call_operator(self, op, args, kwargs, meta, updated=False):
+            if op not in self.target_ops:
+                return super().call_operator(op, args, kwargs, meta, updated)
+            out = super().call_operator(op, args, kwargs, meta, updated)
+            return super().call_operator(torch.ops.aten._to_copy.default, (out,), {"dtype": torch.float16}, meta, True)
+
+    class StaleRewrite(_Targeted):
+        """Rewrites a non-target node in call() before super().call(), leaving its ``val`` stale."""
+
+        target_ops = {torch.ops.aten.sigmoid.default}
+
+        def call(self, graph_module):
+            for node in graph_module.graph.nodes:
+                if node.target == torch.ops.aten.mean.dim:
+                    node.args = (node.args[0], [0])
+            return super().call(graph_module)
+
+    class Unguarded(_Targeted):
+        """A call_operator that does not start with the guard: never fast-copied."""
+
+        target_ops = {torch.ops.aten.sigmoid.default}
+
+        def call_operator(self, op, args, kwargs, meta):
+            meta = meta.copy()
+            return super().call_operator(op, args, kwargs, meta)
+
+    return SumOverRows, ReluToHalf, StaleRewrite, Unguarded
+
+
+class _Small(torch.nn.Module):
+    def forward(self, x):
+        a = torch.relu(x)
+        b = torch.sum(a, dim=[1])
+        c = a.permute(1, 0)
+        d = torch.split(x, 1, dim=0)
+        e = torch.mean(torch.sigmoid(x) + 1, dim=[1])
+        return b * 2 + 1, c * 2, d[0] + 1, e.exp()
+
+
+def _run_chain(chain, first=True, copies=None, **mechanism):
+    """Export ``_Small`` (3x4 input) and run ``chain`` (after a plain ExportPass when ``first``).
+
+    ``copies``, when given, receives the fast copies made by each pass, in order.
+    """
+    from executorch.exir.pass_base import ExportPass
+
+    gm = torch.export.export(_Small(), (torch.randn(3, 4),), strict=False).graph_module
+    log: list = []
+    ctx = _mechanism(**mechanism) if mechanism else contextlib.nullcontext()
+    with ctx:
+        for p in ((ExportPass,) if first else ()) + tuple(chain):
+            before = fastcopy.stats()["copied"]
+            gm = p()(gm).graph_module
+            log.append((p.__name__, _describe(gm), gm.code))
+            if copies is not None:
+                copies.append(fastcopy.stats()["copied"] - before)
+    return log
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_targeted_passes_match_node_by_node(reuse):
+    SumOverRows, ReluToHalf, StaleRewrite, Unguarded = _targeted_passes()
+    chain = [SumOverRows, ReluToHalf, StaleRewrite, Unguarded, StaleRewrite]
+    stock = _run_chain(chain)
+    copies: list = []
+    fast = _run_chain(chain, copies=copies, reuse=reuse)
+    counts = fastcopy.stats()
+    # 12 op nodes (13 once ReluToHalf adds a cast). The first retrace after export finds no
+    # ``from_node`` yet; guarded passes copy all but their targets; StaleRewrite does not override
+    # call_operator (target_ops only gate whether it runs); Unguarded copies nothing.
+    assert copies == [0, 11, 11, 13, 0, 13], copies
+    for (name, s_desc, s_code), (_, f_desc, f_code) in zip(stock, fast):
+        assert f_desc == s_desc, name
+        assert f_code == s_code, name
+    assert counts["copied"] > 0 and counts["fallback_pass"] > 0, counts
+    if reuse:
+        assert retrace.stats()["redispatched_changed"] > 0  # downstream of the rewrites
+    vals = {}
+    for op, _name, target, _args, _kwargs, meta in fast[-1][1]:
+        if op == "call_function":
+            vals.setdefault(target, []).append(dict(meta)["val"])
+    assert [v[1] for v in vals["aten.sum.dim_IntList"]] == [(4,)]  # SumOverRows: over dim 0 of a 3x4
+    assert [v[1] for v in vals["aten.mean.dim"]] == [(4,)]  # StaleRewrite: recomputed, not the stale (3,)
+    assert [v[3] for v in vals["aten._to_copy.default"]] == [torch.float16]  # ReluToHalf
+    assert [v[3] for v in vals["aten.sum.dim_IntList"]] == [torch.float16]  # downstream dtype follows
+    assert [v[1] for v in vals["aten.exp.default"]] == [(4,)]
+
+
+def test_unguarded_pass_falls_back_for_every_node():
+    *_, Unguarded = _targeted_passes()
+    stock = _run_chain([Unguarded], first=False)
+    fast = _run_chain([Unguarded], first=False, reuse=True)
+    assert fast == stock
+    counts = fastcopy.stats()
+    assert counts["copied"] == 0 and counts["fallback_pass"] > 0, counts
+
+
+def test_control_flow_submodules_fall_back_and_match():
+    from executorch.exir.pass_base import ExportPass
+
+    def run(**mechanism):
+        gm = torch.export.export(_Cond(), (torch.randn(2, 3),), strict=False).graph_module
+        ctx = _mechanism(**mechanism) if mechanism else contextlib.nullcontext()
+        with ctx:
+            for _ in range(3):
+                gm = ExportPass()(gm).graph_module
+        return _describe(gm), gm.code
+
+    stock = run()
+    fast = run(reuse=True)
+    assert fast == stock
+    counts = fastcopy.stats()
+    assert counts["fallback_nested"] > 0 and counts["copied"] > 0, counts
+
+
+def test_guard_recognition():
+    from executorch.exir.pass_base import ExportPass
+
+    st = fastcopy._setup()
+    assert st is not None, "installed torch / ExecuTorch sources differ from the audited ones"
+
+    class Guard(ExportPass):
+        target_ops = ()
+
+        def call_operator(self, op, args, kwargs, meta):
+            """A docstring first is fine."""
+            if op not in self.target_ops or self.other(meta):
+                return super().call_operator(op, args, kwargs, meta)
+            return None
+
+    class SwappedArgs(ExportPass):
+        target_ops = ()
+
+        def call_operator(self, op, args, kwargs, meta):
+            if op not in self.target_ops:
+                return super().call_operator(op, kwargs, args, meta)
+            return None
+
+    class LateGuard(ExportPass):
+        target_ops = ()
+
+        def call_operator(self, op, args, kwargs, meta):
+            self.seen = op
+            if op not in self.target_ops:
+                return super().call_operator(op, args, kwargs, meta)
+            return None
+
+    class OtherSet(ExportPass):
+        target_ops = ()
+        others = ()
+
+        def call_operator(self, op, args, kwargs, meta):
+            if op not in self.others:
+                return super().call_operator(op, args, kwargs, meta)
+            return None
+
+    class UpdatedToBase(ExportPass):
+        """Forwards ``updated`` to a base call_operator that does not take it (stock raises)."""
+
+        target_ops = ()
+
+        def call_operator(self, op, args, kwargs, meta, updated=False):
+            if op not in self.target_ops:
+                return super().call_operator(op, args, kwargs, meta, updated)
+            return None
+
+    class Plain(ExportPass):
+        pass
+
+    assert fastcopy._chain(Guard, st) == "guard"
+    assert fastcopy._chain(Plain, st) == "base"
+    for cls in (SwappedArgs, LateGuard, OtherSet, UpdatedToBase):
+        assert fastcopy._chain(cls, st) is None, cls.__name__
+
+
+def test_audited_sources_digest():
+    assert fastcopy.sources_digest() == fastcopy._AUDITED_DIGEST
+
+
+def test_enable_disable_reference_counted_and_restores_originals():
+    from executorch.exir.pass_base import ExportPass
+
+    assert "run_node" not in ExportPass.ExportInterpreter.__dict__
+    with fastcopy.fast_copy():
+        with fastcopy.fast_copy():
+            assert fastcopy.enabled()
+        assert fastcopy.enabled()
+    assert not fastcopy.enabled()
+    assert "run_node" not in ExportPass.ExportInterpreter.__dict__
+
+    def churn():
+        for _ in range(200):
+            fastcopy.enable()
+            fastcopy.disable()
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not fastcopy.enabled()
+    assert "run_node" not in ExportPass.ExportInterpreter.__dict__
