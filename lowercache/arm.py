@@ -14,8 +14,9 @@ and pass straight through when there is none. Installing them also turns on
 the in-flow speed-ups that keep output bytes identical: shared provenance
 (``provenance.py``), observer qparams steps (``qparams.py``), per-pass
 records (``passes.py``), reuse of unchanged nodes' fake-tensor values
-during retraces (``retrace.py``) and fast copies of the nodes a pass leaves
-alone (``fastcopy.py``). Calls that ask for debug
+during retraces (``retrace.py``), fast copies of the nodes a pass leaves
+alone (``fastcopy.py``) and deferred GraphModule code generation
+(``lazycode.py``). Calls that ask for debug
 artifacts on disk run uncached (a hit would not write them).
 """
 
@@ -28,7 +29,7 @@ import tempfile
 import threading
 from typing import Any
 
-from . import fastcopy, passes, provenance, qparams, retrace
+from . import fastcopy, lazycode, passes, provenance, qparams, retrace
 from .patching import Patch
 from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
 from .hashing import Unhashable, canon, digest, digest_json, program_parts
@@ -205,6 +206,7 @@ def _apply() -> None:
     passes.enable()
     retrace.enable()
     fastcopy.enable()
+    lazycode.enable()
 
 
 def _undo() -> None:
@@ -213,6 +215,7 @@ def _undo() -> None:
     passes.disable()
     retrace.disable()
     fastcopy.disable()
+    lazycode.disable()
     if not _permanent:
         _unwrap_modules()
 
@@ -233,5 +236,6 @@ def install_permanently(module_name: str) -> None:
             passes.enable()
             retrace.enable()
             fastcopy.enable()
+            lazycode.enable()
         _permanent = True
         _wrap_module(module_name)
