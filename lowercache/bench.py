@@ -76,7 +76,8 @@ STEP_KINDS: tuple[str, ...] = ("flow", "quantize", "partition", "tosa", "pass", 
 
 NODES_NOTE = (
     "nodes re-traced vs copied counts, within lowercache's run, the op dispatches of ExportPass retraces "
-    "that went through FakeTensor vs those whose value was reused from the unchanged input node (retrace.py)"
+    "that went through FakeTensor vs those whose value was reused from the unchanged input node (retrace.py); "
+    "in brackets, the nodes built by fast copy instead of being interpreted (fastcopy.py)"
 )
 
 RSS_NOTE = (
@@ -409,7 +410,10 @@ def _stages_cell(row: dict[str, Any]) -> str:
 
 
 def _nodes_cell(nodes: dict[str, int]) -> str:
-    return f"{nodes.get('retraced', 0)}/{nodes.get('copied', 0)}" if isinstance(nodes, dict) and nodes else "-"
+    if not isinstance(nodes, dict) or not nodes:
+        return "-"
+    fast = f" ({nodes['copied_fast']} fast)" if "copied_fast" in nodes else ""
+    return f"{nodes.get('retraced', 0)}/{nodes.get('copied', 0)}{fast}"
 
 
 def _counts_cell(counts: dict[str, dict[str, int]], sep: str = "<br>") -> str:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import arm, quantize, retrace
+from . import arm, fastcopy, quantize, retrace
 from .hashing import Unhashable, digest, digest_json, inputs_digest, program_parts
 from .steps import Session, activate, listed, outcome_counts
 from .store import Entry, Store
@@ -40,7 +40,7 @@ class Artifacts:
     parts: dict[str, str] = field(default_factory=dict)
     stages: dict[str, float] = field(default_factory=dict)
     manifest: dict[str, Any] = field(default_factory=dict)
-    nodes: dict[str, int] = field(default_factory=dict)  # retraced vs copied in ExportPass retraces
+    nodes: dict[str, int] = field(default_factory=dict)  # retraced vs copied in ExportPass retraces, and fast copies
 
     @property
     def pte(self) -> bytes:
@@ -175,6 +175,7 @@ def lower_program(
         return Entry(blobs=blobs)
 
     retrace.reset_stats()
+    fastcopy.reset_stats()
     with arm.hooks(), activate(session):
         entry = session.run("flow", target.name, parts, compute)
     counts = retrace.stats()
@@ -183,7 +184,7 @@ def lower_program(
         records=[r.to_json() for r in session.records],
         parts=parts or {},
         stages=stages.seconds,
-        nodes={"retraced": counts["redispatched"], "copied": counts["reused"]},
+        nodes={"retraced": counts["redispatched"], "copied": counts["reused"], "copied_fast": fastcopy.stats()["copied"]},
     )
 
 

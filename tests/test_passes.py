@@ -22,5 +22,6 @@ def test_manifest_lists_every_arm_pass(cache_dir):
     assert ArmPass.__call__ is original  # unpatched after the run
     nodes = artifacts.manifest["nodes"]
     assert nodes["copied"] > 0 and nodes["retraced"] > 0  # unchanged nodes reuse their fake values
+    assert nodes["copied_fast"] > 0  # and the nodes a pass leaves alone are built without interpreting them
     warm = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
     assert warm.manifest["passes"] == []  # a flow hit runs no pass
