@@ -215,6 +215,7 @@ def stats(cache_dir: Optional[Path] = CacheDir) -> None:
 def explain(
     model: str = typer.Argument(..., help="The MODEL as given to `lowercache lower`."),
     target: str = typer.Option(..., "--target", "-t"),
+    passes: bool = typer.Option(False, "--passes", help="List every Arm pass of the latest run that ran passes."),
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Say which named key parts changed for the last miss of MODEL on a target."""
@@ -229,6 +230,9 @@ def explain(
     with _local_store(cache_dir) as store:
         for line in history.explain(store, name, resolved.name):
             typer.echo(line)
+        if passes:
+            for line in history.explain_passes(store, name, resolved.name):
+                typer.echo(line)
 
 
 def _model_name(model: str) -> str:

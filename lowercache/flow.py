@@ -214,7 +214,7 @@ def manifest(artifacts: Artifacts, target: Target, model: str) -> dict[str, Any]
         "step_counts": outcome_counts(artifacts.records),
         "nodes": artifacts.nodes,
         "passes": [
-            {"pass": r["name"], "outcome": r["outcome"], "seconds": round(r["seconds"], 4)}
+            {"pass": r["name"], "outcome": r["outcome"], "seconds": round(r["seconds"], 4), "nodes": r.get("nodes", {})}
             for r in artifacts.records
             if r["kind"] == "pass"
         ],

@@ -26,6 +26,9 @@ def record_run(store: Store, model: str, target: str, steps: list[dict[str, Any]
         {
             "time": time.time(),
             "steps": [{k: s[k] for k in ("kind", "name", "outcome", "key", "parts")} for s in listed(steps)],
+            "passes": [
+                [s["name"], s["outcome"], round(s["seconds"], 4), s.get("nodes", {})] for s in steps if s["kind"] == "pass"
+            ],
         }
     )
     store.put_record(_record_name(model, target), runs[-KEEP_RUNS:])
@@ -76,3 +79,22 @@ def _step(run: dict[str, Any], kind: str, name: str | None = None) -> dict[str, 
         if step["kind"] == kind and (name is None or step["name"] == name):
             return step
     return None
+
+
+def explain_passes(store: Store, model: str, target: str) -> list[str]:
+    """Per pass of the latest run that ran passes: outcome, seconds, nodes re-traced / copied."""
+    runs = store.get_record(_record_name(model, target)) or []
+    index = next((i for i in range(len(runs) - 1, -1, -1) if runs[i].get("passes")), None)
+    if index is None:
+        return [f"no recorded run of {model} for {target} ran a pass (a flow hit runs none)"]
+    passes = runs[index]["passes"]
+    lines = [f"passes of run {index + 1} of {len(runs)}, in pipeline order", f"{'pass':<44} {'outcome':<7} {'seconds':>8} {'retraced':>9} {'copied':>7} {'fast':>6}"]
+    for name, outcome, seconds, nodes in passes:
+        counts = [nodes.get(k, 0) for k in ("retraced", "copied", "copied_fast")]
+        lines.append(f"{name:<44} {outcome:<7} {seconds:>8.3f} {counts[0]:>9} {counts[1]:>7} {counts[2]:>6}")
+    outcomes: dict[str, int] = {}
+    for _, outcome, _, _ in passes:
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    total = sum(p[2] for p in passes)
+    lines.append(f"{len(passes)} passes: " + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items())) + f"; {total:.2f} s")
+    return lines

@@ -8,6 +8,11 @@ Wrapping it records, per pass and pipeline position:
 - ``noop``: the pass ran and reported no modification;
 - ``ran``: the pass ran and modified the graph.
 
+Each record also says how the pass's retrace treated the nodes
+(``retrace.py`` / ``fastcopy.py`` counters over the call): ``retraced``
+(re-dispatched through FakeTensor), ``copied`` (fake value reused) and
+``copied_fast`` (node built without interpreting it).
+
 These records are the base that pass-level caching builds on (no-op and
 replay steps); today they tell where a lowering spends its time.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from . import fastcopy, retrace
 from .patching import Patch
 from .steps import current_session
 
@@ -28,12 +34,20 @@ def _recording_call(self: Any, graph_module: Any) -> Any:
     if session is None:
         return _original[0](self, graph_module)
     start = time.perf_counter()
+    before = _node_counts()
     applicable = self.should_run_pass(graph_module)
     result = _original[0](self, graph_module)
     modified = bool(getattr(result, "modified", True)) if result is not None else True
     outcome = "ran" if modified else ("noop" if applicable else "skip")
-    session.note("pass", type(self).__name__, outcome, time.perf_counter() - start)
+    after = _node_counts()
+    nodes = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+    session.note("pass", type(self).__name__, outcome, time.perf_counter() - start, nodes)
     return result
+
+
+def _node_counts() -> dict[str, int]:
+    counts = retrace.stats()
+    return {"retraced": counts["redispatched"], "copied": counts["reused"], "copied_fast": fastcopy.stats()["copied"]}
 
 
 def _apply() -> None:

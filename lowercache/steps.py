@@ -40,6 +40,7 @@ class StepRecord:
     output: str = ""
     note: str = ""
     tier: str = ""  # for hits: "local", "remote" or "memory" (seen earlier this run)
+    nodes: dict[str, int] = field(default_factory=dict)  # passes: nodes retraced / copied by their retrace
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,9 +148,9 @@ class Session:
         self._emit("end", record, label)
         return entry
 
-    def note(self, kind: str, name: str, outcome: str, seconds: float) -> None:
+    def note(self, kind: str, name: str, outcome: str, seconds: float, nodes: dict[str, int] | None = None) -> None:
         """Record a step that is observed, not cached (a pass that ran or was skipped)."""
-        self.records.append(StepRecord(kind=kind, name=name, outcome=outcome, seconds=seconds))
+        self.records.append(StepRecord(kind=kind, name=name, outcome=outcome, seconds=seconds, nodes=dict(nodes or {})))
 
     def flush_counts(self) -> None:
         """Add this run's outcome counts and time saved to the store's counters, once."""

@@ -82,6 +82,14 @@ def test_lower_twice_writes_identical_outputs_and_explains(tmp_path, cache_dir):
     lines = explained.stdout.splitlines()
     assert "flow ethos-u55-128: missed; changed: calibration, example_inputs, program.constants" in lines, lines
     assert any(line.startswith("tosa partition 0: missed; changed: ") and "program.constants" in line for line in lines), lines
+    assert "quantize ethos-u55-128: missed; changed: calibration, example_inputs, program.constants" in lines, lines
+    # Per pass: the last run was a hit, so the passes shown are the edited run's.
+    explained = cli("explain", f"{edited}:model", "-t", "ethos-u55-128", "--passes", cache_dir=cache_dir)
+    lines = explained.stdout.splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in lines if line.startswith(("FoldAndAnnotateQParamsPass ", "ConvertSplitToSlicePass "))}
+    assert rows["FoldAndAnnotateQParamsPass"][0] == "ran" and int(rows["FoldAndAnnotateQParamsPass"][2]) + int(rows["FoldAndAnnotateQParamsPass"][4]) > 0
+    assert rows["ConvertSplitToSlicePass"][0] == "skip"
+    assert any(line.endswith(" s") and " passes: " in line for line in lines), lines
 
 
 BAD_FACTORIES = {

@@ -23,5 +23,9 @@ def test_manifest_lists_every_arm_pass(cache_dir):
     nodes = artifacts.manifest["nodes"]
     assert nodes["copied"] > 0 and nodes["retraced"] > 0  # unchanged nodes reuse their fake values
     assert nodes["copied_fast"] > 0  # and the nodes a pass leaves alone are built without interpreting them
+    # Per pass: skipped passes touch no node; the per-pass counts add up to the flow's.
+    assert all(not p["nodes"] for p in passes if p["outcome"] == "skip")
+    for key in ("retraced", "copied", "copied_fast"):
+        assert 0 < sum(p["nodes"].get(key, 0) for p in passes) <= nodes[key]
     warm = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
     assert warm.manifest["passes"] == []  # a flow hit runs no pass
