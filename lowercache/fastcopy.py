@@ -251,6 +251,14 @@ def _target_guard_params(fn: Any) -> int | None:
     return 6 if len(names) == 6 and passed == names[1:] else None
 
 
+def _defined_in(fn: Any, klass: type) -> bool:
+    """Whether ``fn``'s zero-argument ``super()`` starts after ``klass`` (its ``__class__`` cell is ``klass``)."""
+    code = getattr(fn, "__code__", None)
+    if code is None or "__class__" not in code.co_freevars or not fn.__closure__:
+        return False
+    return fn.__closure__[code.co_freevars.index("__class__")].cell_contents is klass
+
+
 def _chain(cls: type, st: dict[str, Any]) -> str | None:
     """How ``cls`` reaches the base ``call_operator`` for non-target ops (cached per class).
 
@@ -279,7 +287,7 @@ def _chain(cls: type, st: dict[str, Any]) -> str | None:
         fn = klass.__dict__.get("call_operator")
         if fn is None:
             continue
-        params = _target_guard_params(fn)
+        params = _target_guard_params(fn) if _defined_in(fn, klass) else None
         if params is None or (passes_updated and params < 6):
             result = None
             break

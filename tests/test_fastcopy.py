@@ -336,9 +336,15 @@ def test_guard_recognition():
     class Plain(ExportPass):
         pass
 
+    class Borrowed(ExportPass):
+        """Another class's guard: its ``super()`` would start after that class, not this one."""
+
+        target_ops = ()
+        call_operator = Guard.call_operator
+
     assert fastcopy._chain(Guard, st) == "guard"
     assert fastcopy._chain(Plain, st) == "base"
-    for cls in (SwappedArgs, LateGuard, OtherSet, UpdatedToBase):
+    for cls in (SwappedArgs, LateGuard, OtherSet, UpdatedToBase, Borrowed):
         assert fastcopy._chain(cls, st) is None, cls.__name__
 
 
