@@ -117,3 +117,38 @@ def test_fast_histogram_search_equals_torchao_on_a_real_model():
         stock = HistogramObserver._non_linear_param_search(observer)
         fast = fast_non_linear_param_search(observer)
         assert torch.equal(stock[0], fast[0]) and torch.equal(stock[1], fast[1])
+
+
+def _qparams_records(artifacts):
+    return [r for r in artifacts.records if r["kind"] == "qparams"]
+
+
+def test_misses_are_exactly_the_observers_never_seen(cache_dir):
+    """After a weights edit, an observer misses iff its (type, config, statistics) key is new."""
+    module, example = models.residual_cnn()
+    base = lowercache.lower(module, example, target="tosa-int", cache_dir=cache_dir)
+    seen = {r["key"] for r in _qparams_records(base)}
+    module, example = models.residual_cnn(edit="weights")
+    edited = lowercache.lower(module, example, target="tosa-int", cache_dir=cache_dir)
+    assert edited.pte == reference("residual_cnn", "tosa-int", "weights")
+    for record in _qparams_records(edited):
+        assert (record["outcome"] == "miss") == (record["key"] not in seen), record["name"]
+        seen.add(record["key"])
+    counts = qparams_outcomes(edited)
+    assert counts["miss"] > 0 and counts["hit"] > 0
+
+
+def test_observer_config_change_misses_only_those_observers(cache_dir):
+    """Per-tensor instead of per-channel weights: weight observers change type and config,
+    activation observers do not, so only weight observers miss."""
+    from .conftest import stock_pte
+
+    module, example = models.residual_cnn()
+    lowercache.lower(module, example, target="tosa-int", cache_dir=cache_dir)
+    per_tensor = lowercache.lower(module, example, target="tosa-int", cache_dir=cache_dir, per_channel=False)
+    assert per_tensor.pte == stock_pte(module, example, "tosa-int", per_channel=False)
+    records = _qparams_records(per_tensor)
+    misses = {r["name"] for r in records if r["outcome"] == "miss"}
+    hits = {r["name"] for r in records if r["outcome"] == "hit"}
+    assert misses == {"MinMaxObserver"}  # the weights' per-tensor observers
+    assert "HistogramObserver" in hits  # activations: same observers, same statistics
