@@ -93,10 +93,13 @@ def quantize(
     from . import arm
 
     computed: list[torch.export.ExportedProgram] = []
+    storing = parts is not None and session.store is not None
 
     def compute() -> Entry:
         result = run_stock(program, target, spec, example_inputs, calibration)
         computed.append(result)
+        if not storing:  # uncached or unkeyed: encoding would be wasted work
+            return Entry(meta={"stored": False, "reason": "not stored"})
         try:
             return encode(result, arm.compile_spec_digest(spec))
         except FormatError as err:
