@@ -29,7 +29,7 @@ import functools
 import json
 import logging
 import typing
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -205,35 +205,78 @@ def decode(entry: Entry) -> torch.export.ExportedProgram:
         group, _, name = blob.partition("/")
         groups[group][name] = _tensor(record, entry.blobs["tensors"])
     args = tuple(groups["example_inputs"][str(i)] for i in range(len(groups["example_inputs"])))
-    with _cached_type_hints():
-        artifact = serde.SerializedArtifact(graph, groups["state_dict"], groups["constants"], (args, {}))
-        return serde.deserialize(artifact)
+    deserializer = serde.ExportedProgramDeserializer()
+    return deserializer.deserialize(schema_program(graph), groups["state_dict"], groups["constants"], (args, {}))
 
 
-class _TypingWithCachedHints:
-    """``typing`` as torch's deserializer sees it, with ``get_type_hints`` memoized.
+@functools.lru_cache(maxsize=None)
+def _converter(cls: Any) -> Callable[[Any], Any]:
+    """A function turning decoded JSON into torch.export's schema dataclass ``cls``.
 
-    The JSON-to-schema conversion asks for the same dataclasses' hints once
-    per node field; caching them makes rebuilding a program several times
-    faster. The schema classes are fixed, so the cache is exact.
+    The same rules as torch's ``_dict_to_dataclass``, worked out once per
+    schema type instead of once per value (that function asks ``typing``
+    for the same hints for every node field, which dominates rebuilding a
+    large program). ``test_quantize`` compares both on a real program.
     """
+    import dataclasses
+    import types
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(typing, name)
+    from torch._export.serde import schema
+    from torch._export.serde import serialize as serde
+    from torch._export.serde.union import _Union
 
-    @staticmethod
-    @functools.lru_cache(maxsize=None)
-    def _hints(cls: Any, include_extras: bool) -> dict[str, Any]:
-        from torch._export.serde import schema
+    cls = serde._resolve_schema_cls(cls)
+    if isinstance(cls, str):
+        raise FormatError(f"unresolved schema type {cls!r}")
+    origin = typing.get_origin(cls)
+    if origin is typing.Annotated:
+        return _converter(cls.__origin__)
+    if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(cls):
+        inner = typing.get_args(cls)
+        if len(inner) != 2:
+            raise FormatError(f"unexpected optional type {cls!r}")
+        convert_inner = _converter(inner[0])
+        return lambda data: None if data is None else convert_inner(data)
+    if isinstance(cls, type) and issubclass(cls, _Union):
+        hints = typing.get_type_hints(cls, globalns=vars(schema))
 
-        return typing.get_type_hints(cls, globalns=vars(schema), include_extras=include_extras)
+        def union(data: Any) -> Any:
+            if not isinstance(data, dict) or len(data) != 1:
+                raise FormatError(f"bad {cls.__name__} value")
+            ((name, value),) = data.items()
+            return cls.create(**{name: _converter(hints[name])(value)})
 
-    def get_type_hints(self, obj: Any, globalns: Any = None, localns: Any = None, include_extras: bool = False) -> Any:
-        from torch._export.serde import schema
+        return union
+    if dataclasses.is_dataclass(cls):
+        hints = typing.get_type_hints(cls, globalns=vars(schema))
+        fields = [(f.name, _converter(hints[f.name])) for f in dataclasses.fields(cls)]
 
-        if globalns is vars(schema) and localns is None:
-            return self._hints(obj, include_extras)
-        return typing.get_type_hints(obj, globalns, localns, include_extras)
+        def record(data: Any) -> Any:
+            if not isinstance(data, dict):
+                raise FormatError(f"bad {cls.__name__} value")
+            return cls(**{name: convert(data[name]) for name, convert in fields if name in data})
+
+        return record
+    args = typing.get_args(cls)
+
+    def plain(data: Any) -> Any:
+        if isinstance(data, list):
+            return [_converter(args[0])(d) for d in data] if data else data
+        if isinstance(data, dict):
+            return {k: _converter(args[1])(v) for k, v in data.items()}
+        return float(data) if cls is float else data
+
+    return plain
+
+
+def schema_program(graph: bytes) -> Any:
+    """The stored JSON as torch.export's schema ``ExportedProgram``."""
+    from torch._export.serde import schema
+
+    try:
+        return _converter(schema.ExportedProgram)(json.loads(graph))
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        raise FormatError(f"program JSON: {err}") from None
 
 
 @contextlib.contextmanager
@@ -248,15 +291,3 @@ def _no_canonical_form_check() -> Iterator[None]:
         yield
     finally:
         serde.canonicalize = original
-
-
-@contextlib.contextmanager
-def _cached_type_hints() -> Iterator[None]:
-    from torch._export.serde import serialize as serde
-
-    original = serde.typing
-    serde.typing = _TypingWithCachedHints()  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        serde.typing = original

@@ -102,3 +102,21 @@ def test_unusable_entry_recomputes_with_a_warning(cache_dir, new_flow_version, c
     assert counts(again, "quantize") == {"hit": 1}
     assert again.pte == cold.pte
     assert any("cached quantized program unusable" in r.getMessage() for r in caplog.records)
+
+
+def test_schema_conversion_equals_torch():
+    """quantize.schema_program builds the same schema objects as torch's own JSON conversion."""
+    import json
+
+    from torch._export.serde import schema
+    from torch._export.serde import serialize as serde
+
+    from lowercache.targets import resolve
+
+    module, example = models.transformer_block()
+    target = resolve("tosa-int")
+    program = quantize.run_stock(torch.export.export(module, example), target, target.compile_spec(), example, [example])
+    graph = quantize.encode(program, "spec").blobs["program.json"]
+    assert quantize.schema_program(graph) == serde._dict_to_dataclass(schema.ExportedProgram, json.loads(graph))
+    with pytest.raises(quantize.FormatError):
+        quantize.schema_program(b'{"graph_module": 3}')
