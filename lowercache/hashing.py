@@ -69,6 +69,24 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as stored beside tensor bytes (``float32``), resolved back by :func:`tensor_from_bytes`."""
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_from_bytes(data: bytes, dtype: str, shape: Iterable[int]) -> torch.Tensor:
+    """The inverse of :func:`tensor_bytes`: a new contiguous tensor owning a copy of ``data``.
+
+    The dtype is looked up by name among torch's dtypes, nothing else:
+    stored bytes never choose what gets constructed.
+    """
+    resolved = getattr(torch, dtype, None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    flat = torch.frombuffer(bytearray(data), dtype=resolved) if data else torch.empty(0, dtype=resolved)
+    return flat.reshape(list(shape))
+
+
 def tensor_digest(t: torch.Tensor) -> str:
     """Digest of a real tensor's dtype, shape and contents."""
     h = xxhash.xxh3_128()

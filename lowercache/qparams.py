@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .patching import Patch
-from .hashing import Unhashable, canon, digest_json, tensor_bytes, tensor_digest
+from .hashing import Unhashable, canon, digest_json, dtype_name, tensor_bytes, tensor_digest, tensor_from_bytes
 from .steps import current_session
 from .store import Entry
 
@@ -77,18 +77,12 @@ def _torchao_version() -> str:
 
 
 def _encode(tensors: tuple[torch.Tensor, ...]) -> Entry:
-    meta = [{"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for t in tensors]
+    meta = [{"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for t in tensors]
     return Entry(meta={"tensors": meta}, blobs={f"t{i}": tensor_bytes(t) for i, t in enumerate(tensors)})
 
 
 def _decode(entry: Entry) -> tuple[torch.Tensor, ...]:
-    out = []
-    for i, spec in enumerate(entry.meta["tensors"]):
-        dtype = getattr(torch, spec["dtype"])
-        data = bytearray(entry.blobs[f"t{i}"])
-        flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
-        out.append(flat.reshape(spec["shape"]).clone())
-    return tuple(out)
+    return tuple(tensor_from_bytes(entry.blobs[f"t{i}"], s["dtype"], s["shape"]) for i, s in enumerate(entry.meta["tensors"]))
 
 
 _FLOAT32 = struct.Struct("f")

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .hashing import tensor_bytes
+from .hashing import dtype_name, tensor_bytes, tensor_from_bytes
 from .steps import Session
 from .store import Entry
 
@@ -125,7 +125,7 @@ def _tensor_record(t: Any) -> dict[str, Any]:
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu" or t.is_sparse or t.is_quantized:
         raise FormatError(f"unsupported tensor {type(t).__name__}")
     return {
-        "dtype": str(t.dtype).removeprefix("torch."),
+        "dtype": dtype_name(t.dtype),
         "shape": list(t.shape),
         "stride": list(t.stride()),
         "parameter": isinstance(t, torch.nn.Parameter),
@@ -164,7 +164,8 @@ def encode(program: torch.export.ExportedProgram, spec_digest: str) -> Entry:
     return Entry(meta=meta, blobs=blobs)
 
 
-def _check_graph(graph: bytes) -> None:
+def _check_graph(graph: bytes) -> dict[str, Any]:
+    """The parsed program JSON, once checked to hold nothing that would be parsed as code."""
     for key in _REFUSED_KEYS:
         if key in graph:
             raise FormatError(f"program holds {key.decode()} values")
@@ -174,19 +175,16 @@ def _check_graph(graph: bytes) -> None:
         raise FormatError(f"program JSON: {err}") from None
     if not isinstance(doc, dict) or doc.get("range_constraints") or doc.get("guards_code"):
         raise FormatError("program has shape constraints or guard code")
+    return doc
 
 
 def _tensor(record: dict[str, Any], packed: bytes) -> torch.Tensor:
     start, size = record["offset"], record["size"]
     if start < 0 or size < 0 or start + size > len(packed):
         raise FormatError("tensor outside the stored bytes")
-    data = packed[start : start + size]
-    dtype = getattr(torch, record["dtype"])
-    if not isinstance(dtype, torch.dtype):
-        raise FormatError(f"unknown dtype {record['dtype']!r}")
-    flat = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
-    t = torch.empty_strided(record["shape"], record["stride"], dtype=dtype)
-    t.copy_(flat.reshape(record["shape"]))
+    flat = tensor_from_bytes(packed[start : start + size], record["dtype"], record["shape"])
+    t = torch.empty_strided(record["shape"], record["stride"], dtype=flat.dtype)
+    t.copy_(flat)
     if record["parameter"]:
         return torch.nn.Parameter(t, requires_grad=record["requires_grad"])
     return t.requires_grad_(record["requires_grad"])
@@ -198,15 +196,14 @@ def decode(entry: Entry) -> torch.export.ExportedProgram:
 
     if entry.meta.get("format") != QUANTIZE_VERSION:
         raise FormatError("not a stored quantized program")
-    graph = entry.blobs["program.json"]
-    _check_graph(graph)
+    doc = _check_graph(entry.blobs["program.json"])
     groups: dict[str, dict[str, torch.Tensor]] = {"state_dict": {}, "constants": {}, "example_inputs": {}}
     for blob, record in entry.meta["tensors"].items():
         group, _, name = blob.partition("/")
         groups[group][name] = _tensor(record, entry.blobs["tensors"])
     args = tuple(groups["example_inputs"][str(i)] for i in range(len(groups["example_inputs"])))
     deserializer = serde.ExportedProgramDeserializer()
-    return deserializer.deserialize(schema_program(graph), groups["state_dict"], groups["constants"], (args, {}))
+    return deserializer.deserialize(_schema(doc), groups["state_dict"], groups["constants"], (args, {}))
 
 
 @functools.lru_cache(maxsize=None)
@@ -271,10 +268,18 @@ def _converter(cls: Any) -> Callable[[Any], Any]:
 
 def schema_program(graph: bytes) -> Any:
     """The stored JSON as torch.export's schema ``ExportedProgram``."""
+    try:
+        doc = json.loads(graph)
+    except ValueError as err:
+        raise FormatError(f"program JSON: {err}") from None
+    return _schema(doc)
+
+
+def _schema(doc: Any) -> Any:
     from torch._export.serde import schema
 
     try:
-        return _converter(schema.ExportedProgram)(json.loads(graph))
+        return _converter(schema.ExportedProgram)(doc)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
         raise FormatError(f"program JSON: {err}") from None
 
