@@ -44,6 +44,22 @@ def stock_pte(module, example_inputs, target: str, calibration=None, per_channel
     return edge.to_executorch().buffer
 
 
+def churn_patch(enable, disable, threads: int = 4, rounds: int = 200) -> None:
+    """Enable and disable a reference-counted patch from several threads at once."""
+    import threading
+
+    def churn():
+        for _ in range(rounds):
+            enable()
+            disable()
+
+    workers = [threading.Thread(target=churn) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+
+
 @functools.lru_cache(maxsize=None)
 def reference(model: str, target: str, edit: str | None = None) -> bytes:
     """Stock .pte of a small model, computed once per test session."""

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 
 import pytest
 import torch
 
 from lowercache import fastcopy, models, provenance, retrace
 
-from .conftest import reference, stock_pte
+from .conftest import churn_patch, reference, stock_pte
 from .test_retrace import _Cond
 
 TARGETS = ("tosa-int", "tosa-fp", "ethos-u55-128")
@@ -363,15 +362,6 @@ def test_enable_disable_reference_counted_and_restores_originals():
     assert not fastcopy.enabled()
     assert "run_node" not in ExportPass.ExportInterpreter.__dict__
 
-    def churn():
-        for _ in range(200):
-            fastcopy.enable()
-            fastcopy.disable()
-
-    threads = [threading.Thread(target=churn) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    churn_patch(fastcopy.enable, fastcopy.disable)
     assert not fastcopy.enabled()
     assert "run_node" not in ExportPass.ExportInterpreter.__dict__

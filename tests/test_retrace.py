@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 
 from lowercache import models, retrace
 
-from .conftest import stock_pte
+from .conftest import churn_patch, stock_pte
 
 TARGETS = ("tosa-fp", "tosa-int", "ethos-u55-128")
 
@@ -204,14 +203,5 @@ def test_enable_disable_reference_counted_and_restores_originals():
     assert not retrace.enabled()
     assert _ExportPassBase._fx is fx and _ExportPassBase.ExportInterpreter.run_node is run_node
 
-    def churn():
-        for _ in range(200):
-            retrace.enable()
-            retrace.disable()
-
-    threads = [threading.Thread(target=churn) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    churn_patch(retrace.enable, retrace.disable)
     assert not retrace.enabled() and _ExportPassBase._fx is fx
