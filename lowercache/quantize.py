@@ -90,6 +90,10 @@ def quantize(
 ) -> tuple[torch.export.ExportedProgram, Any]:
     """The stage through the ``quantize`` step: the quantized program, and the
     compile spec as the stock stage leaves it (for the partitioner)."""
+    # The stock stage imports the Arm quantizer, which loads the quantized
+    # kernels' out variants that to_executorch needs; a hit must too.
+    import executorch.backends.arm.quantizer  # noqa: F401
+
     from . import arm
 
     computed: list[torch.export.ExportedProgram] = []

@@ -189,6 +189,24 @@ def test_corrupt_entry_is_recomputed_with_a_warning(tmp_path, cache_dir):
     assert json.loads((out / "manifest.json").read_text())["steps"][0]["outcome"] == "hit"
 
 
+def test_quantize_hit_in_a_fresh_process_matches_stock(tmp_path, cache_dir):
+    """A fresh process that hits the quantize step (flow entry gone) never imported
+    the Arm quantizer; the out variants it loads must still be there for to_executorch."""
+    out = tmp_path / "out"
+    assert cli("lower", TINY, "-t", "ethos-u55-128", "-o", out, cache_dir=cache_dir).returncode == 0
+    store = Store(cache_dir)
+    flow_keys = [key for kind, key in store.actions() if kind == "flow"]
+    assert flow_keys
+    for key in flow_keys:
+        store._discard(f"action/flow/{key}")
+    store.close()
+    again = cli("lower", TINY, "-t", "ethos-u55-128", "-o", tmp_path / "again", cache_dir=cache_dir)
+    assert again.returncode == 0, again.stderr
+    outcomes = {s["kind"]: s["outcome"] for s in json.loads((tmp_path / "again" / "manifest.json").read_text())["steps"]}
+    assert outcomes["flow"] == "miss" and outcomes["quantize"] == "hit", outcomes
+    assert (tmp_path / "again" / "model.pte").read_bytes() == stock_tiny("ethos-u55-128")
+
+
 def test_concurrent_processes_share_one_cache(tmp_path, cache_dir):
     jobs = [
         ("tiny_cnn", "ethos-u55-128"),
