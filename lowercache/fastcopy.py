@@ -19,7 +19,9 @@ Why the output is exactly the stock retrace's:
   must begin with ``if op not in self.target_ops: return
   super().call_operator(op, args, kwargs, meta[, updated])`` (checked on the
   source's syntax tree, per class) and the node's target must not be in
-  ``target_ops``; ``ArmPass.call_operator``'s own special ops (bmm,
+  ``target_ops``, or be an ExecuTorch pass whose pass-through condition
+  ``passregistry`` declares for exactly that source (pinned by digest) and
+  the node must meet it; ``ArmPass.call_operator``'s own special ops (bmm,
   leaky_relu) always fall back. The base functions whose behaviour this
   reproduces are pinned by a digest of their source: another torch or
   ExecuTorch turns the mechanism off;
@@ -259,44 +261,51 @@ def _defined_in(fn: Any, klass: type) -> bool:
     return fn.__closure__[code.co_freevars.index("__class__")].cell_contents is klass
 
 
-def _chain(cls: type, st: dict[str, Any]) -> str | None:
-    """How ``cls`` reaches the base ``call_operator`` for non-target ops (cached per class).
+def _chain(cls: type, st: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The gates between ``cls`` and the base ``call_operator`` (cached per class).
 
-    ``"base"``: no override between ``cls`` and ``ArmPass`` / the ExportPass
-    base; ``"guard"``: every override is a target guard (so ops outside
-    ``target_ops`` reach the base); None: anything else. A guard that passes
-    ``updated`` on must reach a ``call_operator`` that takes it.
+    A gate is ``gate(pass, node) -> bool``: True when that override hands the
+    node's op to the next ``call_operator`` unchanged. An override is gated
+    by its ``target_ops`` guard (read from the syntax tree) or by a condition
+    declared in ``passregistry``; () means no override before ``ArmPass`` /
+    the ExportPass base; None means some override is neither (never trusted).
+    A guard that passes ``updated`` on must reach a ``call_operator`` that takes it.
     """
     try:
         return _chains[cls]
     except KeyError:
         pass
-    result: str | None = "base"
+    from . import passregistry
+
+    gates: list[Any] = []
+    result: tuple[Any, ...] | None = None
     passes_updated = False
     base, arm = st["base"], st["arm"]
     for klass in cls.__mro__:
         if "_fx" in klass.__dict__ and klass is not base:
-            result = None
             break
-        if klass is arm:
-            break
-        if klass is base:
-            if passes_updated:
-                result = None
+        if klass is arm or klass is base:
+            if not (klass is base and passes_updated):
+                result = tuple(gates)
             break
         fn = klass.__dict__.get("call_operator")
         if fn is None:
             continue
         params = _target_guard_params(fn) if _defined_in(fn, klass) else None
+        declared = passregistry.gate_for(klass) if params is None and _defined_in(fn, klass) else None
+        if declared is not None and not passes_updated:
+            gates.append(declared)
+            continue
         if params is None or (passes_updated and params < 6):
-            result = None
             break
         passes_updated = params == 6
-        result = "guard"
-    else:
-        result = None
+        gates.append(_not_a_target)
     _chains[cls] = result
     return result
+
+
+def _not_a_target(p: Any, n: Any) -> bool:
+    return n.target not in p.target_ops
 
 
 class _Fallback(Exception):
@@ -336,7 +345,7 @@ def _copy(interp: Any, n: Any, st: dict[str, Any]) -> Any:
         or target in st["arm_special"]
         or "call_operator" in p.__dict__
         or "_fx" in p.__dict__
-        or (chain == "guard" and target in p.target_ops)
+        or not all(gate(p, n) for gate in chain)
     ):
         _count("fallback_pass")
         return None

@@ -341,10 +341,81 @@ def test_guard_recognition():
         target_ops = ()
         call_operator = Guard.call_operator
 
-    assert fastcopy._chain(Guard, st) == "guard"
-    assert fastcopy._chain(Plain, st) == "base"
+    assert fastcopy._chain(Guard, st) == (fastcopy._not_a_target,)
+    assert fastcopy._chain(Plain, st) == ()
     for cls in (SwappedArgs, LateGuard, OtherSet, UpdatedToBase, Borrowed):
         assert fastcopy._chain(cls, st) is None, cls.__name__
+
+
+class _Declared(torch.nn.Module):
+    """Ops that the declared ExecuTorch passes rewrite (t, a mixed-dtype add, a view) among ones they leave."""
+
+    def forward(self, x, i):
+        a = torch.relu(x).t()
+        b = a.permute(1, 0) + i
+        c = torch.sigmoid(b) - x
+        return c.exp(), torch.mean(c, dim=[0])
+
+
+def _declared_passes():
+    from executorch.exir.passes.legalize_portable_dim_order_pass import LegalizePortableDimOrderPass
+    from executorch.exir.passes.memory_format_ops_pass import MemoryFormatOpsPass
+    from executorch.exir.passes.normalize_transpose_pass import NormalizeTransposePass
+    from executorch.exir.passes.remove_mixed_type_operators import RemoveMixedTypeOperators
+    from executorch.exir.passes.replace_broken_ops_with_function_ops_pass import (
+        ReplaceBrokenOpsWithFunctionalOpsPass,
+    )
+
+    return [
+        NormalizeTransposePass,
+        RemoveMixedTypeOperators,
+        ReplaceBrokenOpsWithFunctionalOpsPass,
+        MemoryFormatOpsPass,
+        LegalizePortableDimOrderPass,
+    ]
+
+
+def _run_declared(**mechanism):
+    from executorch.exir.pass_base import ExportPass
+
+    gm = torch.export.export(_Declared(), (torch.randn(3, 4), torch.ones(3, 4, dtype=torch.int32)), strict=False)
+    gm = gm.graph_module
+    log, copies = [], []
+    with _mechanism(**mechanism) if mechanism else contextlib.nullcontext():
+        for p in [ExportPass, *_declared_passes()]:
+            before = fastcopy.stats()["copied"]
+            gm = p()(gm).graph_module
+            log.append((p.__name__, _describe(gm), gm.code))
+            copies.append(fastcopy.stats()["copied"] - before)
+    return log, copies
+
+
+def test_declared_passes_match_node_by_node():
+    """ExecuTorch passes gated by passregistry: copies happen, and every graph equals stock's."""
+    stock, _ = _run_declared()
+    fast, copies = _run_declared(reuse=True)
+    for (name, s_desc, s_code), (_, f_desc, f_code) in zip(stock, fast):
+        assert f_desc == s_desc, name
+        assert f_code == s_code, name
+    assert all(c > 0 for c in copies[1:]), copies
+    targets = [row[2] for row in fast[-1][1] if row[0] == "call_function"]
+    assert "aten.t_copy.default" in targets and "aten._to_copy.default" in targets  # the rewrites still ran
+    assert "aten.permute_copy.default" in targets
+
+
+def test_declared_gates_apply_only_to_the_read_source(monkeypatch):
+    from lowercache import passregistry
+
+    st = fastcopy._setup()
+    assert st is not None
+    for cls in _declared_passes():
+        assert passregistry.gate_for(cls) is not None, cls.__name__  # the pinned digests match the installed sources
+    cls = _declared_passes()[0]
+    key = (cls.__module__, cls.__qualname__)
+    monkeypatch.setitem(passregistry.REGISTRY, key, ("0" * 64, passregistry.REGISTRY[key][1]))
+    monkeypatch.setattr(fastcopy, "_chains", {})
+    assert passregistry.gate_for(cls) is None
+    assert fastcopy._chain(cls, st) is None
 
 
 def test_audited_sources_digest():
