@@ -21,7 +21,10 @@ Why the output is exactly the stock retrace's:
   source's syntax tree, per class) and the node's target must not be in
   ``target_ops``, or be an ExecuTorch pass whose pass-through condition
   ``passregistry`` declares for exactly that source (pinned by digest) and
-  the node must meet it; ``ArmPass.call_operator``'s own special ops (bmm,
+  the node must meet it (a declared pass may also hand on one fixed
+  replacement op, as OpReplacePass does with the edge op of an aten op; the
+  node is then built with that op and its value re-dispatched);
+  ``ArmPass.call_operator``'s own special ops (bmm,
   leaky_relu) always fall back. The base functions whose behaviour this
   reproduces are pinned by a digest of their source: another torch or
   ExecuTorch turns the mechanism off;
@@ -264,8 +267,8 @@ def _defined_in(fn: Any, klass: type) -> bool:
 def _chain(cls: type, st: dict[str, Any]) -> tuple[Any, ...] | None:
     """The gates between ``cls`` and the base ``call_operator`` (cached per class).
 
-    A gate is ``gate(pass, node) -> bool``: True when that override hands the
-    node's op to the next ``call_operator`` unchanged. An override is gated
+    A gate is ``gate(pass, node, op, env)``: the op that override hands to the
+    next ``call_operator`` with the arguments unchanged, or None. An override is gated
     by its ``target_ops`` guard (read from the syntax tree) or by a condition
     declared in ``passregistry``; () means no override before ``ArmPass`` /
     the ExportPass base; None means some override is neither (never trusted).
@@ -304,8 +307,8 @@ def _chain(cls: type, st: dict[str, Any]) -> tuple[Any, ...] | None:
     return result
 
 
-def _not_a_target(p: Any, n: Any) -> bool:
-    return n.target not in p.target_ops
+def _not_a_target(p: Any, n: Any, op: Any, env: dict) -> Any:
+    return None if op in p.target_ops else op
 
 
 class _Fallback(Exception):
@@ -340,13 +343,17 @@ def _copy(interp: Any, n: Any, st: dict[str, Any]) -> Any:
         return None
     p = interp.callback
     chain = _chain(type(p), st)
-    if (
-        chain is None
-        or target in st["arm_special"]
-        or "call_operator" in p.__dict__
-        or "_fx" in p.__dict__
-        or not all(gate(p, n) for gate in chain)
-    ):
+    if chain is None or target in st["arm_special"] or "call_operator" in p.__dict__ or "_fx" in p.__dict__:
+        _count("fallback_pass")
+        return None
+    env = interp.env
+    for gate in chain:
+        target = gate(p, n, target, env)
+        if target is None:
+            _count("fallback_pass")
+            return None
+    tt = type(target)
+    if tt not in st["edge"] and tt is not st["overload"]:
         _count("fallback_pass")
         return None
     tracer = p.tracer
@@ -364,7 +371,6 @@ def _copy(interp: Any, n: Any, st: dict[str, Any]) -> Any:
     ):
         _count("fallback_node")
         return None
-    env = interp.env
     try:
         new_args, data_args = _map_args(n.args, env, st)
         new_kwargs, data_kwargs = {}, {}

@@ -1,7 +1,7 @@
 """Declared pass-through conditions for ExecuTorch passes without ``target_ops``.
 
 fastcopy trusts a pass with a node when the pass provably hands that node's
-op to the base ``call_operator`` unchanged. Arm passes say so with a
+op (or one fixed replacement op) and arguments to the base ``call_operator``. Arm passes say so with a
 ``target_ops`` guard that fastcopy reads from the syntax tree. ExecuTorch's
 own ``to_edge`` / ``to_executorch`` passes have no such guard; for the ones
 that cost the most this registry states the condition, read from their
@@ -18,28 +18,33 @@ import hashlib
 import inspect
 from typing import Any, Callable
 
-Gate = Callable[[Any, Any], bool]  # (pass instance, fx node) -> the op goes to the base unchanged
+Gate = Callable[[Any, Any, Any, dict], Any]
+"""``gate(pass, node, op, env)``: the op this override hands to the next
+``call_operator`` with the node's arguments unchanged (``op`` itself for a
+pass-through, another op for a plain substitution), or None when it may do
+anything else. ``op`` is what reached the override; ``env`` maps the old
+graph's nodes to the retrace's ProxyValues."""
 
 
 def _normalize_transpose(module: Any) -> Gate:
     import torch
 
-    return lambda p, n: not (n.target == torch.ops.aten.t.default)
+    return lambda p, n, op, env: None if op == torch.ops.aten.t.default else op
 
 
 def _replace_broken_ops(module: Any) -> Gate:
-    def gate(p: Any, n: Any) -> bool:
+    def gate(p: Any, n: Any, op: Any, env: dict) -> Any:
         try:
-            return not n.target.is_view
+            return None if op.is_view else op
         except Exception:  # stock would raise from the same expression: let it
-            return False
+            return None
 
     return gate
 
 
 def _memory_format_ops(module: Any) -> Gate:
     edge_op, dim_order_ops = module.EdgeOpOverload, module.DimOrderOpsMap
-    return lambda p, n: not (isinstance(n.target, edge_op) and n.target in dim_order_ops)
+    return lambda p, n, op, env: None if isinstance(op, edge_op) and op in dim_order_ops else op
 
 
 def _remove_mixed_type(module: Any) -> Gate:
@@ -49,11 +54,56 @@ def _remove_mixed_type(module: Any) -> Gate:
     allow = dict.fromkeys(
         (aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.div.Tensor_mode, aten.minimum.default)
     )
-    return lambda p, n: len(n.args) <= 1 or n.target not in allow
+    return lambda p, n, op, env: op if len(n.args) <= 1 or op not in allow else None
 
 
 def _legalize_dim_order(module: Any) -> Gate:
-    return lambda p, n: n.target not in p._target_ops
+    return lambda p, n, op, env: None if op in p._target_ops else op
+
+
+def _op_replace(module: Any) -> Gate:
+    return lambda p, n, op, env: module.aten_to_edge(op) if module.should_lower_to_edge(op) else op
+
+
+def _schema_values(op: Any, n: Any) -> Any:
+    """(old argument, schema argument) pairs in the order ``map_args`` visits them."""
+    for i, schema in enumerate(op._schema.arguments):
+        if schema.name in n.kwargs:
+            yield n.kwargs[schema.name], schema
+        elif not schema.kwarg_only and i < len(n.args):
+            yield n.args[i], schema
+
+
+def _scalar_to_tensor(module: Any) -> Gate:
+    import torch
+
+    def gate(p: Any, n: Any, op: Any, env: dict) -> Any:
+        # try_coerce turns a Python scalar given for a Tensor argument into a tensor; old
+        # node arguments that are Nodes reach it as ProxyValues, never as scalars.
+        for value, schema in _schema_values(op, n):
+            if isinstance(value, (float, int, bool)) and isinstance(schema.type, torch.TensorType):
+                return None
+        return op
+
+    return gate
+
+
+def _sym_to_tensor(module: Any) -> Gate:
+    import torch
+
+    symbolic = {torch.SymInt, torch.SymFloat, torch.SymBool}
+    proxy_value = module.ProxyValue
+
+    def gate(p: Any, n: Any, op: Any, env: dict) -> Any:
+        # is_sym: a ProxyValue holding a symbolic scalar given for a Tensor argument.
+        for value, schema in _schema_values(op, n):
+            if isinstance(value, torch.fx.Node) and isinstance(schema.type, torch.TensorType):
+                new = env.get(value)
+                if isinstance(new, proxy_value) and not new.is_tensor() and type(new.data) in symbolic:
+                    return None
+        return op
+
+    return gate
 
 
 # (module, class) -> (sha256 of the class's call_operator source, gate factory given the module)
@@ -78,7 +128,28 @@ REGISTRY: dict[tuple[str, str], tuple[str, Callable[[Any], Gate]]] = {
         "0111c295203206c2d37a89df5baf2767cb1bc3b1c18f85e3929aa8078f0acabc",
         _legalize_dim_order,
     ),
+    ("executorch.exir.passes.replace_aten_with_edge_pass", "OpReplacePass"): (
+        "e82439bc829e476cd0781ee181d83d5719a55fc2adfae27dc633ac48ea0653b1",
+        _op_replace,
+    ),
+    ("executorch.exir.passes.scalar_to_tensor_pass", "ScalarToTensorPass"): (
+        "acecfcdbda6f6dbbbbfdee3bf04fc0ea91c6fdfa7300b7cd0844777cbeeed686",
+        _scalar_to_tensor,
+    ),
+    ("executorch.exir.passes.sym_to_tensor_pass", "SymToTensorPass"): (
+        "4bfe6e5ab93ebdd2fc1a85e5a2608d90ec6bdfde968128762815a87ca38a7d34",
+        _sym_to_tensor,
+    ),
 }
+
+# Functions a gate's reading also depends on, pinned with every entry: the
+# argument walk of ``map_args`` and the edge-op mapping of OpReplacePass.
+_SHARED_SOURCES = (
+    ("executorch.exir.pass_base", "map_args"),
+    ("executorch.exir.passes.replace_aten_with_edge_pass", "aten_to_edge"),
+    ("executorch.exir.passes.replace_aten_with_edge_pass", "should_lower_to_edge"),
+)
+SHARED_DIGEST = "119f52a8aeff269cee34167e4593aec6a2bca8b745763d0efa54b1c4c0286475"
 
 
 def source_digest(fn: Any) -> str | None:
@@ -88,14 +159,27 @@ def source_digest(fn: Any) -> str | None:
         return None
 
 
+def shared_digest() -> str | None:
+    """Digest of ``_SHARED_SOURCES`` as installed."""
+    import importlib
+
+    h = hashlib.sha256()
+    for module_name, name in _SHARED_SOURCES:
+        digest = source_digest(getattr(importlib.import_module(module_name), name))
+        if digest is None:
+            return None
+        h.update(digest.encode())
+    return h.hexdigest()
+
+
 def gate_for(klass: type) -> Gate | None:
-    """The declared pass-through condition of ``klass.call_operator``, if its source is the one read."""
+    """The declared gate of ``klass.call_operator``, if its source (and the shared ones) are the ones read."""
     entry = REGISTRY.get((klass.__module__, klass.__qualname__))
     fn = klass.__dict__.get("call_operator")
     if entry is None or fn is None:
         return None
     pinned, factory = entry
-    if source_digest(fn) != pinned:
+    if source_digest(fn) != pinned or shared_digest() != SHARED_DIGEST:
         return None
     import sys
 

@@ -354,7 +354,7 @@ class _Declared(torch.nn.Module):
         a = torch.relu(x).t()
         b = a.permute(1, 0) + i
         c = torch.sigmoid(b) - x
-        return c.exp(), torch.mean(c, dim=[0])
+        return torch.add(c.exp(), 2), torch.mean(c, dim=[0])
 
 
 def _declared_passes():
@@ -362,14 +362,20 @@ def _declared_passes():
     from executorch.exir.passes.memory_format_ops_pass import MemoryFormatOpsPass
     from executorch.exir.passes.normalize_transpose_pass import NormalizeTransposePass
     from executorch.exir.passes.remove_mixed_type_operators import RemoveMixedTypeOperators
+    from executorch.exir.passes.replace_aten_with_edge_pass import OpReplacePass
     from executorch.exir.passes.replace_broken_ops_with_function_ops_pass import (
         ReplaceBrokenOpsWithFunctionalOpsPass,
     )
+    from executorch.exir.passes.scalar_to_tensor_pass import ScalarToTensorPass
+    from executorch.exir.passes.sym_to_tensor_pass import SymToTensorPass
 
     return [
         NormalizeTransposePass,
+        ScalarToTensorPass,
         RemoveMixedTypeOperators,
         ReplaceBrokenOpsWithFunctionalOpsPass,
+        OpReplacePass,
+        SymToTensorPass,
         MemoryFormatOpsPass,
         LegalizePortableDimOrderPass,
     ]
@@ -398,9 +404,11 @@ def test_declared_passes_match_node_by_node():
         assert f_desc == s_desc, name
         assert f_code == s_code, name
     assert all(c > 0 for c in copies[1:]), copies
-    targets = [row[2] for row in fast[-1][1] if row[0] == "call_function"]
-    assert "aten.t_copy.default" in targets and "aten._to_copy.default" in targets  # the rewrites still ran
-    assert "aten.permute_copy.default" in targets
+    ops = " ".join(row[2].split(">")[0] for row in fast[-1][1] if row[0] == "call_function")
+    # the rewrites still ran: t -> t_copy, view -> copy, mixed dtypes -> a cast (as a dim-order copy), aten -> edge
+    for op in ("aten.t_copy.default", "aten.permute_copy.default", "dim_order_ops._to_dim_order_copy.default"):
+        assert f"<EdgeOpOverload: {op}" in ops, ops
+    assert ops.count("_to_dim_order_copy") == 2, ops  # one for the int input, one for the scalar made a tensor
 
 
 def test_declared_gates_apply_only_to_the_read_source(monkeypatch):
