@@ -120,3 +120,54 @@ def test_schema_conversion_equals_torch():
     assert quantize.schema_program(graph) == serde._dict_to_dataclass(schema.ExportedProgram, json.loads(graph))
     with pytest.raises(quantize.FormatError):
         quantize.schema_program(b'{"graph_module": 3}')
+
+
+def _value_properties(v):
+    if isinstance(v, torch.Tensor):
+        keys = str(torch._C._dispatch_keys(v))
+        return (type(v), v.shape, v.stride(), v.dtype, v.device, v.requires_grad, v.is_leaf, v.storage_offset(), keys)
+    if isinstance(v, (tuple, list)):
+        return tuple(_value_properties(x) for x in v)
+    return v
+
+
+def test_fast_tensor_meta_builds_the_values_torch_does(monkeypatch):
+    """decode's direct FakeTensor construction gives what the deserializer's fake-mode dispatch gives."""
+    import contextlib
+
+    from lowercache.targets import resolve
+
+    module, example = models.transformer_block()
+    target = resolve("ethos-u55-128")
+    program = quantize.run_stock(torch.export.export(module, example), target, target.compile_spec(), example, [example])
+    entry = quantize.encode(program, "spec")
+    fast = quantize.decode(entry)
+    monkeypatch.setattr(quantize._fast_tensor_meta, "active", contextlib.nullcontext)
+    stock = quantize.decode(entry)
+    pairs = list(zip(fast.graph.nodes, stock.graph.nodes))
+    assert len(pairs) == len(stock.graph.nodes)
+    for a, b in pairs:
+        assert a.name == b.name
+        assert _value_properties(a.meta.get("val")) == _value_properties(b.meta.get("val")), a.name
+        if isinstance(a.meta.get("val"), torch.Tensor):
+            assert a.meta["val"].fake_mode is next(iter(fast.graph.nodes)).meta["val"].fake_mode
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize(("shape", "stride"), [((2, 3), (3, 1)), ((2, 3), (1, 2)), ((), ()), ((4, 1, 5), (5, 5, 1))])
+def test_fast_tensor_meta_per_value(shape, stride, dtype, requires_grad):
+    from torch._export.serde import serialize as serde
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    value = torch.empty_strided(shape, stride, dtype=dtype).requires_grad_(requires_grad and dtype.is_floating_point)
+    tensor_meta = serde.serialize_tensor_meta(value)
+    deserializer = serde.GraphModuleDeserializer()
+    deserializer.fake_tensor_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    stock = deserializer.deserialize_tensor_meta(tensor_meta)
+    with quantize._fast_tensor_meta.active():
+        fast = deserializer.deserialize_tensor_meta(tensor_meta)
+    assert fast is not stock and fast.fake_mode is stock.fake_mode
+    assert _value_properties(fast) == _value_properties(stock)
+    assert fast.requires_grad is value.requires_grad
