@@ -267,6 +267,7 @@ def _converter(cls: Any) -> Callable[[Any], Any]:
 
     from torch._export.serde import schema
     from torch._export.serde import serialize as serde
+    from torch._export.serde import union as serde_union
     from torch._export.serde.union import _Union
 
     cls = serde._resolve_schema_cls(cls)
@@ -283,14 +284,30 @@ def _converter(cls: Any) -> Callable[[Any], Any]:
         return lambda data: None if data is None else convert_inner(data)
     if isinstance(cls, type) and issubclass(cls, _Union):
         hints = typing.get_type_hints(cls, globalns=vars(schema))
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        converters = {name: _converter(hints[name]) for name in names}
+        cls(**dict.fromkeys(names))  # __post_init__'s check depends on the class only: run it once
+        blank = dict.fromkeys(names)
+        tag = serde_union._UnionTag.create
 
         def union(data: Any) -> Any:
+            # What ``cls.create(name=value)`` does: every field set in order (None but
+            # the one given), then the tag; without re-listing the fields each time.
             if not isinstance(data, dict) or len(data) != 1:
                 raise FormatError(f"bad {cls.__name__} value")
             ((name, value),) = data.items()
-            return cls.create(**{name: _converter(hints[name])(value)})
+            if name not in converters:
+                raise FormatError(f"{cls.__name__} has no field {name!r}")
+            obj = object.__new__(cls)
+            fields = obj.__dict__
+            fields.update(blank)
+            fields[name] = converters[name](value)
+            obj._type = tag(name, cls)
+            return obj
 
-        return union
+        if _plain_union(cls):
+            return union
+        return lambda data: cls.create(**{k: converters[k](v) for k, v in _one_item(cls, data)})
     if dataclasses.is_dataclass(cls):
         hints = typing.get_type_hints(cls, globalns=vars(schema))
         fields = [(f.name, _converter(hints[f.name])) for f in dataclasses.fields(cls)]
@@ -300,7 +317,30 @@ def _converter(cls: Any) -> Callable[[Any], Any]:
                 raise FormatError(f"bad {cls.__name__} value")
             return cls(**{name: convert(data[name]) for name, convert in fields if name in data})
 
-        return record
+        if not _plain_dataclass(cls):
+            return record
+        defaults = [(f.default, f.default_factory) for f in dataclasses.fields(cls)]
+        missing = dataclasses.MISSING
+
+        def plain_record(data: Any) -> Any:
+            # What the generated ``__init__`` does: each field assigned in order, from the
+            # data or else its default.
+            if not isinstance(data, dict):
+                raise FormatError(f"bad {cls.__name__} value")
+            obj = object.__new__(cls)
+            values = obj.__dict__
+            for (name, convert), (default, factory) in zip(fields, defaults):
+                if name in data:
+                    values[name] = convert(data[name])
+                elif factory is not missing:
+                    values[name] = factory()
+                elif default is not missing:
+                    values[name] = default
+                else:
+                    raise FormatError(f"{cls.__name__} lacks {name!r}")
+            return obj
+
+        return plain_record
     args = typing.get_args(cls)
 
     def plain(data: Any) -> Any:
@@ -311,6 +351,43 @@ def _converter(cls: Any) -> Callable[[Any], Any]:
         return float(data) if cls is float else data
 
     return plain
+
+
+def _plain_union(cls: type) -> bool:
+    """Whether building a union field by field is what its dataclass ``__init__`` does."""
+    from torch._export.serde.union import _Union
+
+    return (
+        cls.__new__ is object.__new__
+        and cls.__setattr__ is object.__setattr__
+        and "__slots__" not in vars(cls)
+        and getattr(cls, "__dataclass_params__", None) is not None
+        and not cls.__dataclass_params__.frozen
+        and cls.__post_init__ is _Union.__post_init__
+    )
+
+
+def _plain_dataclass(cls: type) -> bool:
+    """Whether filling a schema dataclass's fields directly is what its ``__init__`` does."""
+    import dataclasses
+
+    params = getattr(cls, "__dataclass_params__", None)
+    return (
+        params is not None
+        and params.init
+        and not params.frozen
+        and cls.__new__ is object.__new__
+        and cls.__setattr__ is object.__setattr__
+        and not hasattr(cls, "__post_init__")
+        and "__slots__" not in vars(cls)
+        and all(f.init for f in dataclasses.fields(cls))
+    )
+
+
+def _one_item(cls: type, data: Any) -> Any:
+    if not isinstance(data, dict) or len(data) != 1:
+        raise FormatError(f"bad {cls.__name__} value")
+    return data.items()
 
 
 def schema_program(graph: bytes) -> Any:

@@ -104,6 +104,30 @@ def test_unusable_entry_recomputes_with_a_warning(cache_dir, new_flow_version, c
     assert any("cached quantized program unusable" in r.getMessage() for r in caplog.records)
 
 
+def _same_objects(a, b, path="program"):
+    import dataclasses
+
+    from torch._export.serde.union import _UnionTag
+
+    assert type(a) is type(b), path
+    if dataclasses.is_dataclass(a):
+        assert list(vars(a)) == list(vars(b)), path
+        for key in vars(a):
+            _same_objects(vars(a)[key], vars(b)[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_objects(x, y, f"{path}[{i}]")
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for key in a:
+            _same_objects(a[key], b[key], f"{path}[{key!r}]")
+    else:
+        assert a == b, path
+        if isinstance(a, _UnionTag):
+            assert a._cls is b._cls, path
+
+
 def test_schema_conversion_equals_torch():
     """quantize.schema_program builds the same schema objects as torch's own JSON conversion."""
     import json
@@ -117,7 +141,10 @@ def test_schema_conversion_equals_torch():
     target = resolve("tosa-int")
     program = quantize.run_stock(torch.export.export(module, example), target, target.compile_spec(), example, [example])
     graph = quantize.encode(program, "spec").blobs["program.json"]
-    assert quantize.schema_program(graph) == serde._dict_to_dataclass(schema.ExportedProgram, json.loads(graph))
+    ours = quantize.schema_program(graph)
+    theirs = serde._dict_to_dataclass(schema.ExportedProgram, json.loads(graph))
+    assert ours == theirs
+    _same_objects(ours, theirs)  # union __eq__ compares tag and value only: compare every attribute too
     with pytest.raises(quantize.FormatError):
         quantize.schema_program(b'{"graph_module": 3}')
 
