@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .patching import Patch
+from .patching import AttributePatch
 
 # Modules that hold the function under its own name (imported with ``from``).
 _HOLDERS = (
@@ -30,7 +30,6 @@ _HOLDERS = (
     "executorch.backends.arm._passes.scalars_to_attribute_pass",
 )
 _NAME = "get_new_attr_name_with_prefix"
-_originals: dict[str, Callable] = {}
 
 
 def _slow_name(prefix: str, module: torch.nn.Module) -> str:
@@ -60,20 +59,7 @@ def get_new_attr_name_with_prefix(prefix: str) -> Callable[[torch.nn.Module], st
     return get_new_attr_name
 
 
-def _apply() -> None:
-    for module_name in _HOLDERS:
-        module = importlib.import_module(module_name)
-        _originals[module_name] = getattr(module, _NAME)
-        setattr(module, _NAME, get_new_attr_name_with_prefix)
-
-
-def _undo() -> None:
-    for module_name, original in _originals.items():
-        setattr(importlib.import_module(module_name), _NAME, original)
-    _originals.clear()
-
-
-_patch = Patch(_apply, _undo)
+_patch = AttributePatch(lambda: [importlib.import_module(m) for m in _HOLDERS], _NAME, get_new_attr_name_with_prefix)
 enable = _patch.enable  # while a lowering runs
 disable = _patch.disable
 active = _patch.active

@@ -57,7 +57,6 @@ One pass attribute differs while a retrace runs and agrees once it ends:
 from __future__ import annotations
 
 import ast
-import hashlib
 import inspect
 import textwrap
 import threading
@@ -136,12 +135,11 @@ def _audited_sources() -> list[Any]:
     ]
 
 
-def sources_digest() -> str:
-    """Digest of the audited sources as installed."""
-    h = hashlib.sha256()
-    for fn in _audited_sources():
-        h.update(inspect.getsource(fn).encode())
-    return h.hexdigest()
+def sources_digest() -> str | None:
+    """Digest of the audited sources as installed (None when one has no source)."""
+    from .passregistry import source_digest
+
+    return source_digest(*_audited_sources())
 
 
 def _setup() -> dict[str, Any] | None:

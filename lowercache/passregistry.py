@@ -14,6 +14,7 @@ pass is interpreted the stock way.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 from typing import Any, Callable
@@ -149,27 +150,26 @@ _SHARED_SOURCES = (
     ("executorch.exir.passes.replace_aten_with_edge_pass", "aten_to_edge"),
     ("executorch.exir.passes.replace_aten_with_edge_pass", "should_lower_to_edge"),
 )
-SHARED_DIGEST = "119f52a8aeff269cee34167e4593aec6a2bca8b745763d0efa54b1c4c0286475"
+SHARED_DIGEST = "cdcd9edb02137707cada1cc83c87ddcc2ecf67adf82d38bbe4d8fdba35f90c97"
 
 
-def source_digest(fn: Any) -> str | None:
+def source_digest(*fns: Any) -> str | None:
+    """sha256 over the installed sources of ``fns``, in order; None when one has no source."""
+    h = hashlib.sha256()
     try:
-        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
+        for fn in fns:
+            h.update(inspect.getsource(fn).encode())
     except (OSError, TypeError):
         return None
+    return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=None)
 def shared_digest() -> str | None:
     """Digest of ``_SHARED_SOURCES`` as installed."""
     import importlib
 
-    h = hashlib.sha256()
-    for module_name, name in _SHARED_SOURCES:
-        digest = source_digest(getattr(importlib.import_module(module_name), name))
-        if digest is None:
-            return None
-        h.update(digest.encode())
-    return h.hexdigest()
+    return source_digest(*(getattr(importlib.import_module(m), name) for m, name in _SHARED_SOURCES))
 
 
 def gate_for(klass: type) -> Gate | None:

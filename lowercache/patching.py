@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 
 class Patch:
@@ -39,3 +39,25 @@ class Patch:
             yield
         finally:
             self.disable()
+
+
+class AttributePatch(Patch):
+    """Sets attribute ``name`` of every object ``owners()`` returns to ``value``
+    while enabled, and restores the originals (kept in ``originals``, by owner)
+    on the last disable. ``owners`` is called at apply time, so the modules or
+    classes it names are imported only when the patch is first needed."""
+
+    def __init__(self, owners: Callable[[], Iterable[Any]], name: str, value: Any):
+        self.originals: dict[Any, Any] = {}
+
+        def apply() -> None:
+            for owner in owners():
+                self.originals[owner] = getattr(owner, name)
+                setattr(owner, name, value)
+
+        def undo() -> None:
+            for owner, original in self.originals.items():
+                setattr(owner, name, original)
+            self.originals.clear()
+
+        super().__init__(apply, undo)

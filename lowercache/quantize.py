@@ -24,17 +24,16 @@ materialization and checks the digest, and recomputes on any difference.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
 import typing
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .hashing import dtype_name, tensor_bytes, tensor_from_bytes
-from .patching import Patch
+from .patching import AttributePatch
 from .steps import Session
 from .store import Entry
 
@@ -147,7 +146,7 @@ def encode(program: torch.export.ExportedProgram, spec_digest: str) -> Entry:
     args, kwargs = program.example_inputs
     if kwargs:
         raise FormatError("keyword example inputs")
-    with _no_canonical_form_check():
+    with _no_canonical_form_check.active():
         graph = serde.serialize(
             program, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
         ).exported_program
@@ -226,7 +225,7 @@ def _fake_from_meta(self: Any, tensor_meta: Any) -> Any:
     sizes = tuple(self.deserialize_sym_int(v) for v in tensor_meta.sizes)
     strides = tuple(self.deserialize_sym_int(v) for v in tensor_meta.strides)
     if not all(type(v) is int for v in sizes + strides):
-        return _fast_originals[0](self, tensor_meta)
+        return _fast_tensor_meta.originals[serde.GraphModuleDeserializer](self, tensor_meta)
     device = serde.deserialize_device(tensor_meta.device)
     dtype = serde._SERIALIZE_TO_TORCH_DTYPE[tensor_meta.dtype]
     meta = torch.empty_strided(sizes, strides, dtype=dtype, device="meta")
@@ -234,23 +233,13 @@ def _fake_from_meta(self: Any, tensor_meta: Any) -> Any:
     return fake.requires_grad_(True) if tensor_meta.requires_grad else fake
 
 
-_fast_originals: list[Any] = []
-
-
-def _apply_fast_meta() -> None:
+def _deserializer_class() -> list[Any]:
     from torch._export.serde import serialize as serde
 
-    _fast_originals[:] = [serde.GraphModuleDeserializer.deserialize_tensor_meta]
-    serde.GraphModuleDeserializer.deserialize_tensor_meta = _fake_from_meta
+    return [serde.GraphModuleDeserializer]
 
 
-def _undo_fast_meta() -> None:
-    from torch._export.serde import serialize as serde
-
-    serde.GraphModuleDeserializer.deserialize_tensor_meta = _fast_originals.pop()
-
-
-_fast_tensor_meta = Patch(_apply_fast_meta, _undo_fast_meta)
+_fast_tensor_meta = AttributePatch(_deserializer_class, "deserialize_tensor_meta", _fake_from_meta)
 
 
 @functools.lru_cache(maxsize=None)
@@ -284,18 +273,17 @@ def _converter(cls: Any) -> Callable[[Any], Any]:
         return lambda data: None if data is None else convert_inner(data)
     if isinstance(cls, type) and issubclass(cls, _Union):
         hints = typing.get_type_hints(cls, globalns=vars(schema))
-        names = tuple(f.name for f in dataclasses.fields(cls))
-        converters = {name: _converter(hints[name]) for name in names}
-        cls(**dict.fromkeys(names))  # __post_init__'s check depends on the class only: run it once
-        blank = dict.fromkeys(names)
+        converters = {f.name: _converter(hints[f.name]) for f in dataclasses.fields(cls)}
+        if not (_plain_construction(cls) and cls.__post_init__ is _Union.__post_init__):
+            return lambda data: cls.create(**{k: converters[k](v) for k, v in _one_item(cls, data)})
+        blank = dict.fromkeys(converters)
+        cls(**blank)  # __post_init__'s check depends on the class only: run it once
         tag = serde_union._UnionTag.create
 
         def union(data: Any) -> Any:
             # What ``cls.create(name=value)`` does: every field set in order (None but
             # the one given), then the tag; without re-listing the fields each time.
-            if not isinstance(data, dict) or len(data) != 1:
-                raise FormatError(f"bad {cls.__name__} value")
-            ((name, value),) = data.items()
+            ((name, value),) = _one_item(cls, data)
             if name not in converters:
                 raise FormatError(f"{cls.__name__} has no field {name!r}")
             obj = object.__new__(cls)
@@ -305,9 +293,7 @@ def _converter(cls: Any) -> Callable[[Any], Any]:
             obj._type = tag(name, cls)
             return obj
 
-        if _plain_union(cls):
-            return union
-        return lambda data: cls.create(**{k: converters[k](v) for k, v in _one_item(cls, data)})
+        return union
     if dataclasses.is_dataclass(cls):
         hints = typing.get_type_hints(cls, globalns=vars(schema))
         fields = [(f.name, _converter(hints[f.name])) for f in dataclasses.fields(cls)]
@@ -317,7 +303,9 @@ def _converter(cls: Any) -> Callable[[Any], Any]:
                 raise FormatError(f"bad {cls.__name__} value")
             return cls(**{name: convert(data[name]) for name, convert in fields if name in data})
 
-        if not _plain_dataclass(cls):
+        if not _plain_construction(cls) or hasattr(cls, "__post_init__") or not all(
+            f.init for f in dataclasses.fields(cls)
+        ):
             return record
         defaults = [(f.default, f.default_factory) for f in dataclasses.fields(cls)]
         missing = dataclasses.MISSING
@@ -353,24 +341,10 @@ def _converter(cls: Any) -> Callable[[Any], Any]:
     return plain
 
 
-def _plain_union(cls: type) -> bool:
-    """Whether building a union field by field is what its dataclass ``__init__`` does."""
-    from torch._export.serde.union import _Union
-
-    return (
-        cls.__new__ is object.__new__
-        and cls.__setattr__ is object.__setattr__
-        and "__slots__" not in vars(cls)
-        and getattr(cls, "__dataclass_params__", None) is not None
-        and not cls.__dataclass_params__.frozen
-        and cls.__post_init__ is _Union.__post_init__
-    )
-
-
-def _plain_dataclass(cls: type) -> bool:
-    """Whether filling a schema dataclass's fields directly is what its ``__init__`` does."""
-    import dataclasses
-
+def _plain_construction(cls: type) -> bool:
+    """Whether a dataclass's generated ``__init__`` only assigns its fields in
+    order (and calls ``__post_init__`` if any): no custom ``__new__``,
+    ``__setattr__``, slots or freezing."""
     params = getattr(cls, "__dataclass_params__", None)
     return (
         params is not None
@@ -378,9 +352,7 @@ def _plain_dataclass(cls: type) -> bool:
         and not params.frozen
         and cls.__new__ is object.__new__
         and cls.__setattr__ is object.__setattr__
-        and not hasattr(cls, "__post_init__")
         and "__slots__" not in vars(cls)
-        and all(f.init for f in dataclasses.fields(cls))
     )
 
 
@@ -408,15 +380,12 @@ def _schema(doc: Any) -> Any:
         raise FormatError(f"program JSON: {err}") from None
 
 
-@contextlib.contextmanager
-def _no_canonical_form_check() -> Iterator[None]:
-    """Skip ``serialize``'s self-test of the canonical form (a deep copy whose
-    result is discarded; two thirds of the serialization time)."""
+def _serde_module() -> list[Any]:
     from torch._export.serde import serialize as serde
 
-    original = serde.canonicalize
-    serde.canonicalize = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        serde.canonicalize = original
+    return [serde]
+
+
+# Skip ``serialize``'s self-test of the canonical form (a deep copy whose result
+# is discarded; two thirds of the serialization time).
+_no_canonical_form_check = AttributePatch(_serde_module, "canonicalize", lambda *args, **kwargs: None)
