@@ -15,8 +15,10 @@ the in-flow speed-ups that keep output bytes identical: shared provenance
 (``provenance.py``), observer qparams steps (``qparams.py``), per-pass
 records (``passes.py``), reuse of unchanged nodes' fake-tensor values
 during retraces (``retrace.py``), fast copies of the nodes a pass leaves
-alone (``fastcopy.py``) and deferred GraphModule code generation
-(``lazycode.py``). Calls that ask for debug
+alone (``fastcopy.py``), deferred GraphModule code generation
+(``lazycode.py``), free attribute names (``attrnames.py``) and skipped
+decomposition re-traces that have nothing to decompose
+(``decompositions.py``). Calls that ask for debug
 artifacts on disk run uncached (a hit would not write them).
 """
 
@@ -29,7 +31,7 @@ import tempfile
 import threading
 from typing import Any
 
-from . import attrnames, fastcopy, lazycode, passes, provenance, qparams, retrace
+from . import attrnames, decompositions, fastcopy, lazycode, passes, provenance, qparams, retrace
 from .patching import Patch
 from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
 from .hashing import Unhashable, canon, digest, digest_json, program_parts
@@ -199,7 +201,7 @@ def _unwrap_modules() -> None:
 
 
 # The patch modules that make the stock code faster (same results) while hooks are on.
-_SPEEDUPS = (provenance, qparams, passes, retrace, fastcopy, lazycode, attrnames)
+_SPEEDUPS = (provenance, qparams, passes, retrace, fastcopy, lazycode, attrnames, decompositions)
 
 
 def _apply() -> None:
