@@ -16,9 +16,12 @@ the in-flow speed-ups that keep output bytes identical: shared provenance
 records (``passes.py``), reuse of unchanged nodes' fake-tensor values
 during retraces (``retrace.py``), fast copies of the nodes a pass leaves
 alone (``fastcopy.py``), deferred GraphModule code generation
-(``lazycode.py``), free attribute names (``attrnames.py``) and skipped
+(``lazycode.py``), free attribute names (``attrnames.py``), skipped
 decomposition re-traces that have nothing to decompose
-(``decompositions.py``). Calls that ask for debug
+(``decompositions.py``) and FakeTensor's cache for quantize/dequantize ops
+(``fakecache.py``). They also put partitions in discovery order
+(``partitionorder.py``), which stock leaves to the string-hash seed, so
+the output is the same in every process. Calls that ask for debug
 artifacts on disk run uncached (a hit would not write them).
 """
 
@@ -31,7 +34,7 @@ import tempfile
 import threading
 from typing import Any
 
-from . import attrnames, decompositions, fastcopy, lazycode, passes, provenance, qparams, retrace
+from . import attrnames, decompositions, fakecache, fastcopy, lazycode, partitionorder, passes, provenance, qparams, retrace
 from .patching import Patch
 from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
 from .hashing import Unhashable, canon, digest, digest_json, program_parts
@@ -201,7 +204,9 @@ def _unwrap_modules() -> None:
 
 
 # The patch modules that make the stock code faster (same results) while hooks are on.
-_SPEEDUPS = (provenance, qparams, passes, retrace, fastcopy, lazycode, attrnames, decompositions)
+_SPEEDUPS = (
+    provenance, qparams, passes, retrace, fastcopy, lazycode, attrnames, decompositions, fakecache, partitionorder
+)
 
 
 def _apply() -> None:

@@ -18,15 +18,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import arm, fastcopy, quantize, retrace
+from . import arm, fastcopy, partitionorder, quantize, retrace
 from .hashing import Unhashable, digest, digest_json, inputs_digest, program_parts
 from .steps import Session, activate, listed, outcome_counts
 from .store import Entry, Store
 from .targets import Target
 from .toolchain import toolchain_parts
 
-# Names the stock flow below; part of the flow key.
-FLOW_VERSION = "export>prepare_pt2e>calibrate>convert_pt2e>export>to_edge_transform_and_lower>to_executorch:v1"
+# Names the stock flow below; part of the flow key. v2: partitions lowered in
+# discovery order (partitionorder.py); v1 entries followed the hash seed.
+FLOW_VERSION = "export>prepare_pt2e>calibrate>convert_pt2e>export>to_edge_transform_and_lower>to_executorch:v2"
 
 Inputs = tuple[Any, ...]
 
@@ -122,11 +123,14 @@ def run_stock(
     stages: _Stages | None = None,
     session: Session | None = None,
     parts: dict[str, str] | None = None,
+    partition_orders: list[list[str]] | None = None,
 ) -> bytes:
     """The stock ExecuTorch flow from an exported program; returns the .pte bytes.
 
     With a ``session``, the quantization stage runs as its cached step
     (``quantize.py``, keyed by the flow's ``parts``); without, it is the stock code.
+    ``partition_orders`` collects the order the partitions were lowered in
+    (see ``partitionorder.py``).
     """
     from executorch.exir import to_edge_transform_and_lower
 
@@ -141,7 +145,10 @@ def run_stock(
                 "quantize",
                 lambda: quantize.quantize(program, target, spec, example_inputs, calibration, step_parts, session),
             )
-    edge = run("to_edge", lambda: to_edge_transform_and_lower(program, partitioner=[target.partitioner(spec)]))
+    partitioner = target.partitioner(spec)
+    if partition_orders is not None:
+        partitionorder.record_order(partitioner, partition_orders)
+    edge = run("to_edge", lambda: to_edge_transform_and_lower(program, partitioner=[partitioner]))
     return run("to_executorch", lambda: edge.to_executorch().buffer)
 
 
