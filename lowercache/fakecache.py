@@ -118,6 +118,12 @@ def _undo() -> None:
 
     # The original stays in ``_originals``: a dispatch still running in another thread calls through it.
     FakeTensorMode._validate_cache_key = _originals["validate"]
+    # A lookup does not validate, so entries made while enabled would keep
+    # serving these ops to stock code in this process: drop them.
+    cache = FakeTensorMode.cache
+    for key in list(cache):
+        if key.key[0] in _admitted:
+            cache.pop(key, None)
 
 
 _patch = Patch(_apply, _undo)

@@ -41,10 +41,11 @@ def test_cache_hits_agree_with_real_dispatch_and_bytes_with_stock():
     admitted = fakecache.admitted()
     FakeTensorMode.cache.clear()
     module, example = models.tiny_cnn()
-    with torch._dynamo.config.patch(fake_tensor_cache_crosscheck_enabled=True):
-        with contextlib.redirect_stdout(io.StringIO()):
-            artifacts = lowercache.lower(module, example, target="ethos-u55-128", use_cache=False)
-    cached = {str(op) for op in admitted & {key.key[0] for key in FakeTensorMode.cache}}
+    with fakecache._patch.active():  # held open, so the entries outlive the lowering for a look
+        with torch._dynamo.config.patch(fake_tensor_cache_crosscheck_enabled=True):
+            with contextlib.redirect_stdout(io.StringIO()):
+                artifacts = lowercache.lower(module, example, target="ethos-u55-128", use_cache=False)
+        cached = {str(op) for op in admitted & {key.key[0] for key in FakeTensorMode.cache}}
     # quantize_per_channel does not occur in this graph (its weights are quantized ahead of time)
     assert cached == {
         "quantized_decomposed.quantize_per_tensor.default",
@@ -55,9 +56,12 @@ def test_cache_hits_agree_with_real_dispatch_and_bytes_with_stock():
 
 
 def test_off_outside_lowercache():
+    """Disabled, FakeTensor is stock again, and no entry made while enabled serves stock code."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     assert FakeTensorMode._validate_cache_key is not fakecache._validate_cache_key
-    with fakecache._patch.active():
-        assert FakeTensorMode._validate_cache_key is fakecache._validate_cache_key
+    module, example = models.tiny_cnn()
+    with contextlib.redirect_stdout(io.StringIO()):
+        lowercache.lower(module, example, target="tosa-int", use_cache=False)
     assert FakeTensorMode._validate_cache_key is not fakecache._validate_cache_key
+    assert not fakecache.admitted() & {key.key[0] for key in FakeTensorMode.cache}
