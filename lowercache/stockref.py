@@ -8,7 +8,8 @@ at, so the comparison is made against pure stock run in a fresh process
 whose ``PYTHONHASHSEED`` makes the tag set iterate in discovery order (the
 child checks the order it actually used).
 
-Child entry: ``python -m lowercache.stockref MODEL TARGET OUT [--edit E] [--custom-calibration]``.
+Child entry: ``python -m lowercache.stockref MODEL TARGET OUT [--edit E] [--custom-calibration]``,
+MODEL a benchmark model name or a ``file.py:factory`` spec (no edit then).
 """
 
 from __future__ import annotations
@@ -73,7 +74,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--edit")
     parser.add_argument("--custom-calibration", action="store_true")
     args = parser.parse_args(argv)
-    module, example = MODELS[args.model](edit=args.edit)
+    if args.model in MODELS:
+        module, example = MODELS[args.model](edit=args.edit)
+    else:
+        from .loading import load_model
+
+        loaded = load_model(args.model)
+        module, example = loaded.module, loaded.example_inputs
     calibration = _calibration(example, args.custom_calibration) or [tuple(example)]
     orders: list[list[str]] = []
     with contextlib.redirect_stdout(io.StringIO()):

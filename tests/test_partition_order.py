@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lowercache import partitionorder
+from lowercache import partitionorder, stockref
 
 ROOT = Path(__file__).resolve().parent.parent
 TAGS = ["tag0", "tag1"]  # what the partitioner makes for the child's model
@@ -84,3 +84,13 @@ def test_discovery_order():
     assert list(partitionorder.discovery_order(custom)) == ["b", "a"]  # not the partitioner's tags: left alone
     assert partitionorder.is_discovery_order(["tag0", "tag1", "tag3"])
     assert not partitionorder.is_discovery_order(["tag1", "tag0"])
+
+
+def test_benchmark_reference_is_stock_in_discovery_order(stock_runs):
+    """What the benchmark compares against when its own stock run used the other order."""
+    import hashlib
+
+    spec = str(ROOT / "tests" / "partition_order_child.py") + ":build"
+    assert stockref.seeds_for(TAGS)
+    pte = stockref.reference(spec, "ethos-u55-128", None, False, TAGS[::-1])
+    assert pte is not None and hashlib.sha256(pte).hexdigest() == stock_runs["discovery"]["sha256"]
