@@ -24,7 +24,9 @@ materialization and checks the digest, and recomputes on any difference.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import json
 import logging
 import typing
@@ -200,15 +202,35 @@ def decode(entry: Entry) -> torch.export.ExportedProgram:
 
     if entry.meta.get("format") != QUANTIZE_VERSION:
         raise FormatError("not a stored quantized program")
-    doc = _check_graph(entry.blobs["program.json"])
-    groups: dict[str, dict[str, torch.Tensor]] = {"state_dict": {}, "constants": {}, "example_inputs": {}}
-    for blob, record in entry.meta["tensors"].items():
-        group, _, name = blob.partition("/")
-        groups[group][name] = _tensor(record, entry.blobs["tensors"])
-    args = tuple(groups["example_inputs"][str(i)] for i in range(len(groups["example_inputs"])))
-    deserializer = serde.ExportedProgramDeserializer()
-    with _fast_tensor_meta.active():
-        return deserializer.deserialize(_schema(doc), groups["state_dict"], groups["constants"], (args, {}))
+    with _no_cyclic_gc():
+        doc = _check_graph(entry.blobs["program.json"])
+        groups: dict[str, dict[str, torch.Tensor]] = {"state_dict": {}, "constants": {}, "example_inputs": {}}
+        for blob, record in entry.meta["tensors"].items():
+            group, _, name = blob.partition("/")
+            groups[group][name] = _tensor(record, entry.blobs["tensors"])
+        args = tuple(groups["example_inputs"][str(i)] for i in range(len(groups["example_inputs"])))
+        deserializer = serde.ExportedProgramDeserializer()
+        with _fast_tensor_meta.active():
+            return deserializer.deserialize(_schema(doc), groups["state_dict"], groups["constants"], (args, {}))
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc() -> typing.Iterator[None]:
+    """Pause the cyclic collector while a program is rebuilt.
+
+    Rebuilding allocates tens of thousands of objects that all stay alive, so
+    the collections it triggers find nothing, yet each full one walks the
+    whole heap: after a stock lowering in the same process that was 0.27 s of
+    a 0.42 s MobileNetV2 decode. Reference counting still frees as usual; the
+    collector is re-enabled (if it was on) as soon as the program is built.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _fake_from_meta(self: Any, tensor_meta: Any) -> Any:

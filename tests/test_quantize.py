@@ -80,6 +80,45 @@ def test_stored_form_round_trips_without_pickle():
     assert annotated and all(dict(a) == b for a, b in annotated)
 
 
+def test_decode_runs_without_cyclic_collections_and_restores_the_collector(monkeypatch):
+    import contextlib
+    import gc
+
+    from lowercache.targets import resolve
+
+    module, example = models.tiny_cnn()
+    target = resolve("tosa-int")
+    program = quantize.run_stock(torch.export.export(module, example), target, target.compile_spec(), example, [example])
+    entry = quantize.encode(program, "spec")
+    collections = []
+    inside = [False]  # flipped without allocating, so only collections during decode count
+    threshold = gc.get_threshold()
+
+    def decode_counting() -> int:
+        collections.clear()
+        inside[0] = True
+        quantize.decode(entry)
+        inside[0] = False
+        return len(collections)
+
+    gc.callbacks.append(lambda phase, info: collections.append(info) if phase == "start" and inside[0] else None)
+    gc.set_threshold(1)  # any allocation triggers a collection while the collector is on
+    try:
+        paused = decode_counting()
+        assert gc.isenabled()
+        with monkeypatch.context() as m:
+            m.setattr(quantize, "_no_cyclic_gc", contextlib.nullcontext)
+            unpaused = decode_counting()
+        assert paused < 10 < 100 < unpaused  # only the few allocations outside the pause collect
+        gc.disable()
+        quantize.decode(entry)
+        assert not gc.isenabled(), "a collector the caller turned off stays off"
+    finally:
+        gc.enable()
+        gc.set_threshold(*threshold)
+        gc.callbacks.pop()
+
+
 @pytest.mark.parametrize("key", [b'"as_expr"', b'"as_custom_obj"'])
 def test_programs_with_expressions_or_objects_are_refused(key):
     entry = Entry(meta={"format": quantize.QUANTIZE_VERSION, "tensors": {}}, blobs={"program.json": b'{"x": {' + key + b": 1}}"})
