@@ -34,7 +34,19 @@ import tempfile
 import threading
 from typing import Any
 
-from . import attrnames, decompositions, fakecache, fastcopy, lazycode, partitionorder, passes, provenance, qparams, retrace
+from . import (
+    attrnames,
+    decompositions,
+    fakecache,
+    fastcopy,
+    lazycode,
+    partitionorder,
+    passes,
+    provenance,
+    qparams,
+    retrace,
+    signature,
+)
 from .patching import Patch
 from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
 from .hashing import Unhashable, canon, digest, digest_json, program_parts
@@ -205,7 +217,17 @@ def _unwrap_modules() -> None:
 
 # The patch modules that make the stock code faster (same results) while hooks are on.
 _SPEEDUPS = (
-    provenance, qparams, passes, retrace, fastcopy, lazycode, attrnames, decompositions, fakecache, partitionorder
+    provenance,
+    qparams,
+    passes,
+    retrace,
+    fastcopy,
+    lazycode,
+    attrnames,
+    decompositions,
+    fakecache,
+    partitionorder,
+    signature,
 )
 
 
