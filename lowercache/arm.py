@@ -46,6 +46,7 @@ from . import (
     qparams,
     retrace,
     signature,
+    treeiter,
 )
 from .patching import Patch
 from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
@@ -228,6 +229,7 @@ _SPEEDUPS = (
     fakecache,
     partitionorder,
     signature,
+    treeiter,
 )
 
 
