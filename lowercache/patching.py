@@ -43,21 +43,33 @@ class Patch:
 
 class AttributePatch(Patch):
     """Sets attribute ``name`` of every object ``owners()`` returns to ``value``
-    while enabled, and restores the originals (kept in ``originals``, by owner)
-    on the last disable. ``owners`` is called at apply time, so the modules or
-    classes it names are imported only when the patch is first needed."""
+    while enabled, and restores the originals (kept in ``originals``, by owner,
+    as ``getattr`` returns them) on the last disable. ``owners`` is called at
+    apply time, so the modules or classes it names are imported only when the
+    patch is first needed. What is restored is the owner's own entry (a
+    classmethod or staticmethod stays one; an inherited attribute is inherited
+    again), not the bound value in ``originals``."""
 
     def __init__(self, owners: Callable[[], Iterable[Any]], name: str, value: Any):
         self.originals: dict[Any, Any] = {}
+        entries: dict[Any, Any] = {}
 
         def apply() -> None:
             for owner in owners():
                 self.originals[owner] = getattr(owner, name)
+                entries[owner] = vars(owner).get(name, _INHERITED)
                 setattr(owner, name, value)
 
         def undo() -> None:
-            for owner, original in self.originals.items():
-                setattr(owner, name, original)
+            for owner, entry in entries.items():
+                if entry is _INHERITED:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, entry)
             self.originals.clear()
+            entries.clear()
 
         super().__init__(apply, undo)
+
+
+_INHERITED = object()

@@ -148,7 +148,7 @@ def encode(program: torch.export.ExportedProgram, spec_digest: str) -> Entry:
     args, kwargs = program.example_inputs
     if kwargs:
         raise FormatError("keyword example inputs")
-    with _no_canonical_form_check.active():
+    with _no_canonical_form_check.active(), _fast_union_create.active(), _fast_to_dict.active():
         graph = serde.serialize(
             program, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
         ).exported_program
@@ -411,3 +411,83 @@ def _serde_module() -> list[Any]:
 # Skip ``serialize``'s self-test of the canonical form (a deep copy whose result
 # is discarded; two thirds of the serialization time).
 _no_canonical_form_check = AttributePatch(_serde_module, "canonicalize", lambda *args, **kwargs: None)
+
+
+def _union_class() -> list[Any]:
+    from torch._export.serde.union import _Union
+
+    return [_Union]
+
+
+@functools.lru_cache(maxsize=None)
+def _blank_union(cls: type) -> dict[str, None] | None:
+    """Every field of union ``cls`` set to None, or None if ``cls`` is not built plainly."""
+    import dataclasses
+
+    from torch._export.serde.union import _Union
+
+    if not (_plain_construction(cls) and cls.__post_init__ is _Union.__post_init__):
+        return None
+    blank = {f.name: None for f in dataclasses.fields(cls)}
+    cls(**blank)  # __post_init__'s check depends on the class only: run it once
+    return blank
+
+
+def _union_create(cls: Any, **kwargs: Any) -> Any:
+    """``_Union.create``: the same object (fields in order, None but the one given,
+    then the tag) without ``__init__``, ``__post_init__`` and ``fields()`` per call."""
+    from torch._export.serde.union import _UnionTag
+
+    blank = _blank_union(cls)
+    if blank is None or len(kwargs) != 1 or next(iter(kwargs)) not in blank:
+        return _fast_union_create.originals[_union_class()[0]].__func__(cls, **kwargs)  # torch's, with its errors
+    ((name, value),) = kwargs.items()
+    obj = object.__new__(cls)
+    fields = obj.__dict__
+    fields.update(blank)
+    fields[name] = value
+    obj._type = _UnionTag.create(name, cls)
+    return obj
+
+
+# Writing the stored form builds some 50,000 union values (a DeiT-tiny program).
+_fast_union_create = AttributePatch(_union_class, "create", classmethod(_union_create))
+
+
+def _to_dict(obj: Any) -> Any:
+    """torch's ``_dataclass_to_dict``, with its type tests decided once per type."""
+    kind = type(obj)
+    convert = _to_dict_by_type.get(kind)
+    if convert is None:
+        convert = _to_dict_by_type[kind] = _to_dict_for(kind)
+    return convert(obj)
+
+
+def _to_dict_for(kind: type) -> Callable[[Any], Any]:
+    import dataclasses
+
+    from torch._export.serde import serialize as serde
+    from torch._export.serde.union import _Union
+
+    original = _fast_to_dict.originals[serde]
+    # The same tests in the same order as torch's function, on the type.
+    if issubclass(kind, type):
+        return original  # a class object: ``is_dataclass`` looks at the object itself
+    if issubclass(kind, _Union):
+        return lambda o: {o.type: _to_dict(o.value)}
+    if dataclasses.is_dataclass(kind):
+        names = tuple(f.name for f in dataclasses.fields(kind))
+        return lambda o: {name: _to_dict(getattr(o, name)) for name in names}
+    if issubclass(kind, list):
+        return lambda o: [_to_dict(x) for x in o]
+    if issubclass(kind, tuple):
+        return lambda o: tuple(_to_dict(x) for x in o)
+    if issubclass(kind, dict):
+        return lambda o: {k: _to_dict(v) for k, v in o.items()}
+    if issubclass(kind, float):
+        return original  # infinities and NaN are spelled as strings
+    return lambda o: o
+
+
+_to_dict_by_type: dict[type, Callable[[Any], Any]] = {}
+_fast_to_dict = AttributePatch(_serde_module, "_dataclass_to_dict", _to_dict)

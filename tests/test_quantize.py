@@ -237,3 +237,34 @@ def test_fast_tensor_meta_per_value(shape, stride, dtype, requires_grad):
     assert fast is not stock and fast.fake_mode is stock.fake_mode
     assert _value_properties(fast) == _value_properties(stock)
     assert fast.requires_grad is value.requires_grad
+
+
+def test_stored_json_equals_torchs_serializer_and_the_patches_are_undone():
+    """encode's faster union construction and dict conversion write torch's exact JSON."""
+    from torch._export.serde import schema
+    from torch._export.serde import serialize as serde
+    from torch._export.serde.union import _Union
+
+    from lowercache.targets import resolve
+
+    create, to_dict = vars(_Union)["create"], serde._dataclass_to_dict
+    module, example = models.transformer_block()
+    target = resolve("tosa-int")
+    program = quantize.run_stock(torch.export.export(module, example), target, target.compile_spec(), example, [example])
+    ours = quantize.encode(program, "spec").blobs["program.json"]
+    assert vars(_Union)["create"] is create and serde._dataclass_to_dict is to_dict
+    with quantize._no_canonical_form_check.active():
+        theirs = serde.serialize(
+            program, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
+        ).exported_program
+    assert ours == theirs
+    with quantize._fast_union_create.active():
+        built = schema.Argument.create(as_int=3)
+        assert vars(built) == vars(create.__func__(schema.Argument, as_int=3))  # same fields, same order, same tag
+        assert list(vars(built)) == list(vars(create.__func__(schema.Argument, as_int=3)))
+        with pytest.raises(AssertionError):
+            schema.Argument.create(as_int=3, as_float=1.0)  # torch's own error
+        with pytest.raises(TypeError):
+            schema.Argument.create(not_a_field=1)
+    with quantize._fast_to_dict.active():
+        assert serde._dataclass_to_dict(schema.Argument.create(as_float=float("inf"))) == {"as_float": "Infinity"}
