@@ -37,6 +37,7 @@ from typing import Any
 from . import (
     attrnames,
     decompositions,
+    dtypecheck,
     fakecache,
     fastcopy,
     lazycode,
@@ -230,6 +231,7 @@ _SPEEDUPS = (
     partitionorder,
     signature,
     treeiter,
+    dtypecheck,
 )
 
 
