@@ -14,7 +14,8 @@ same order, with the same (identical) targets, arguments, values and fetched
 attributes as a graph that passed, passes again (values are FakeTensors,
 whose dtype and shape are not changed in place): that call is skipped. The
 memo holds the objects it compares until the lowering ends; graphs with
-submodule or method calls are always checked.
+submodule or method calls, or symbolic shapes (whose run could add guards),
+are always checked.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ _stats = {"checked": 0, "skipped": 0}
 
 def _fingerprint(gm: Any) -> list[tuple] | None:
     """What the check reads of ``gm``, as objects compared by identity; None if not plain."""
+    mode = _verifier_module()[0]._detect_fake_mode_from_gm(gm)
+    shape_env = getattr(mode, "shape_env", None)
+    if shape_env is not None and shape_env.var_to_val:
+        return None  # symbolic shapes: running the graph could add guards, so it always runs
     rows = []
     for node in gm.graph.nodes:
         if node.op in ("call_module", "call_method"):
