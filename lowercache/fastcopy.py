@@ -73,7 +73,7 @@ _stats_lock = threading.Lock()
 _stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
 
 # sha256 over the sources of the functions listed in _audited_sources (torch 2.13.0, executorch 1.5.1).
-_AUDITED_DIGEST = "b3ecab92ecd08f15262f45c39a8c0156dfa742d587e2d6875823dd19dcaab940"
+_AUDITED_DIGEST = "a76f2900fb43fbed5a9051c6d3e5a87e4d98ce6549f9309f18a37ba19bb5f76c"
 
 
 def _count(key: str) -> None:
@@ -121,6 +121,7 @@ def _audited_sources() -> list[Any]:
         ExportPass.ExportInterpreter.call_function,
         _ExportPassBase.ExportTracer.create_arg,
         ExportPass.ExportTracer.create_arg,
+        _ExportPassBase.ExportTracer.set_metadata,
         NodeMetadata.__init__,
         ProxyValue.__init__,
         ArmPass.call_operator,
@@ -152,6 +153,7 @@ def _setup() -> dict[str, Any] | None:
     from executorch.exir.dialects.backend._ops import BackendOpOverload
     from executorch.exir.dialects.edge._ops import EdgeOpOverload
     from executorch.exir.pass_base import ExportPass, ProxyValue, _ExportPassBase
+    from torch._subclasses.fake_tensor import FakeTensor
     from torch.fx import traceback as fx_traceback
     from torch.fx.immutable_collections import immutable_dict, immutable_list
 
@@ -169,6 +171,7 @@ def _setup() -> dict[str, Any] | None:
         tracer=ExportPass.ExportTracer,
         proxy=torch.fx.Proxy,
         proxy_value=ProxyValue,
+        fake=FakeTensor,
         node=torch.fx.Node,
         traceback=fx_traceback,
         lists=(list, immutable_list),
@@ -393,7 +396,13 @@ def _copy(interp: Any, n: Any, st: dict[str, Any]) -> Any:
         fx_traceback.current_meta = saved
     proxy = tracer.proxy(node)
     node.meta.update(meta)
-    tracer.set_metadata(node, res_data)
+    if type(res_data) is st["fake"]:
+        # What ``set_metadata``'s two ``tree_map`` calls give for one FakeTensor (a
+        # pytree leaf): the value itself, and no separate tensor metadata.
+        node.meta["val"] = res_data
+        node.meta["tensor_meta"] = None
+    else:
+        tracer.set_metadata(node, res_data)
     _count("copied")
     return st["proxy_value"](res_data, proxy)
 
