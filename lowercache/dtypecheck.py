@@ -34,7 +34,7 @@ def _fingerprint(gm: Any) -> list[tuple] | None:
     """What the check reads of ``gm``, as objects compared by identity; None if not plain."""
     mode = _verifier_module()[0]._detect_fake_mode_from_gm(gm)
     shape_env = getattr(mode, "shape_env", None)
-    if shape_env is not None and shape_env.var_to_val:
+    if shape_env is not None and shape_env.var_to_range:  # any symbol, backed or not
         return None  # symbolic shapes: running the graph could add guards, so it always runs
     rows = []
     for node in gm.graph.nodes:
