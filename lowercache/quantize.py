@@ -278,7 +278,6 @@ def _converter(cls: Any) -> Callable[[Any], Any]:
 
     from torch._export.serde import schema
     from torch._export.serde import serialize as serde
-    from torch._export.serde import union as serde_union
     from torch._export.serde.union import _Union
 
     cls = serde._resolve_schema_cls(cls)
@@ -296,24 +295,15 @@ def _converter(cls: Any) -> Callable[[Any], Any]:
     if isinstance(cls, type) and issubclass(cls, _Union):
         hints = typing.get_type_hints(cls, globalns=vars(schema))
         converters = {f.name: _converter(hints[f.name]) for f in dataclasses.fields(cls)}
-        if not (_plain_construction(cls) and cls.__post_init__ is _Union.__post_init__):
+        blank = _blank_union(cls)
+        if blank is None:
             return lambda data: cls.create(**{k: converters[k](v) for k, v in _one_item(cls, data)})
-        blank = dict.fromkeys(converters)
-        cls(**blank)  # __post_init__'s check depends on the class only: run it once
-        tag = serde_union._UnionTag.create
 
         def union(data: Any) -> Any:
-            # What ``cls.create(name=value)`` does: every field set in order (None but
-            # the one given), then the tag; without re-listing the fields each time.
             ((name, value),) = _one_item(cls, data)
             if name not in converters:
                 raise FormatError(f"{cls.__name__} has no field {name!r}")
-            obj = object.__new__(cls)
-            fields = obj.__dict__
-            fields.update(blank)
-            fields[name] = converters[name](value)
-            obj._type = tag(name, cls)
-            return obj
+            return _new_union(cls, blank, name, converters[name](value))
 
         return union
     if dataclasses.is_dataclass(cls):
@@ -433,21 +423,27 @@ def _blank_union(cls: type) -> dict[str, None] | None:
     return blank
 
 
-def _union_create(cls: Any, **kwargs: Any) -> Any:
-    """``_Union.create``: the same object (fields in order, None but the one given,
-    then the tag) without ``__init__``, ``__post_init__`` and ``fields()`` per call."""
+def _new_union(cls: type, blank: dict[str, None], name: str, value: Any) -> Any:
+    """What ``cls.create(name=value)`` builds: every field set in order (None but
+    the one given), then the tag; without ``__init__``, ``__post_init__`` and
+    ``fields()`` per value. ``blank`` is ``_blank_union(cls)``."""
     from torch._export.serde.union import _UnionTag
 
-    blank = _blank_union(cls)
-    if blank is None or len(kwargs) != 1 or next(iter(kwargs)) not in blank:
-        return _fast_union_create.originals[_union_class()[0]].__func__(cls, **kwargs)  # torch's, with its errors
-    ((name, value),) = kwargs.items()
     obj = object.__new__(cls)
     fields = obj.__dict__
     fields.update(blank)
     fields[name] = value
     obj._type = _UnionTag.create(name, cls)
     return obj
+
+
+def _union_create(cls: Any, **kwargs: Any) -> Any:
+    """``_Union.create`` through ``_new_union`` for plainly built unions."""
+    blank = _blank_union(cls)
+    if blank is None or len(kwargs) != 1 or next(iter(kwargs)) not in blank:
+        return _fast_union_create.originals[_union_class()[0]].__func__(cls, **kwargs)  # torch's, with its errors
+    ((name, value),) = kwargs.items()
+    return _new_union(cls, blank, name, value)
 
 
 # Writing the stored form builds some 50,000 union values (a DeiT-tiny program).
