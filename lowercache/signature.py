@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import types
 import weakref
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-from .patching import Patch
+from .patching import AttributePatch, Patch
 
 _PROPERTIES = ("inputs_to_parameters", "inputs_to_buffers", "inputs_to_lifted_tensor_constants")
 _ARGUMENT_CLASSES = (
@@ -45,7 +45,6 @@ _ARGUMENT_CLASSES = (
 _version = 0  # bumped by every attribute set on an input spec or argument
 _memo: dict[int, "_State"] = {}  # id(signature) -> its memoized state
 _stats = {"built": 0, "served": 0}
-_originals: dict[Any, dict[str, Any]] = {}
 
 
 class _State:
@@ -74,7 +73,7 @@ def _counting_setattr(self: Any, name: str, value: Any) -> None:
     object.__setattr__(self, name, value)
 
 
-def _memoized(name: str, build: Callable[[Any], Mapping[str, str]]) -> property:
+def _memoized(name: str) -> property:
     def get(self: Any) -> Mapping[str, str]:
         key = id(self)
         state = _memo.get(key)
@@ -82,7 +81,8 @@ def _memoized(name: str, build: Callable[[Any], Mapping[str, str]]) -> property:
             state = _memo[key] = _State(self, key)
         mapping = state.mappings.get(name)
         if mapping is None:
-            mapping = state.mappings[name] = types.MappingProxyType(dict(build(self)))
+            (stock,) = _properties[name].originals.values()  # torch's property, as patched over
+            mapping = state.mappings[name] = types.MappingProxyType(dict(stock.fget(self)))
             _stats["built"] += 1
         else:
             _stats["served"] += 1
@@ -92,29 +92,36 @@ def _memoized(name: str, build: Callable[[Any], Mapping[str, str]]) -> property:
     return property(get)
 
 
-def _apply() -> None:
+def _argument_classes() -> list[type]:
+    """The classes whose attribute sets are counted; none if one has its own ``__setattr__``."""
     from torch.export import graph_signature
 
-    cls = graph_signature.ExportGraphSignature
-    if any(getattr(graph_signature, c).__setattr__ is not object.__setattr__ for c in _ARGUMENT_CLASSES):
-        return  # an argument class with its own __setattr__: changes could not be counted
-    _originals[cls] = {name: vars(cls)[name] for name in _PROPERTIES}
-    for name, prop in _originals[cls].items():
-        setattr(cls, name, _memoized(name, prop.fget))
-    for class_name in _ARGUMENT_CLASSES:
-        owner = getattr(graph_signature, class_name)
-        _originals[owner] = {"__setattr__": None}
-        owner.__setattr__ = _counting_setattr
+    classes = [getattr(graph_signature, name) for name in _ARGUMENT_CLASSES]
+    counted = (object.__setattr__, _counting_setattr)  # stock, or already counting
+    return classes if all(any(c.__setattr__ is f for f in counted) for c in classes) else []
+
+
+def _signature_class() -> list[type]:
+    """``ExportGraphSignature``, only when changes to its specs can be counted."""
+    from torch.export import graph_signature
+
+    return [graph_signature.ExportGraphSignature] if _argument_classes() else []
+
+
+_properties = {name: AttributePatch(_signature_class, name, _memoized(name)) for name in _PROPERTIES}
+_counting = AttributePatch(_argument_classes, "__setattr__", _counting_setattr)
+
+
+def _apply() -> None:
+    for patch in _properties.values():
+        patch.enable()
+    _counting.enable()
 
 
 def _undo() -> None:
-    for owner, attributes in _originals.items():
-        for name, value in attributes.items():
-            if value is None:
-                delattr(owner, name)  # back to object.__setattr__
-            else:
-                setattr(owner, name, value)
-    _originals.clear()
+    _counting.disable()
+    for patch in _properties.values():
+        patch.disable()
     _memo.clear()
 
 
