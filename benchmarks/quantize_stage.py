@@ -1,6 +1,6 @@
 """The quantization stage alone, stock vs lowercache, in one process (issue #5's figures).
 
-    OMP_NUM_THREADS=1 python benchmarks/quantize_stage.py [--models mobilenet_v2,deit_tiny] [--target ethos-u55-128]
+    OMP_NUM_THREADS=1 python benchmarks/quantize_stage.py [--models mobilenet_v2,deit_tiny] [--target ethos-u55-128] [--scenarios cold,warm,weights]
 
 For each model: the stage (prepare_pt2e, calibrate, convert_pt2e, re-export)
 from the same exported program, stock (no lowercache code) and through
@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--models", default="mobilenet_v2,deit_tiny")
     parser.add_argument("--target", default="ethos-u55-128")
     parser.add_argument("--repeat", type=int, default=3, help="runs per side and scenario (medians reported)")
+    parser.add_argument("--scenarios", default="cold,warm,weights", help="comma-separated subset of cold,warm,weights")
     parser.add_argument("--check", choices=("parts", "pte"), default="parts", help="how results are compared with stock's")
     args = parser.parse_args()
     target = resolve(args.target)
@@ -90,7 +91,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
         stock(model, None, target)  # warm-up: imports, first export
-        for scenario in ("cold", "warm", "weights"):
+        for scenario in args.scenarios.split(","):
             times_stock, times_cached, checked = [], [], None
             for _ in range(args.repeat):
                 with tempfile.TemporaryDirectory() as tmp:

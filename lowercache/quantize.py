@@ -13,7 +13,9 @@ switched off, plus every parameter, buffer, constant and example input as
 raw bytes with dtype, shape and stride. Before a stored program is rebuilt,
 the JSON is checked for anything that would run code or evaluate text:
 symbolic shape expressions (sympy parses them), guard code, custom objects
-and nested graphs are refused, so such programs are not stored at all.
+and nested graphs are refused, so such programs are not stored at all. A
+hit rebuilds the graph with ``graphbuild`` and the rest with torch's
+deserializer.
 
 One side effect of the stock stage is reproduced on a hit: the Arm
 quantizer materializes the compile spec's default pass-pipeline config,
@@ -29,11 +31,13 @@ import functools
 import gc
 import json
 import logging
+import re
 import typing
 from typing import Any, Callable, Sequence
 
 import torch
 
+from . import graphbuild
 from .hashing import dtype_name, tensor_bytes, tensor_from_bytes
 from .patching import AttributePatch
 from .steps import Session
@@ -48,7 +52,8 @@ _NOT_QUANTIZE_PARTS = ("flow", "target")
 
 # JSON keys of torch.export's schema whose content would be parsed as code or
 # expressions when the program is rebuilt, or that this format does not carry.
-_REFUSED_KEYS = (b'"as_expr"', b'"as_custom_obj"', b'"as_graph"', b'"as_sym_float"', b'"as_sym_bool"')
+# One pattern: a single pass over a program JSON of several megabytes.
+_REFUSED_KEYS = re.compile(rb'"(as_expr|as_custom_obj|as_graph|as_sym_float|as_sym_bool)"')
 
 
 class FormatError(ValueError):
@@ -172,9 +177,8 @@ def encode(program: torch.export.ExportedProgram, spec_digest: str) -> Entry:
 
 def _check_graph(graph: bytes) -> dict[str, Any]:
     """The parsed program JSON, once checked to hold nothing that would be parsed as code."""
-    for key in _REFUSED_KEYS:
-        if key in graph:
-            raise FormatError(f"program holds {key.decode()} values")
+    if refused := _REFUSED_KEYS.search(graph):
+        raise FormatError(f"program holds {refused.group(0).decode()} values")
     try:
         doc = json.loads(graph)
     except ValueError as err:
@@ -209,9 +213,29 @@ def decode(entry: Entry) -> torch.export.ExportedProgram:
             group, _, name = blob.partition("/")
             groups[group][name] = _tensor(record, entry.blobs["tensors"])
         args = tuple(groups["example_inputs"][str(i)] for i in range(len(groups["example_inputs"])))
-        deserializer = serde.ExportedProgramDeserializer()
         with _fast_tensor_meta.active():
+            try:
+                return _rebuild_fast(doc, groups["state_dict"], groups["constants"], args)
+            except graphbuild.Unsupported as err:
+                log.debug("lowercache: stored graph rebuilt by torch's deserializer (%s)", err)
+            deserializer = serde.ExportedProgramDeserializer()
             return deserializer.deserialize(_schema(doc), groups["state_dict"], groups["constants"], (args, {}))
+
+
+def _rebuild_fast(
+    doc: dict[str, Any], state_dict: dict[str, torch.Tensor], constants: dict[str, torch.Tensor], args: tuple[Any, ...]
+) -> torch.export.ExportedProgram:
+    """torch's deserializer with the graph built from the JSON by ``graphbuild``;
+    ``graphbuild.Unsupported`` if the graph needs torch's own builder."""
+    from torch._export.serde import serialize as serde
+
+    module = doc.get("graph_module")
+    if not isinstance(module, dict) or not isinstance(module.get("graph"), dict):
+        raise FormatError("program JSON without a graph")
+    program = _schema({**doc, "graph_module": {**module, "graph": graphbuild.EMPTY_GRAPH}})
+    program.graph_module.graph = graphbuild.RawGraph(module["graph"])
+    with graphbuild.raw_graphs.active():
+        return serde.ExportedProgramDeserializer().deserialize(program, state_dict, constants, (args, {}))
 
 
 @contextlib.contextmanager
