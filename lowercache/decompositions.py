@@ -1,4 +1,5 @@
-"""Skip the re-trace of a ``run_decompositions`` call that has nothing to decompose.
+"""Skip the re-trace of a ``run_decompositions`` call that has nothing to decompose,
+and re-trace only the nodes of one that has little.
 
 ``to_edge_transform_and_lower`` calls ``run_decompositions`` three times for a
 partitioner that preserves ops (``_gen_edge_manager_for_partitioners``): to
@@ -30,18 +31,43 @@ carries over unchanged, and the call comes from ExecuTorch's
 (the skip returns that program, changed in place; a user's script under
 ``lowercache run`` keeps its own calls stock). ``tests/test_decompositions.py`` compares the result,
 node by node and key by key, with the real call on the test models.
+
+The second call usually has a little to decompose (MobileNetV2: its 52
+``conv2d`` become ``convolution``; DeiT-tiny: 61 ``transpose`` and 24
+``_unsafe_view`` of 3,559 nodes), yet re-traces everything. Under the same
+conditions, except that table and CompositeImplicitAutograd operators may
+occur, such a call is *localized*: only the nodes it can change (the
+candidates: operators in the table or with a CompositeImplicitAutograd
+kernel) are put in a small program of their own, with their inputs as
+placeholders holding the same fake values (so the same fake mode), and the
+real ``run_decompositions`` runs on that. Its nodes replace the candidates
+(with the metadata that trace gave them), and the rest of the program takes
+the re-trace metadata above, except that a parameter, buffer or constant
+placeholder takes the operator of its first user as it was before the call
+(a lifted input is fakified inside the first dispatch that reads it, whose
+operator is the one being decomposed). Names are then given as a trace gives
+them (``trace_names``): in node order by operator name, and every output of a
+multi-output operator a ``getitem`` right after it, used or not (a trace
+creates them all and drops the unused ones, whose names stay taken); the
+signature's output names follow. Anything outside that (nested or removed
+outputs in the small trace, mutable operators, non-tensor outputs of a
+candidate, an unnamed structure) takes the full call, before the program is
+touched.
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .patching import AttributePatch
+
+log = logging.getLogger("lowercache")
 
 # Metadata a re-trace of a decomposed graph carries over unchanged or recomputes
 # as described above; a node with any other key takes the stock path.
@@ -63,18 +89,24 @@ _KNOWN_META = frozenset(
 )
 
 _lock = threading.Lock()
-_stats = {"skipped": 0}
+_stats = {"skipped": 0, "localized": 0, "full": 0}
 
 
 def stats() -> dict[str, int]:
-    """Calls skipped since the last :func:`reset_stats`."""
+    """Calls skipped, localized and run in full (by ExecuTorch's call site) since the last :func:`reset_stats`."""
     with _lock:
         return dict(_stats)
 
 
 def reset_stats() -> None:
     with _lock:
-        _stats["skipped"] = 0
+        for key in _stats:
+            _stats[key] = 0
+
+
+def _count(key: str) -> None:
+    with _lock:
+        _stats[key] += 1
 
 
 def _is_composite_implicit(op: torch._ops.OpOverload) -> bool:
@@ -124,6 +156,15 @@ def skippable(program: torch.export.ExportedProgram, table: Any) -> bool:
 
 def apply_retrace_metadata(program: torch.export.ExportedProgram) -> None:
     """Give ``program``'s nodes the metadata a re-trace without decompositions would."""
+    order = {node: i for i, node in enumerate(program.graph.nodes)}
+    _retrace_op_metadata(order)
+    for node in order:
+        if node.op == "placeholder" and "original_aten" in node.meta:
+            node.meta["original_aten"] = _kept_as(_first_user(node, order).target)
+
+
+def _retrace_op_metadata(nodes: Any) -> None:
+    """``original_aten`` and ``eager_input_vals`` of operator nodes a re-trace carries over unchanged."""
     from torch.fx.experimental.proxy_tensor import _should_save_eager_input_vals, extract_val
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -135,15 +176,203 @@ def apply_retrace_metadata(program: torch.export.ExportedProgram) -> None:
             return None
         return extract_val(val)
 
-    order = {node: i for i, node in enumerate(program.graph.nodes)}
-    for node in order:
+    for node in nodes:
         if node.op == "call_function" and node.target is not operator.getitem:
             node.meta["original_aten"] = node.target
             if _should_save_eager_input_vals(node.target, (node.args, node.kwargs)):
                 node.meta["eager_input_vals"] = torch.fx.node.map_aggregate((node.args, node.kwargs), value)
+
+
+class Unsupported(Exception):
+    """The call is outside what ``localize`` reproduces; it runs in full."""
+
+
+def _candidates(program: torch.export.ExportedProgram, table: Any) -> list[torch.fx.Node]:
+    """The nodes ``run_decompositions(table)`` can change, after checking the rest cannot."""
+    if not isinstance(table, dict) or not table:
+        raise Unsupported("no decomposition table")
+    if [v.dialect for v in program.verifiers] != ["ATEN"]:
+        raise Unsupported("not yet post-dispatch ATen")
+    if any(isinstance(m, torch.fx.GraphModule) for m in program.graph_module.children()):
+        raise Unsupported("nested graphs")
+    found = []
+    for node in program.graph.nodes:
+        if not _KNOWN_META.issuperset(node.meta):
+            raise Unsupported(f"metadata {sorted(set(node.meta) - _KNOWN_META)}")
+        if node.op == "get_attr":
+            raise Unsupported("get_attr node")
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+            raise Unsupported(f"operator {target}")
+        if target in table or _is_composite_implicit(target):
+            if not isinstance(node.meta.get("val"), torch.Tensor):
+                raise Unsupported(f"{target} without one tensor output")
+            found.append(node)
+    return found
+
+
+def _small_program(
+    program: torch.export.ExportedProgram, nodes: list[torch.fx.Node]
+) -> tuple[torch.export.ExportedProgram, list[torch.fx.Node]]:
+    """A program of ``nodes`` alone, their other inputs as placeholders (same fake values); and those inputs."""
+    import torch.utils._pytree as pytree
+    from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
+    from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputKind, OutputSpec, TensorArgument
+
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    inputs: list[torch.fx.Node] = []
+    chosen = set(nodes)
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg not in chosen and arg not in env:
+                env[arg] = graph.placeholder(arg.name)
+                env[arg].meta["val"] = arg.meta["val"]
+                inputs.append(arg)
+    for node in nodes:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    outputs = [env[n] for n in nodes]
+    graph.output(tuple(outputs))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    signature = ExportGraphSignature(
+        input_specs=[InputSpec(InputKind.USER_INPUT, TensorArgument(env[i].name), None) for i in inputs],
+        output_specs=[OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(o.name), None) for o in outputs],
+    )
+    in_spec = pytree.tree_structure((tuple(inputs), {}))
+    out_spec = pytree.tree_structure(tuple(outputs))
+    small = torch.export.ExportedProgram(
+        root=module,
+        graph=graph,
+        graph_signature=signature,
+        state_dict={},
+        range_constraints={},
+        module_call_graph=[ModuleCallEntry("", ModuleCallSignature([], [], in_spec, out_spec))],
+        example_inputs=None,
+        constants={},
+        verifiers=program.verifiers,
+    )
+    return small, inputs
+
+
+def trace_names(graph: torch.fx.Graph) -> tuple[dict[torch.fx.Node, str], Any]:
+    """The node names a trace of ``graph`` gives, and the namespace holding them.
+
+    Operator nodes are named by operator in node order; a multi-output
+    operator's outputs are all extracted by ``getitem`` right after it, and
+    the unused ones removed later, their names taken all the same.
+    """
+    namespace = torch.fx.graph._Namespace()
+    names: dict[torch.fx.Node, str] = {}
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            names[node] = namespace.create_name(node.name if node.op == "placeholder" else "output", node)
+            continue
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            if node.target is operator.getitem and node in names:
+                continue
+            raise Unsupported(f"cannot name {node.op} {node.target}")
+        names[node] = namespace.create_name(graph._target_to_str(node.target.overloadpacket.__name__), node)
+        val = node.meta.get("val")
+        items: dict[int, torch.fx.Node] = {}
+        for user in node.users:
+            if user.target is operator.getitem:
+                index = user.args[1] if len(user.args) == 2 and not user.kwargs else None
+                if not isinstance(val, (tuple, list)) or not isinstance(index, int) or index in items:
+                    raise Unsupported(f"getitem of {node.name}")
+                items[index] = user
+        if isinstance(val, (tuple, list)):
+            if not all(isinstance(v, torch.Tensor) for v in val) or any(u.target is not operator.getitem for u in node.users):
+                raise Unsupported(f"outputs of {node.name}")
+            for index in range(len(val)):
+                name = namespace.create_name("getitem", items.get(index))
+                if index in items:
+                    names[items[index]] = name
+    return names, namespace
+
+
+def localize(program: torch.export.ExportedProgram, table: Any, original: Callable[..., Any]) -> None:
+    """``program.run_decompositions(table)`` in place, re-tracing only the nodes it can change.
+
+    Raises :class:`Unsupported` before touching ``program`` when the call is
+    outside what this reproduces.
+    """
+    from torch.export.graph_signature import InputKind, TensorArgument
+
+    graph = program.graph
+    candidates = _candidates(program, table)
+    trace_names(graph)  # the structure must be one whose names are known
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    lifted = {spec.arg.name for spec in program.graph_signature.input_specs if spec.kind != InputKind.USER_INPUT}
+    first_ops: dict[torch.fx.Node, Any] = {}
     for node in order:
-        if node.op == "placeholder" and "original_aten" in node.meta:
-            node.meta["original_aten"] = _kept_as(_first_user(node, order).target)
+        if node.op == "placeholder" and node.name in lifted and node.users:
+            first = _first_user(node, order)
+            if first.op != "call_function" or not isinstance(first.target, torch._ops.OpOverload):
+                raise Unsupported(f"first user of {node.name}")
+            first_ops[node] = _kept_as(first.target)
+    new_nodes: set[torch.fx.Node] = set()
+    if candidates:
+        small, inputs = _small_program(program, candidates)
+        try:
+            traced = original(small, table)
+        except Exception as err:  # the full call decides what happens on this program
+            raise Unsupported(f"small program: {type(err).__name__}: {err}") from None
+        placeholders = traced.graph.find_nodes(op="placeholder")
+        outputs = list(traced.graph.output_node().args[0])
+        if len(placeholders) != len(inputs) or len(outputs) != len(candidates):
+            raise Unsupported("the small program's signature changed")
+        names, _ = trace_names(traced.graph)
+        if any(names[n] != n.name for n in traced.graph.nodes):
+            raise Unsupported("the small program's trace removed nodes")
+        chosen = set(candidates)
+        # A node whose every use is decomposed away would be dropped by the full trace's dead-code pass.
+        for used, node in [*zip(placeholders, inputs), *zip(outputs, candidates)]:
+            if node.op != "placeholder" and all(u in chosen for u in node.users) and not set(used.users) - {traced.graph.output_node()}:
+                raise Unsupported(f"{node.name} would lose all its uses")
+        owner: dict[torch.fx.Node, int] = {}
+        for i, out in enumerate(outputs):  # each candidate's nodes: what its output needs, back to earlier ones
+            stack = [out]
+            while stack:
+                n = stack.pop()
+                if n.op != "placeholder" and n not in owner:
+                    owner[n] = i
+                    stack.extend(n.all_input_nodes)
+        body = [n for n in traced.graph.nodes if n.op not in ("placeholder", "output")]
+        if any(n not in owner for n in body):
+            raise Unsupported("a node of the small program's trace belongs to no candidate")
+        mapped: dict[torch.fx.Node, torch.fx.Node] = dict(zip(placeholders, inputs))
+        for i, candidate in enumerate(candidates):
+            with graph.inserting_before(candidate):
+                for n in body:
+                    if owner[n] == i:
+                        args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), mapped.__getitem__)
+                        new = graph.create_node(n.op, n.target, args, kwargs)
+                        new.meta = dict(n.meta)
+                        mapped[n] = new
+                        new_nodes.add(new)
+            candidate.replace_all_uses_with(mapped[outputs[i]])
+            graph.erase_node(candidate)
+    try:
+        names, namespace = trace_names(graph)
+    except Unsupported as err:  # checked on both parts before the change: cannot happen
+        raise AssertionError(f"localized decomposition left an unnamed structure: {err}") from None
+    renamed = {node.name: name for node, name in names.items() if node.name != name}
+    for node, name in names.items():
+        node.name = name
+    graph._graph_namespace = namespace
+    for spec in program.graph_signature.output_specs:
+        if isinstance(spec.arg, TensorArgument) and spec.arg.name in renamed:
+            spec.arg = TensorArgument(renamed[spec.arg.name])
+    for entry in program.module_call_graph:
+        if entry.signature is not None:
+            for args in (entry.signature.inputs, entry.signature.outputs):
+                args[:] = [TensorArgument(renamed[a.name]) if isinstance(a, TensorArgument) and a.name in renamed else a for a in args]
+    _retrace_op_metadata(n for n in graph.nodes if n not in new_nodes)
+    for node, op in first_ops.items():
+        node.meta["original_aten"] = op
+    program.graph_module.recompile()
 
 
 def _called_by_edge_generation(frame: Any) -> bool:
@@ -154,12 +383,21 @@ def _called_by_edge_generation(frame: Any) -> bool:
 
 
 def _run_decompositions(self: torch.export.ExportedProgram, decomp_table: Any = None, *args: Any, **kwargs: Any):
+    original = _patch.originals[torch.export.ExportedProgram]
     caller = sys._getframe(1)
-    if args or kwargs or not _called_by_edge_generation(caller) or not skippable(self, decomp_table):
-        return _patch.originals[torch.export.ExportedProgram](self, decomp_table, *args, **kwargs)
-    apply_retrace_metadata(self)
-    with _lock:
-        _stats["skipped"] += 1
+    if args or kwargs or not _called_by_edge_generation(caller):
+        return original(self, decomp_table, *args, **kwargs)
+    if skippable(self, decomp_table):
+        apply_retrace_metadata(self)
+        _count("skipped")
+        return self
+    try:
+        localize(self, decomp_table, original)
+    except Unsupported as why:
+        log.debug("lowercache: run_decompositions in full (%s)", why)
+        _count("full")
+        return original(self, decomp_table, *args, **kwargs)
+    _count("localized")
     return self
 
 

@@ -34,21 +34,33 @@ def _describe(program: torch.export.ExportedProgram) -> list:
     ]
 
 
-def _audit_calls(model: str, target: str) -> int:
-    """Lower stock; at every skippable call, compare the real re-trace with the skip's result."""
+def _same_program(mine: torch.export.ExportedProgram, stock: torch.export.ExportedProgram) -> None:
+    assert _describe(mine) == _describe(stock)
+    assert mine.graph_signature == stock.graph_signature
+    assert list(mine.state_dict) == list(stock.state_dict) and list(mine.constants) == list(stock.constants)
+    assert [(e.fqn, e.signature) for e in mine.module_call_graph] == [(e.fqn, e.signature) for e in stock.module_call_graph]
+    modes = {id(n.meta["val"].fake_mode) for n in mine.graph.nodes if isinstance(n.meta.get("val"), FakeTensor)}
+    assert len(modes) == 1  # new nodes' values come from the program's own fake mode
+
+
+def _audit_calls(model: str, target: str) -> dict[str, int]:
+    """Lower stock; at every call that would be skipped or localized, compare the real re-trace with ours."""
     original = torch.export.ExportedProgram.run_decompositions
-    audited = 0
+    audited = {"skipped": 0, "localized": 0}
 
     def audit(self, table=None, *args, **kwargs):
-        nonlocal audited
-        if not decompositions.skippable(self, table):
-            return original(self, table, *args, **kwargs)
         stock = original(self, table, *args, **kwargs)
-        decompositions.apply_retrace_metadata(self)
-        assert _describe(self) == _describe(stock)
-        assert self.graph_signature == stock.graph_signature
-        assert list(self.state_dict) == list(stock.state_dict) and list(self.constants) == list(stock.constants)
-        audited += 1
+        if decompositions.skippable(self, table):
+            decompositions.apply_retrace_metadata(self)
+            kind = "skipped"
+        else:
+            try:
+                decompositions.localize(self, table, original)
+            except decompositions.Unsupported:
+                return stock
+            kind = "localized"
+        _same_program(self, stock)
+        audited[kind] += 1
         return stock
 
     torch.export.ExportedProgram.run_decompositions = audit
@@ -61,18 +73,56 @@ def _audit_calls(model: str, target: str) -> int:
 
 @pytest.mark.parametrize(
     ("model", "target"),
-    [("transformer_block", "ethos-u55-128"), ("residual_cnn", "tosa-fp"), ("residual_cnn", "tosa-int")],
+    [
+        ("transformer_block", "ethos-u55-128"),
+        ("transformer_block", "tosa-fp"),  # layer norm: unused outputs whose getitem names stay taken
+        ("residual_cnn", "tosa-fp"),  # batch norm, parameters first read by a decomposed conv2d
+        ("residual_cnn", "tosa-int"),
+    ],
 )
-def test_skip_gives_the_program_a_retrace_gives(model, target):
-    assert _audit_calls(model, target) >= 1  # the call this module exists for was seen and compared
+def test_skipped_and_localized_calls_give_the_program_a_retrace_gives(model, target):
+    audited = _audit_calls(model, target)
+    assert audited["localized"] >= 1  # the second call: conv2d / transpose / _unsafe_view decomposed
+    assert audited["skipped"] >= 1  # the third call, nothing left to decompose
+
+
+def test_trace_names_are_the_names_a_trace_gives():
+    module, example = models.residual_cnn()
+    program = torch.export.export(module, example).run_decompositions({})
+    table = dict(torch.export.default_decompositions())
+    for traced in (program, program.run_decompositions(table)):
+        names, _ = decompositions.trace_names(traced.graph)
+        assert [names[n] for n in traced.graph.nodes] == [n.name for n in traced.graph.nodes]
+    batch_norms = [n for n in program.graph.nodes if "batch_norm" in str(n.target)]
+    assert batch_norms and all(len(n.users) < len(n.meta["val"]) for n in batch_norms)  # unused outputs were there
+
+
+def test_calls_outside_the_localized_form_run_in_full_untouched():
+    module, example = models.tiny_cnn()
+    exported = torch.export.export(module, example)
+    table = dict(torch.export.default_decompositions())
+    original = torch.export.ExportedProgram.run_decompositions
+    before = _describe(exported)
+    with pytest.raises(decompositions.Unsupported, match="post-dispatch"):
+        decompositions.localize(exported, table, original)  # fresh from export: functionalizing call
+    decomposed = exported.run_decompositions({})
+    with pytest.raises(decompositions.Unsupported, match="table"):
+        decompositions.localize(decomposed, {}, original)
+    decomposed.graph_module.graph.find_nodes(op="placeholder")[0].meta["unknown_key"] = 1
+    kept = _describe(decomposed)
+    with pytest.raises(decompositions.Unsupported, match="unknown_key"):
+        decompositions.localize(decomposed, table, original)
+    assert _describe(exported) == before and _describe(decomposed) == kept
 
 
 @pytest.mark.parametrize("target", ["tosa-fp", "ethos-u55-128"])
-def test_skipping_gives_stock_bytes(target):
+def test_skipped_and_localized_calls_give_stock_bytes(target):
     decompositions.reset_stats()
     with decompositions.active():
         got = stock_pte(*models.residual_cnn(), target)
-    assert decompositions.stats()["skipped"] >= 1
+    counts = decompositions.stats()
+    assert counts["localized"] >= 1 and counts["full"] >= 1  # the first, functionalizing call runs in full
+    assert counts["skipped"] >= 1
     assert got == reference("residual_cnn", target)
 
 
