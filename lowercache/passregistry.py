@@ -1,11 +1,14 @@
-"""Declared pass-through conditions for ExecuTorch passes without ``target_ops``.
+"""Declared pass-through conditions for passes whose ``call_operator`` has no ``target_ops`` guard.
 
 fastcopy trusts a pass with a node when the pass provably hands that node's
-op (or one fixed replacement op) and arguments to the base ``call_operator``. Arm passes say so with a
+op (or one fixed replacement op) and arguments to the base ``call_operator``. Most Arm passes say so with a
 ``target_ops`` guard that fastcopy reads from the syntax tree. ExecuTorch's
-own ``to_edge`` / ``to_executorch`` passes have no such guard; for the ones
+own ``to_edge`` / ``to_executorch`` passes, and a few Arm passes, have no such guard; for the ones
 that cost the most this registry states the condition, read from their
-``call_operator``, as a function of the pass instance and the node.
+``call_operator``, as a function of the pass instance and the node. Where the
+condition calls the pass's own helpers, it calls them with the arguments the
+interpreter would pass (the node's arguments mapped through the retrace's
+environment), so it is the same computation.
 
 Each entry is pinned to a digest of the ``call_operator`` source it was read
 from: if the installed ExecuTorch differs, the entry does not apply and the
@@ -107,6 +110,48 @@ def _sym_to_tensor(module: Any) -> Gate:
     return gate
 
 
+def _mapped_args(n: Any, env: dict) -> Any:
+    """The positional arguments ``ExportInterpreter.call_function`` hands to ``call_operator``."""
+    import torch
+
+    return torch.fx.node.map_arg(n.args, env.__getitem__)
+
+
+def _symbolic_to_tosa_shapes(module: Any) -> Gate:
+    import logging
+
+    import torch
+
+    sym_size = torch.ops.aten.sym_size.int
+
+    def gate(p: Any, n: Any, op: Any, env: dict) -> Any:
+        # Its debug lines are the one other effect of the pass-through branches.
+        if op == sym_size or module.logger.isEnabledFor(logging.DEBUG):
+            return None
+        if module.meta_has_shape_mark(n.meta):
+            return op
+        for arg in _mapped_args(n, env):
+            if isinstance(arg, (list, tuple)) and len(arg) > 0:
+                if p._has_raw_symint_arg(arg) or p._has_shape_proxy_arg(arg):
+                    return None
+        return op
+
+    return gate
+
+
+def _decompose_grouped_conv(module: Any) -> Gate:
+    klass = module.DecomposeGroupedConvPass
+
+    def gate(p: Any, n: Any, op: Any, env: dict) -> Any:
+        try:
+            groups, _ = klass._get_groups_and_transposed(op, _mapped_args(n, env))
+        except Exception:  # stock would raise from the same call: let it
+            return None
+        return op if groups is None or groups == 1 else None
+
+    return gate
+
+
 # (module, class) -> (sha256 of the class's call_operator source, gate factory given the module)
 REGISTRY: dict[tuple[str, str], tuple[str, Callable[[Any], Gate]]] = {
     ("executorch.exir.passes.normalize_transpose_pass", "NormalizeTransposePass"): (
@@ -140,6 +185,14 @@ REGISTRY: dict[tuple[str, str], tuple[str, Callable[[Any], Gate]]] = {
     ("executorch.exir.passes.sym_to_tensor_pass", "SymToTensorPass"): (
         "4bfe6e5ab93ebdd2fc1a85e5a2608d90ec6bdfde968128762815a87ca38a7d34",
         _sym_to_tensor,
+    ),
+    ("executorch.backends.arm._passes.symbolic_to_tosa_shape_pass", "SymbolicToTosaShapesPass"): (
+        "6fb542a8eb608e901c9e50cc6c094d882757ebf6f978043fd072170b01cb735e",
+        _symbolic_to_tosa_shapes,
+    ),
+    ("executorch.backends.arm._passes.decompose_grouped_conv_pass", "DecomposeGroupedConvPass"): (
+        "0eda31ef79c8f84e07408afd05d18714b0a64b50a05bd726148db106b11c8d17",
+        _decompose_grouped_conv,
     ),
 }
 

@@ -444,3 +444,44 @@ def test_enable_disable_reference_counted_and_restores_originals():
     churn_patch(fastcopy.enable, fastcopy.disable)
     assert not fastcopy.enabled()
     assert "run_node" not in ExportPass.ExportInterpreter.__dict__
+
+
+class _GroupedConvs(torch.nn.Module):
+    """A grouped conv (decomposed by DecomposeGroupedConvPass), a depthwise and a plain one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.grouped = torch.nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.depthwise = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.plain = torch.nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.plain(torch.relu(self.depthwise(torch.relu(self.grouped(x))))).flatten(1)
+
+
+def test_declared_arm_gates_copy_and_keep_stock_bytes(tmp_path):
+    """SymbolicToTosaShapesPass and DecomposeGroupedConvPass: fast copies where their call_operator
+    hands the node on, their own rewrite where it does not, and stock's bytes."""
+    import lowercache
+    from executorch.backends.arm._passes.decompose_grouped_conv_pass import DecomposeGroupedConvPass
+    from executorch.backends.arm._passes.symbolic_to_tosa_shape_pass import SymbolicToTosaShapesPass
+
+    from lowercache import passregistry
+
+    for cls in (SymbolicToTosaShapesPass, DecomposeGroupedConvPass):
+        assert passregistry.gate_for(cls) is not None, cls.__name__  # pinned digests match the installed sources
+    module, example = _GroupedConvs().eval(), (torch.randn(1, 8, 8, 8),)
+    expected = stock_pte(module, example, "ethos-u55-128")
+    artifacts = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=tmp_path)
+    assert artifacts.pte == expected
+    nodes: dict[str, dict[str, int]] = {}
+    for record in artifacts.records:
+        if record["kind"] == "pass" and record["name"] in ("SymbolicToTosaShapesPass", "DecomposeGroupedConvPass"):
+            for key, value in record.get("nodes", {}).items():
+                nodes.setdefault(record["name"], {}).setdefault(key, 0)
+                nodes[record["name"]][key] += value
+    assert nodes["SymbolicToTosaShapesPass"].get("copied_fast", 0) > 0, nodes
+    grouped = nodes["DecomposeGroupedConvPass"]
+    assert grouped.get("copied_fast", 0) > 0, nodes  # the plain conv and everything else
+    assert grouped.get("retraced", 0) > 0, nodes  # the grouped conv went through the pass: slices, convs, cat
