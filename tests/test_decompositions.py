@@ -160,3 +160,36 @@ def test_patch_is_reference_counted():
     stock = torch.export.ExportedProgram.run_decompositions
     churn_patch(decompositions.enable, decompositions.disable)
     assert torch.export.ExportedProgram.run_decompositions is stock
+
+
+class _DeadAfterDecomposition(torch.nn.Module):
+    """``type_as`` of the same dtype decomposes to nothing, leaving ``relu`` unused: a trace drops both."""
+
+    def forward(self, x):
+        return x.type_as(torch.relu(x)) * 2
+
+
+def test_nodes_a_trace_would_drop_take_the_full_call():
+    program = torch.export.export(_DeadAfterDecomposition(), (torch.randn(2, 3),)).run_decompositions({})
+    table = dict(torch.export.default_decompositions())
+    original = torch.export.ExportedProgram.run_decompositions
+    full = original(program, table)
+    assert [str(n.target) for n in full.graph.nodes if n.op == "call_function"] == ["aten.mul.Tensor"]
+    before = _describe(program)
+    with pytest.raises(decompositions.Unsupported, match="relu would lose all its uses"):
+        decompositions.localize(program, table, original)
+    assert _describe(program) == before
+
+
+def test_a_small_trace_that_raises_takes_the_full_call():
+    module, example = models.tiny_cnn()
+    program = torch.export.export(module, example).run_decompositions({})
+    table = dict(torch.export.default_decompositions())
+    before = _describe(program)
+
+    def failing(small, table):
+        raise RuntimeError("no kernel")
+
+    with pytest.raises(decompositions.Unsupported, match="small program: RuntimeError: no kernel"):
+        decompositions.localize(program, table, failing)
+    assert _describe(program) == before
