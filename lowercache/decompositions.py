@@ -285,6 +285,12 @@ def trace_names(graph: torch.fx.Graph) -> tuple[dict[torch.fx.Node, str], Any]:
         if isinstance(val, (tuple, list)):
             if not all(isinstance(v, torch.Tensor) for v in val) or any(u.target is not operator.getitem for u in node.users):
                 raise Unsupported(f"outputs of {node.name}")
+            following, after = [], node.next
+            for _ in items:
+                following.append(after)
+                after = after.next
+            if following != [items[i] for i in sorted(items)]:  # a trace puts them right after, in order
+                raise Unsupported(f"getitems of {node.name} not right after it")
             for index in range(len(val)):
                 name = namespace.create_name("getitem", items.get(index))
                 if index in items:

@@ -193,3 +193,16 @@ def test_a_small_trace_that_raises_takes_the_full_call():
     with pytest.raises(decompositions.Unsupported, match="small program: RuntimeError: no kernel"):
         decompositions.localize(program, table, failing)
     assert _describe(program) == before
+
+
+def test_trace_names_refuses_getitems_away_from_their_producer():
+    module, example = models.residual_cnn()
+    graph = torch.export.export(module, example).run_decompositions({}).graph
+    norm = next(n for n in graph.nodes if "batch_norm" in str(n.target))
+    item = next(iter(norm.users))
+    decompositions.trace_names(graph)
+    with graph.inserting_after(norm):  # an unrelated node between the producer and its getitem
+        graph.call_function(torch.ops.aten.relu.default, (norm.args[0],)).meta["val"] = norm.args[0].meta["val"]
+    assert item.prev is not norm
+    with pytest.raises(decompositions.Unsupported, match="not right after it"):
+        decompositions.trace_names(graph)
