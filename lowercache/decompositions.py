@@ -49,10 +49,10 @@ operator is the one being decomposed). Names are then given as a trace gives
 them (``trace_names``): in node order by operator name, and every output of a
 multi-output operator a ``getitem`` right after it, used or not (a trace
 creates them all and drops the unused ones, whose names stay taken); the
-signature's output names follow. Anything outside that (nested or removed
-outputs in the small trace, mutable operators, non-tensor outputs of a
-candidate, an unnamed structure) takes the full call, before the program is
-touched.
+signature's output names follow. Anything outside that (symbolic shapes,
+mutable operators, non-tensor values, nodes the small trace removes or that
+would lose all their uses, a structure whose names are not known) takes the
+full call, before the program is touched.
 """
 
 from __future__ import annotations
@@ -195,10 +195,14 @@ def _candidates(program: torch.export.ExportedProgram, table: Any) -> list[torch
         raise Unsupported("not yet post-dispatch ATen")
     if any(isinstance(m, torch.fx.GraphModule) for m in program.graph_module.children()):
         raise Unsupported("nested graphs")
+    if program.range_constraints:
+        raise Unsupported("symbolic shapes")  # a trace would also update the constraints
     found = []
     for node in program.graph.nodes:
         if not _KNOWN_META.issuperset(node.meta):
             raise Unsupported(f"metadata {sorted(set(node.meta) - _KNOWN_META)}")
+        if node.op != "output" and not _static_tensors(node.meta.get("val")):
+            raise Unsupported(f"{node.name} has a symbolic or non-tensor value")
         if node.op == "get_attr":
             raise Unsupported("get_attr node")
         if node.op != "call_function" or node.target is operator.getitem:
@@ -211,6 +215,12 @@ def _candidates(program: torch.export.ExportedProgram, table: Any) -> list[torch
                 raise Unsupported(f"{target} without one tensor output")
             found.append(node)
     return found
+
+
+def _static_tensors(val: Any) -> bool:
+    """A tensor, or a tuple or list of tensors, of integer sizes only."""
+    values = val if isinstance(val, (tuple, list)) else (val,)
+    return all(isinstance(v, torch.Tensor) and all(type(d) is int for d in v.shape) for v in values)
 
 
 def _small_program(

@@ -206,3 +206,14 @@ def test_trace_names_refuses_getitems_away_from_their_producer():
     assert item.prev is not norm
     with pytest.raises(decompositions.Unsupported, match="not right after it"):
         decompositions.trace_names(graph)
+
+
+def test_symbolic_shapes_take_the_full_call():
+    module, example = models.tiny_cnn()
+    batch = torch.export.Dim("batch", min=2, max=8)
+    example = (torch.cat([example[0]] * 2),)
+    program = torch.export.export(module, example, dynamic_shapes=({0: batch},)).run_decompositions({})
+    before = _describe(program)
+    with pytest.raises(decompositions.Unsupported, match="symbolic"):
+        decompositions.localize(program, dict(torch.export.default_decompositions()), torch.export.ExportedProgram.run_decompositions)
+    assert _describe(program) == before
