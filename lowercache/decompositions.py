@@ -126,24 +126,44 @@ def _kept_as(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     return transform_op_to_aten_op.get(str(op), op)
 
 
+def _refusal(program: torch.export.ExportedProgram, table: Any) -> str | None:
+    """Why the call can be neither skipped nor localized, whatever its nodes (None: it may be)."""
+    if not isinstance(table, dict) or not table:
+        return "no decomposition table"
+    if [v.dialect for v in program.verifiers] != ["ATEN"]:
+        return "not yet post-dispatch ATen"
+    if any(isinstance(m, torch.fx.GraphModule) for m in program.graph_module.children()):
+        return "nested graphs"
+    return None
+
+
+def _node_refusal(node: torch.fx.Node) -> str | None:
+    """Why ``node`` keeps the call from being skipped or localized (None: it does not)."""
+    if not _KNOWN_META.issuperset(node.meta):
+        return f"metadata {sorted(set(node.meta) - _KNOWN_META)}"
+    if node.op == "get_attr":
+        return "get_attr node"
+    return None
+
+
+def _first_operator_user(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
+    """``node``'s first user when that is an operator call, else None."""
+    first = _first_user(node, order)
+    if first is None or first.op != "call_function" or not isinstance(first.target, torch._ops.OpOverload):
+        return None
+    return first
+
+
 def skippable(program: torch.export.ExportedProgram, table: Any) -> bool:
     """True when ``program.run_decompositions(table)`` would only re-trace."""
-    if not isinstance(table, dict) or not table:
-        return False
-    if [v.dialect for v in program.verifiers] != ["ATEN"]:
-        return False
-    if any(isinstance(m, torch.fx.GraphModule) for m in program.graph_module.children()):
+    if _refusal(program, table) is not None:
         return False
     order = {node: i for i, node in enumerate(program.graph.nodes)}
     for node in order:
-        if not _KNOWN_META.issuperset(node.meta):
+        if _node_refusal(node) is not None:
             return False
-        if node.op == "get_attr":
+        if node.op == "placeholder" and "original_aten" in node.meta and _first_operator_user(node, order) is None:
             return False
-        if node.op == "placeholder" and "original_aten" in node.meta:
-            first = _first_user(node, order)
-            if first is None or first.op != "call_function" or not isinstance(first.target, torch._ops.OpOverload):
-                return False
         if node.op != "call_function":
             continue
         target = node.target
@@ -189,22 +209,16 @@ class Unsupported(Exception):
 
 def _candidates(program: torch.export.ExportedProgram, table: Any) -> list[torch.fx.Node]:
     """The nodes ``run_decompositions(table)`` can change, after checking the rest cannot."""
-    if not isinstance(table, dict) or not table:
-        raise Unsupported("no decomposition table")
-    if [v.dialect for v in program.verifiers] != ["ATEN"]:
-        raise Unsupported("not yet post-dispatch ATen")
-    if any(isinstance(m, torch.fx.GraphModule) for m in program.graph_module.children()):
-        raise Unsupported("nested graphs")
+    if why := _refusal(program, table):
+        raise Unsupported(why)
     if program.range_constraints:
         raise Unsupported("symbolic shapes")  # a trace would also update the constraints
     found = []
     for node in program.graph.nodes:
-        if not _KNOWN_META.issuperset(node.meta):
-            raise Unsupported(f"metadata {sorted(set(node.meta) - _KNOWN_META)}")
+        if why := _node_refusal(node):
+            raise Unsupported(why)
         if node.op != "output" and not _static_tensors(node.meta.get("val")):
             raise Unsupported(f"{node.name} has a symbolic or non-tensor value")
-        if node.op == "get_attr":
-            raise Unsupported("get_attr node")
         if node.op != "call_function" or node.target is operator.getitem:
             continue
         target = node.target
@@ -324,8 +338,8 @@ def localize(program: torch.export.ExportedProgram, table: Any, original: Callab
     first_ops: dict[torch.fx.Node, Any] = {}
     for node in order:
         if node.op == "placeholder" and node.name in lifted and node.users:
-            first = _first_user(node, order)
-            if first.op != "call_function" or not isinstance(first.target, torch._ops.OpOverload):
+            first = _first_operator_user(node, order)
+            if first is None:
                 raise Unsupported(f"first user of {node.name}")
             first_ops[node] = _kept_as(first.target)
     new_nodes: set[torch.fx.Node] = set()
