@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import arm, fastcopy, partitionorder, quantize, retrace
+from .gcfreeze import frozen_heap
 from .hashing import Unhashable, digest, digest_json, inputs_digest, program_parts
 from .steps import Session, activate, listed, outcome_counts
 from .store import Entry, Store
@@ -152,6 +153,7 @@ def run_stock(
     return run("to_executorch", lambda: edge.to_executorch().buffer)
 
 
+@frozen_heap()  # why: gcfreeze.py
 def lower_program(
     program: torch.export.ExportedProgram,
     target: Target,
@@ -195,6 +197,7 @@ def lower_program(
     )
 
 
+@frozen_heap()  # why: gcfreeze.py
 def lower_module(
     module: torch.nn.Module,
     example_inputs: Inputs,
