@@ -53,6 +53,17 @@ signature's output names follow. Anything outside that (symbolic shapes,
 mutable operators, non-tensor values, nodes the small trace removes or that
 would lose all their uses, a structure whose names are not known) takes the
 full call, before the program is touched.
+
+The first call (an empty table on a pre-dispatch program) functionalizes and
+decomposes CompositeImplicitAutograd operators torch does not preserve
+(``reshape`` becomes ``view``, ``to`` of the same dtype disappears). A
+quantized program has no mutation and no value in use that requires grad, so
+the call is the same localized re-trace (DeiT-tiny Ethos-U55: 10.4 s ->
+1.5 s), on a copy (the real call returns a new program; the caller's is
+left as it was), plus what the trace adds: arguments in the form a trace
+records them, placeholder descriptors, lifted inputs' metadata collected
+from their readers, and ``seq_nr``. Only operators torch would decompose
+are candidates, in every call.
 """
 
 from __future__ import annotations
@@ -88,6 +99,9 @@ _KNOWN_META = frozenset(
     }
 )
 
+# Input kinds a functionalizing call may localize, in the order its trace lists them.
+_INPUT_ORDER = {"PARAMETER": 0, "BUFFER": 1, "USER_INPUT": 2}
+
 _lock = threading.Lock()
 _stats = {"skipped": 0, "localized": 0, "full": 0}
 
@@ -110,7 +124,25 @@ def _count(key: str) -> None:
 
 
 def _is_composite_implicit(op: torch._ops.OpOverload) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+    """A CompositeImplicitAutograd kernel, in C++ or Python (torch's own test)."""
+    from torch._export.utils import _is_cia_op
+
+    return _is_cia_op(op)
+
+
+def _decomposed(op: torch._ops.OpOverload, table: dict) -> bool:
+    """Whether ``run_decompositions(table)`` may decompose ``op``, as its table split decides
+    (``_split_decomp_table_to_cia_and_python_decomp``): operators in the table are, and a
+    CompositeImplicitAutograd one is unless torch preserves it (an ATen operator in
+    ``_collect_all_valid_cia_ops``, functional and not in the table). A preserved
+    operator of another namespace counts as decomposed: a wasted re-trace, never a wrong one."""
+    from torch._export.utils import _collect_all_valid_cia_ops_for_aten_namespace, _is_aten_op
+
+    if op in table:
+        return True
+    if not _is_composite_implicit(op):
+        return False
+    return not (_is_aten_op(op) and op in _collect_all_valid_cia_ops_for_aten_namespace())
 
 
 def _first_user(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
@@ -126,12 +158,22 @@ def _kept_as(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     return transform_op_to_aten_op.get(str(op), op)
 
 
+def functionalizing(program: torch.export.ExportedProgram, table: Any) -> bool:
+    """The first call: a pre-dispatch program and an empty table (functionalize, decompose only
+    CompositeImplicitAutograd operators)."""
+    return isinstance(table, dict) and not table and [v.dialect for v in program.verifiers] == ["TRAINING"]
+
+
 def _refusal(program: torch.export.ExportedProgram, table: Any) -> str | None:
-    """Why the call can be neither skipped nor localized, whatever its nodes (None: it may be)."""
-    if not isinstance(table, dict) or not table:
-        return "no decomposition table"
-    if [v.dialect for v in program.verifiers] != ["ATEN"]:
-        return "not yet post-dispatch ATen"
+    """Why the call can be neither skipped nor localized, whatever its nodes (None: it may be).
+
+    A functionalizing call passes here; only :func:`localize_functionalization` takes it.
+    """
+    if not functionalizing(program, table):
+        if not isinstance(table, dict) or not table:
+            return "no decomposition table"
+        if [v.dialect for v in program.verifiers] != ["ATEN"]:
+            return "not yet post-dispatch ATen"
     if any(isinstance(m, torch.fx.GraphModule) for m in program.graph_module.children()):
         return "nested graphs"
     return None
@@ -156,7 +198,7 @@ def _first_operator_user(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -
 
 def skippable(program: torch.export.ExportedProgram, table: Any) -> bool:
     """True when ``program.run_decompositions(table)`` would only re-trace."""
-    if _refusal(program, table) is not None:
+    if functionalizing(program, table) or _refusal(program, table) is not None:
         return False
     order = {node: i for i, node in enumerate(program.graph.nodes)}
     for node in order:
@@ -197,6 +239,9 @@ def _retrace_op_metadata(nodes: Any) -> None:
         return extract_val(val)
 
     for node in nodes:
+        if _returns_nothing(node):
+            node.meta.pop("val", None)
+            node.meta.pop("tensor_meta", None)
         if node.op == "call_function" and node.target is not operator.getitem:
             node.meta["original_aten"] = node.target
             if _should_save_eager_input_vals(node.target, (node.args, node.kwargs)):
@@ -207,28 +252,117 @@ class Unsupported(Exception):
     """The call is outside what ``localize`` reproduces; it runs in full."""
 
 
-def _candidates(program: torch.export.ExportedProgram, table: Any) -> list[torch.fx.Node]:
-    """The nodes ``run_decompositions(table)`` can change, after checking the rest cannot."""
+def _candidates(
+    program: torch.export.ExportedProgram, table: Any
+) -> tuple[list[torch.fx.Node], dict[torch.fx.Node, tuple[tuple, dict]]]:
+    """The nodes ``run_decompositions(table)`` can change, after checking the rest cannot;
+    and the other operator nodes whose arguments a trace records in another form, with that form."""
     if why := _refusal(program, table):
         raise Unsupported(why)
     if program.range_constraints:
         raise Unsupported("symbolic shapes")  # a trace would also update the constraints
-    found = []
+    found, forms = [], {}
     for node in program.graph.nodes:
         if why := _node_refusal(node):
             raise Unsupported(why)
-        if node.op != "output" and not _static_tensors(node.meta.get("val")):
-            raise Unsupported(f"{node.name} has a symbolic or non-tensor value")
-        if node.op != "call_function" or node.target is operator.getitem:
-            continue
         target = node.target
+        if node.op != "output" and not _static_tensors(node.meta.get("val")) and not _returns_nothing(node):
+            raise Unsupported(f"{node.name} has a symbolic or non-tensor value")
+        if node.op != "call_function" or target is operator.getitem:
+            continue
         if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
             raise Unsupported(f"operator {target}")
-        if target in table or _is_composite_implicit(target):
+        if _decomposed(target, table):
             if not isinstance(node.meta.get("val"), torch.Tensor):
                 raise Unsupported(f"{target} without one tensor output")
             found.append(node)
-    return found
+            continue
+        form = dispatch_form(target, node.args, node.kwargs)
+        if form is None:
+            raise Unsupported(f"arguments of {node.name}")
+        if form != (node.args, node.kwargs):
+            forms[node] = form
+    return found, forms
+
+
+def _returns_nothing(node: torch.fx.Node) -> bool:
+    """An operator without outputs (``_assert_tensor_metadata``); a trace gives it no value."""
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and not node.target._schema.returns
+        and node.meta.get("val") is None
+    )
+
+
+_LITERALS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _literal_equal(value: Any, default: Any) -> bool | None:
+    """Whether a value equals an argument's default as the dispatcher compares them (None: unsure)."""
+    if isinstance(value, (list, tuple)) and isinstance(default, (list, tuple)):
+        if len(value) != len(default):
+            return False
+        pairs = [_literal_equal(v, d) for v, d in zip(value, default)]
+        return None if None in pairs else all(pairs)
+    if type(value) is type(default) and type(value) in _LITERALS:
+        return value == default
+    if {type(value), type(default)} <= {int, float}:  # a Scalar: numerically unequal is unequal either way
+        return False if value != default else None
+    return None
+
+
+def dispatch_form(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """``(args, kwargs)`` as the dispatcher hands them to a tracing mode, so as a trace records them
+    (``parseIValuesToPyArgsKwargs``): positional arguments up to the last one not at its default,
+    missing ones in between at their defaults; keyword-only ones only when not at their default.
+    None when that cannot be told for sure (a value and default of different or non-literal types)."""
+    schema = op._schema
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    if len(args) > len(positional):
+        return None
+    given = {a.name: v for a, v in zip(positional, args)}
+    names = {a.name for a in schema.arguments}
+    for name, value in kwargs.items():
+        if name in given or name not in names:
+            return None
+        given[name] = value
+
+    def at_default(arg: Any) -> bool | None:
+        if arg.name not in given:
+            return True
+        value = given[arg.name]
+        if not arg.has_default_value():
+            return False
+        default = arg.default_value
+        if value is None or default is None:
+            return value is None and default is None
+        return _literal_equal(value, default)
+
+    positional_end = 0
+    for i, arg in enumerate(positional):
+        state = at_default(arg)
+        if state is None:
+            return None
+        if not state:
+            positional_end = i + 1
+    out_args = []
+    for arg in positional[:positional_end]:
+        if arg.name in given:
+            out_args.append(given[arg.name])
+        elif arg.has_default_value() and _literal_equal(arg.default_value, arg.default_value):
+            out_args.append(arg.default_value)
+        else:
+            return None
+    out_kwargs = {}
+    for arg in schema.arguments:
+        if arg.kwarg_only:
+            state = at_default(arg)
+            if state is None:
+                return None
+            if not state:
+                out_kwargs[arg.name] = given[arg.name]
+    return tuple(out_args), out_kwargs
 
 
 def _static_tensors(val: Any) -> bool:
@@ -331,7 +465,7 @@ def localize(program: torch.export.ExportedProgram, table: Any, original: Callab
     from torch.export.graph_signature import InputKind, TensorArgument
 
     graph = program.graph
-    candidates = _candidates(program, table)
+    candidates, forms = _candidates(program, table)
     trace_names(graph)  # the structure must be one whose names are known
     order = {node: i for i, node in enumerate(graph.nodes)}
     lifted = {spec.arg.name for spec in program.graph_signature.input_specs if spec.kind != InputKind.USER_INPUT}
@@ -343,6 +477,7 @@ def localize(program: torch.export.ExportedProgram, table: Any, original: Callab
                 raise Unsupported(f"first user of {node.name}")
             first_ops[node] = _kept_as(first.target)
     new_nodes: set[torch.fx.Node] = set()
+    replaced: dict[str, torch.fx.Node] = {}
     if candidates:
         small, inputs = _small_program(program, candidates)
         try:
@@ -383,12 +518,14 @@ def localize(program: torch.export.ExportedProgram, table: Any, original: Callab
                         mapped[n] = new
                         new_nodes.add(new)
             candidate.replace_all_uses_with(mapped[outputs[i]])
+            replaced[candidate.name] = mapped[outputs[i]]
             graph.erase_node(candidate)
     try:
         names, namespace = trace_names(graph)
     except Unsupported as err:  # checked on both parts before the change: cannot happen
         raise AssertionError(f"localized decomposition left an unnamed structure: {err}") from None
     renamed = {node.name: name for node, name in names.items() if node.name != name}
+    renamed.update((old, names[node]) for old, node in replaced.items())  # a replaced output's name follows
     for node, name in names.items():
         node.name = name
     graph._graph_namespace = namespace
@@ -399,10 +536,123 @@ def localize(program: torch.export.ExportedProgram, table: Any, original: Callab
         if entry.signature is not None:
             for args in (entry.signature.inputs, entry.signature.outputs):
                 args[:] = [TensorArgument(renamed[a.name]) if isinstance(a, TensorArgument) and a.name in renamed else a for a in args]
+    for node, (args, kwargs) in forms.items():
+        node.args, node.kwargs = args, kwargs
     _retrace_op_metadata(n for n in graph.nodes if n not in new_nodes)
     for node, op in first_ops.items():
         node.meta["original_aten"] = op
     program.graph_module.recompile()
+
+
+
+def localize_functionalization(program: torch.export.ExportedProgram, original: Callable[..., Any]) -> torch.export.ExportedProgram:
+    """``program.run_decompositions({})`` on a pre-dispatch program, re-tracing only the nodes it can change.
+
+    The first call functionalizes and decomposes the CompositeImplicitAutograd
+    operators torch does not preserve. Without mutations there is nothing to
+    functionalize, so it is :func:`localize` with an empty table, plus what the
+    trace adds to a pre-dispatch program: operator arguments in the form a
+    trace records them (:func:`dispatch_form`); every placeholder's ``desc``
+    (its input descriptor); a lifted input's metadata as
+    :func:`_lifted_input_meta` gives it; and on every operator node
+    ``seq_nr``, the autograd sequence number at the time of the call. That
+    number moves only when an autograd node is recorded, so no value in use
+    may require grad (float parameters do: their call runs in full). The
+    result is a new program, as the real call returns, leaving ``program`` as
+    it was (the caller may still hold it). Raises :class:`Unsupported` when
+    the call is outside this.
+    """
+    from torch._export.verifier import Verifier
+    from torch._functorch._aot_autograd.descriptors import BufferAOTInput, ParamAOTInput, PlainAOTInput
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    if not functionalizing(program, {}):
+        raise Unsupported("not a functionalizing call")
+    signature = program.graph_signature
+    ranks = [_INPUT_ORDER.get(spec.kind.name) for spec in signature.input_specs]
+    if None in ranks or ranks != sorted(ranks):  # the trace lists parameters, buffers, then user inputs
+        raise Unsupported(f"inputs of kinds {[spec.kind.name for spec in signature.input_specs]}")
+    if any(spec.kind != OutputKind.USER_OUTPUT for spec in signature.output_specs) or program.constants:
+        raise Unsupported("mutations, tokens or lifted constants")
+    for node in program.graph.nodes:
+        val = node.meta.get("val")
+        grad = any(isinstance(v, torch.Tensor) and v.requires_grad for v in (val if isinstance(val, (tuple, list)) else (val,)))
+        if grad and (node.op != "placeholder" or node.users):  # an unused input records nothing
+            raise Unsupported(f"{node.name} requires grad")
+    seq_nr = torch.autograd._get_sequence_nr() - 1
+    result = _copied(program)
+    placeholders = result.graph.find_nodes(op="placeholder")
+    if [spec.arg.name for spec in result.graph_signature.input_specs] != [node.name for node in placeholders]:
+        raise Unsupported("placeholders out of signature order")
+    lifted = _lifted_input_meta(result, [n for n, spec in zip(placeholders, result.graph_signature.input_specs) if spec.kind != InputKind.USER_INPUT])
+    localize(result, {}, original)
+    users = 0
+    for spec, node in zip(result.graph_signature.input_specs, placeholders):
+        if spec.kind == InputKind.USER_INPUT:
+            node.meta["desc"] = PlainAOTInput(users)
+            users += 1
+        else:
+            node.meta = {**lifted[node], "desc": (ParamAOTInput if spec.kind == InputKind.PARAMETER else BufferAOTInput)(spec.target)}
+    for node in result.graph.nodes:
+        if node.op == "call_function":
+            node.meta["seq_nr"] = seq_nr
+    result._verifiers = [Verifier]
+    return result
+
+
+def _lifted_input_meta(program: torch.export.ExportedProgram, lifted: list[torch.fx.Node]) -> dict[torch.fx.Node, dict]:
+    """The metadata a re-trace gives each lifted input's placeholder.
+
+    ``run_decompositions`` unlifts the program (the placeholder becomes a
+    ``get_attr`` holding its metadata, ``from_node`` replaced), then
+    ``_collect_param_buffer_metadata`` copies onto it, from each operator that
+    reads it in graph order, the traced fields (``_COPY_META_FIELDS``) but
+    ``custom``, later readers overwriting earlier ones; without the
+    ``nn_module_stack`` and ``stack_trace`` that metadata lands on the new
+    placeholder (``_populate_param_buffer_metadata_to_new_gm``).
+    """
+    from torch.fx.proxy import _COPY_META_FIELDS
+    from torch.fx.traceback import NodeSource, NodeSourceAction
+
+    fields = [f for f in _COPY_META_FIELDS if f != "custom"]
+    collected = {}
+    for node in lifted:
+        meta = dict(node.meta)
+        meta["from_node"] = [NodeSource(node, "ExportedProgram.module().unlift()", [NodeSourceAction.CREATE, NodeSourceAction.REPLACE])]
+        collected[node] = meta
+    for node in program.graph.nodes:
+        if node.op == "call_function" and not isinstance(node.target, torch._ops.HigherOrderOperator):
+            for arg in node._input_nodes:
+                if arg in collected:
+                    collected[arg].update((f, node.meta[f]) for f in fields if f in node.meta)
+    for meta in collected.values():
+        meta.pop("nn_module_stack", None)
+        meta.pop("stack_trace", None)
+    return collected
+
+
+def _copied(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """A new program over a copy of ``program``'s graph (node metadata dicts copied, values shared)."""
+    import copy
+
+    graph = torch.fx.Graph()
+    graph._codegen = copy.deepcopy(program.graph._codegen)
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    outputs, old_output = graph.graph_copy(program.graph, env, return_output_node=True)
+    graph.output(outputs).meta = dict(old_output.meta)
+    module = torch.fx.GraphModule(program.graph_module, graph)
+    module.meta.update(program.graph_module.meta)
+    return torch.export.ExportedProgram(
+        root=module,
+        graph=graph,
+        graph_signature=copy.deepcopy(program.graph_signature),
+        state_dict=dict(program.state_dict),
+        range_constraints=dict(program.range_constraints),
+        module_call_graph=copy.deepcopy(program.module_call_graph),
+        example_inputs=program.example_inputs,
+        constants=dict(program.constants),
+        verifiers=program.verifiers,
+    )
 
 
 def _called_by_edge_generation(frame: Any) -> bool:
@@ -422,13 +672,17 @@ def _run_decompositions(self: torch.export.ExportedProgram, decomp_table: Any = 
         _count("skipped")
         return self
     try:
-        localize(self, decomp_table, original)
+        if functionalizing(self, decomp_table):
+            result = localize_functionalization(self, original)  # a new program: the caller's may be in use
+        else:
+            localize(self, decomp_table, original)
+            result = self
     except Unsupported as why:
         log.debug("lowercache: run_decompositions in full (%s)", why)
         _count("full")
         return original(self, decomp_table, *args, **kwargs)
     _count("localized")
-    return self
+    return result
 
 
 _patch = AttributePatch(lambda: [torch.export.ExportedProgram], "run_decompositions", _run_decompositions)

@@ -1,4 +1,4 @@
-"""Skipped run_decompositions calls: the same program a re-trace gives, and the stock bytes."""
+"""Skipped and localized run_decompositions calls: the same program a re-trace gives, and the stock bytes."""
 
 from __future__ import annotations
 
@@ -46,10 +46,22 @@ def _same_program(mine: torch.export.ExportedProgram, stock: torch.export.Export
 def _audit_calls(model: str, target: str) -> dict[str, int]:
     """Lower stock; at every call that would be skipped or localized, compare the real re-trace with ours."""
     original = torch.export.ExportedProgram.run_decompositions
-    audited = {"skipped": 0, "localized": 0}
+    audited = {"skipped": 0, "localized": 0, "functionalized": 0}
 
     def audit(self, table=None, *args, **kwargs):
         stock = original(self, table, *args, **kwargs)
+        if decompositions.functionalizing(self, table):
+            before = _describe(self)
+            try:
+                mine = decompositions.localize_functionalization(self, original)
+            except decompositions.Unsupported:
+                return stock
+            assert _describe(self) == before  # the caller's program is left as it was
+            assert mine.dialect == stock.dialect == "ATEN"
+            assert mine.graph_module.meta.keys() == stock.graph_module.meta.keys()
+            _same_program(mine, stock)
+            audited["functionalized"] += 1
+            return stock
         if decompositions.skippable(self, table):
             decompositions.apply_retrace_metadata(self)
             kind = "skipped"
@@ -84,6 +96,57 @@ def test_skipped_and_localized_calls_give_the_program_a_retrace_gives(model, tar
     audited = _audit_calls(model, target)
     assert audited["localized"] >= 1  # the second call: conv2d / transpose / _unsafe_view decomposed
     assert audited["skipped"] >= 1  # the third call, nothing left to decompose
+    # The first call: quantized programs hold no value that requires grad (float ones do: full call).
+    assert audited["functionalized"] == (target != "tosa-fp")
+
+
+class _ConvertsAndReshapes(torch.nn.Module):
+    """``to`` leaves an ``_assert_tensor_metadata`` with keyword arguments, in another form than a
+    trace records; ``reshape`` and ``to`` are CompositeImplicitAutograd operators torch decomposes."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 6))
+
+    def forward(self, x):
+        y = torch.relu(x.to(torch.float32)) * self.scale
+        return y.reshape(3, 2).transpose(0, 1).reshape(6), torch.amax(y, [-1], True)
+
+
+def test_localized_functionalization_is_the_real_call():
+    program = torch.export.export(_ConvertsAndReshapes(), (torch.randn(6),))
+    forms = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert {"aten._assert_tensor_metadata.default", "aten.to.dtype", "aten.reshape.default"} <= forms
+    original = torch.export.ExportedProgram.run_decompositions
+    before = _describe(program)
+    mine = decompositions.localize_functionalization(program, original)
+    assert _describe(program) == before
+    stock = original(program, {})
+    _same_program(mine, stock)
+    asserted = next(n for n in mine.graph.nodes if "assert_tensor_metadata" in str(n.target))
+    assert asserted.args[1:] == (None, None, torch.float32) and "val" not in asserted.meta  # as a trace records it
+
+
+def test_functionalization_with_values_that_require_grad_runs_in_full():
+    module, example = models.tiny_cnn()
+    program = torch.export.export(module, example)  # float parameters, used: a trace records autograd nodes
+    with pytest.raises(decompositions.Unsupported, match="requires grad"):
+        decompositions.localize_functionalization(program, torch.export.ExportedProgram.run_decompositions)
+
+
+@pytest.mark.parametrize(
+    ("op", "args", "kwargs", "form"),
+    [
+        (torch.ops.aten.amax.default, ("x", [-1], False), {}, (("x", [-1]), {})),  # trailing default dropped
+        (torch.ops.aten.amax.default, ("x",), {"keepdim": True}, (("x", [], True), {})),  # gap filled
+        (torch.ops.aten.sum.dim_IntList, ("x", [1]), {"dtype": None}, (("x", [1]), {})),  # keyword at default
+        (torch.ops.aten.hardtanh.default, ("x", 0.0, 6.0), {}, (("x", 0.0, 6.0), {})),
+        (torch.ops.aten.hardtanh.default, ("x", -1.0), {}, None),  # -1.0 against the default -1: not sure
+        (torch.ops.aten.amax.default, ("x",), {"bogus": 1}, None),
+    ],
+)
+def test_dispatch_form(op, args, kwargs, form):
+    assert decompositions.dispatch_form(op, args, kwargs) == form
 
 
 def test_trace_names_are_the_names_a_trace_gives():
@@ -121,7 +184,10 @@ def test_skipped_and_localized_calls_give_stock_bytes(target):
     with decompositions.active():
         got = stock_pte(*models.residual_cnn(), target)
     counts = decompositions.stats()
-    assert counts["localized"] >= 1 and counts["full"] >= 1  # the first, functionalizing call runs in full
+    if target == "tosa-fp":  # the first, functionalizing call: float parameters require grad
+        assert counts["localized"] >= 1 and counts["full"] >= 1
+    else:
+        assert counts["localized"] >= 2 and counts["full"] == 0
     assert counts["skipped"] >= 1
     assert got == reference("residual_cnn", target)
 
