@@ -15,9 +15,11 @@ and value; what it changes is metadata, and this module makes exactly those
 changes instead of re-tracing:
 
 - every operator node's ``original_aten`` becomes its own operator;
-- a parameter, buffer or constant placeholder that has an ``original_aten``
-  takes its first user's (a lifted input is created when that op first reads
-  it; for an ``EDGE_DO_NOT_DECOMP`` operator, the ATen operator its kernel runs);
+- a parameter or buffer placeholder takes, from the operators that read it
+  in graph order, their traced fields (``original_aten``, ``torch_fn``,
+  ``from_node``, ...), later readers overwriting earlier ones, as
+  ``_collect_param_buffer_metadata`` does when the call unlifts the program
+  (:func:`_lifted_input_meta`);
 - operators that need exact strides get ``eager_input_vals``, computed by
   torch's own helpers from the inputs' values.
 
@@ -42,10 +44,8 @@ kernel) are put in a small program of their own, with their inputs as
 placeholders holding the same fake values (so the same fake mode), and the
 real ``run_decompositions`` runs on that. Its nodes replace the candidates
 (with the metadata that trace gave them), and the rest of the program takes
-the re-trace metadata above, except that a parameter, buffer or constant
-placeholder takes the operator of its first user as it was before the call
-(a lifted input is fakified inside the first dispatch that reads it, whose
-operator is the one being decomposed). Names are then given as a trace gives
+the re-trace metadata above (a lifted input's from its readers as they were
+before the call). Names are then given as a trace gives
 them (``trace_names``): in node order by operator name, and every output of a
 multi-output operator a ``getitem`` right after it, used or not (a trace
 creates them all and drops the unused ones, whose names stay taken); the
@@ -150,14 +150,6 @@ def _first_user(node: torch.fx.Node, order: dict[torch.fx.Node, int]) -> torch.f
     return min(node.users, key=order.__getitem__, default=None)
 
 
-def _kept_as(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
-    """The ATen operator behind an ``EDGE_DO_NOT_DECOMP`` one (its kernel is that operator,
-    which is what touches a lifted input first); any other operator itself."""
-    from executorch.exir.program._program import transform_op_to_aten_op
-
-    return transform_op_to_aten_op.get(str(op), op)
-
-
 def functionalizing(program: torch.export.ExportedProgram, table: Any) -> bool:
     """The first call: a pre-dispatch program and an empty table (functionalize, decompose only
     CompositeImplicitAutograd operators)."""
@@ -218,11 +210,13 @@ def skippable(program: torch.export.ExportedProgram, table: Any) -> bool:
 
 def apply_retrace_metadata(program: torch.export.ExportedProgram) -> None:
     """Give ``program``'s nodes the metadata a re-trace without decompositions would."""
-    order = {node: i for i, node in enumerate(program.graph.nodes)}
-    _retrace_op_metadata(order)
-    for node in order:
-        if node.op == "placeholder" and "original_aten" in node.meta:
-            node.meta["original_aten"] = _kept_as(_first_user(node, order).target)
+    from torch.export.graph_signature import InputKind
+
+    lifted = {spec.arg.name for spec in program.graph_signature.input_specs if spec.kind != InputKind.USER_INPUT}
+    inputs_meta = _lifted_input_meta(program, [n for n in program.graph.find_nodes(op="placeholder") if n.name in lifted])
+    _retrace_op_metadata(program.graph.nodes)
+    for node, meta in inputs_meta.items():
+        node.meta = meta
 
 
 def _retrace_op_metadata(nodes: Any) -> None:
@@ -469,13 +463,10 @@ def localize(program: torch.export.ExportedProgram, table: Any, original: Callab
     trace_names(graph)  # the structure must be one whose names are known
     order = {node: i for i, node in enumerate(graph.nodes)}
     lifted = {spec.arg.name for spec in program.graph_signature.input_specs if spec.kind != InputKind.USER_INPUT}
-    first_ops: dict[torch.fx.Node, Any] = {}
     for node in order:
-        if node.op == "placeholder" and node.name in lifted and node.users:
-            first = _first_operator_user(node, order)
-            if first is None:
-                raise Unsupported(f"first user of {node.name}")
-            first_ops[node] = _kept_as(first.target)
+        if node.op == "placeholder" and node.name in lifted and node.users and _first_operator_user(node, order) is None:
+            raise Unsupported(f"first user of {node.name}")
+    inputs_meta = _lifted_input_meta(program, [n for n in order if n.op == "placeholder" and n.name in lifted])
     new_nodes: set[torch.fx.Node] = set()
     replaced: dict[str, torch.fx.Node] = {}
     if candidates:
@@ -539,8 +530,8 @@ def localize(program: torch.export.ExportedProgram, table: Any, original: Callab
     for node, (args, kwargs) in forms.items():
         node.args, node.kwargs = args, kwargs
     _retrace_op_metadata(n for n in graph.nodes if n not in new_nodes)
-    for node, op in first_ops.items():
-        node.meta["original_aten"] = op
+    for node, meta in inputs_meta.items():
+        node.meta = meta
     program.graph_module.recompile()
 
 
@@ -584,7 +575,6 @@ def localize_functionalization(program: torch.export.ExportedProgram, original: 
     placeholders = result.graph.find_nodes(op="placeholder")
     if [spec.arg.name for spec in result.graph_signature.input_specs] != [node.name for node in placeholders]:
         raise Unsupported("placeholders out of signature order")
-    lifted = _lifted_input_meta(result, [n for n, spec in zip(placeholders, result.graph_signature.input_specs) if spec.kind != InputKind.USER_INPUT])
     localize(result, {}, original)
     users = 0
     for spec, node in zip(result.graph_signature.input_specs, placeholders):
@@ -592,7 +582,7 @@ def localize_functionalization(program: torch.export.ExportedProgram, original: 
             node.meta["desc"] = PlainAOTInput(users)
             users += 1
         else:
-            node.meta = {**lifted[node], "desc": (ParamAOTInput if spec.kind == InputKind.PARAMETER else BufferAOTInput)(spec.target)}
+            node.meta["desc"] = (ParamAOTInput if spec.kind == InputKind.PARAMETER else BufferAOTInput)(spec.target)
     for node in result.graph.nodes:
         if node.op == "call_function":
             node.meta["seq_nr"] = seq_nr

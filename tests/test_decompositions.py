@@ -283,3 +283,35 @@ def test_symbolic_shapes_take_the_full_call():
     with pytest.raises(decompositions.Unsupported, match="symbolic"):
         decompositions.localize(program, dict(torch.export.default_decompositions()), torch.export.ExportedProgram.run_decompositions)
     assert _describe(program) == before
+
+
+class _SharedBuffer(torch.nn.Module):
+    """One buffer read by three operators of different kinds: a re-trace gives its placeholder
+    the traced fields of the last reader (``_collect_param_buffer_metadata``), not the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("w", torch.linspace(-1.0, 1.0, 16).reshape(4, 4))
+
+    def forward(self, x):
+        y = x * self.w
+        z = torch.nn.functional.linear(y, self.w)
+        return (z + self.w).reshape(16)
+
+
+def test_an_input_read_by_several_operators_takes_its_last_readers_metadata():
+    original = torch.export.ExportedProgram.run_decompositions
+    program = torch.export.export(_SharedBuffer(), (torch.randn(4, 4),))
+    mine = decompositions.localize_functionalization(program, original)
+    first = original(program, {})
+    _same_program(mine, first)
+    table = dict(torch.export.default_decompositions())  # linear decomposes: a localized second call
+    second = original(first, table)
+    decompositions.localize(first, table, original)
+    _same_program(first, second)
+    placeholder = second.graph.find_nodes(op="placeholder")[0]
+    assert str(placeholder.meta["original_aten"]) == "aten.add.Tensor"  # the last reader; the first is mul
+    core = original(second, table)  # nothing left to decompose: the third call is skipped
+    assert decompositions.skippable(second, table)
+    decompositions.apply_retrace_metadata(second)
+    _same_program(second, core)
