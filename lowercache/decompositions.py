@@ -210,10 +210,7 @@ def skippable(program: torch.export.ExportedProgram, table: Any) -> bool:
 
 def apply_retrace_metadata(program: torch.export.ExportedProgram) -> None:
     """Give ``program``'s nodes the metadata a re-trace without decompositions would."""
-    from torch.export.graph_signature import InputKind
-
-    lifted = {spec.arg.name for spec in program.graph_signature.input_specs if spec.kind != InputKind.USER_INPUT}
-    inputs_meta = _lifted_input_meta(program, [n for n in program.graph.find_nodes(op="placeholder") if n.name in lifted])
+    inputs_meta = _lifted_input_meta(program)
     _retrace_op_metadata(program.graph.nodes)
     for node, meta in inputs_meta.items():
         node.meta = meta
@@ -456,17 +453,16 @@ def localize(program: torch.export.ExportedProgram, table: Any, original: Callab
     Raises :class:`Unsupported` before touching ``program`` when the call is
     outside what this reproduces.
     """
-    from torch.export.graph_signature import InputKind, TensorArgument
+    from torch.export.graph_signature import TensorArgument
 
     graph = program.graph
     candidates, forms = _candidates(program, table)
     trace_names(graph)  # the structure must be one whose names are known
     order = {node: i for i, node in enumerate(graph.nodes)}
-    lifted = {spec.arg.name for spec in program.graph_signature.input_specs if spec.kind != InputKind.USER_INPUT}
-    for node in order:
-        if node.op == "placeholder" and node.name in lifted and node.users and _first_operator_user(node, order) is None:
+    inputs_meta = _lifted_input_meta(program)
+    for node in inputs_meta:
+        if node.users and _first_operator_user(node, order) is None:
             raise Unsupported(f"first user of {node.name}")
-    inputs_meta = _lifted_input_meta(program, [n for n in order if n.op == "placeholder" and n.name in lifted])
     new_nodes: set[torch.fx.Node] = set()
     replaced: dict[str, torch.fx.Node] = {}
     if candidates:
@@ -535,7 +531,6 @@ def localize(program: torch.export.ExportedProgram, table: Any, original: Callab
     program.graph_module.recompile()
 
 
-
 def localize_functionalization(program: torch.export.ExportedProgram, original: Callable[..., Any]) -> torch.export.ExportedProgram:
     """``program.run_decompositions({})`` on a pre-dispatch program, re-tracing only the nodes it can change.
 
@@ -590,8 +585,8 @@ def localize_functionalization(program: torch.export.ExportedProgram, original: 
     return result
 
 
-def _lifted_input_meta(program: torch.export.ExportedProgram, lifted: list[torch.fx.Node]) -> dict[torch.fx.Node, dict]:
-    """The metadata a re-trace gives each lifted input's placeholder.
+def _lifted_input_meta(program: torch.export.ExportedProgram) -> dict[torch.fx.Node, dict]:
+    """The metadata a re-trace gives each lifted input's (parameter, buffer, constant) placeholder.
 
     ``run_decompositions`` unlifts the program (the placeholder becomes a
     ``get_attr`` holding its metadata, ``from_node`` replaced), then
@@ -601,12 +596,16 @@ def _lifted_input_meta(program: torch.export.ExportedProgram, lifted: list[torch
     ``nn_module_stack`` and ``stack_trace`` that metadata lands on the new
     placeholder (``_populate_param_buffer_metadata_to_new_gm``).
     """
+    from torch.export.graph_signature import InputKind
     from torch.fx.proxy import _COPY_META_FIELDS
     from torch.fx.traceback import NodeSource, NodeSourceAction
 
     fields = [f for f in _COPY_META_FIELDS if f != "custom"]
+    lifted = {spec.arg.name for spec in program.graph_signature.input_specs if spec.kind != InputKind.USER_INPUT}
     collected = {}
-    for node in lifted:
+    for node in program.graph.find_nodes(op="placeholder"):
+        if node.name not in lifted:
+            continue
         meta = dict(node.meta)
         meta["from_node"] = [NodeSource(node, "ExportedProgram.module().unlift()", [NodeSourceAction.CREATE, NodeSourceAction.REPLACE])]
         collected[node] = meta
