@@ -110,7 +110,7 @@ def main() -> None:
                             s_program = quantize.decode(quantize.encode(s_program, ""))  # stock's, in stored form
                         checked = program_parts(s_program) == program_parts(c_program)
             s, c = statistics.median(times_stock), statistics.median(times_cached)
-            steps = {k: v for k, v in summary.items() if k in ("quantize", "qparams")}
+            steps = {k: v for k, v in summary.items() if k in ("quantize", "reexport", "qparams")}
             print(f"| {model} | {scenario} | {s:.2f} | {c:.2f} | {s / c:.1f}x | {steps} | {checked} |", flush=True)
 
 

@@ -4,7 +4,9 @@ The stage (``prepare_pt2e`` -> calibrate -> ``convert_pt2e`` -> re-export)
 is a pure function of the float program, the calibration data, the
 quantizer config and the compile spec, so it is a step of its own, kind
 ``quantize``. Inside it, observer qparams are steps too (``qparams.py``), so
-a miss re-computes only observers whose statistics changed.
+a miss re-computes only observers whose statistics changed, and the
+re-export is a step (``reexport.py``) that a weights edit serves from a
+template.
 
 Its output is an ``ExportedProgram``, which must be stored without pickle.
 The stored form is torch.export's own JSON schema for the graph (op identity
@@ -70,6 +72,18 @@ def quantize_parts(flow_parts: dict[str, str] | None) -> dict[str, str] | None:
     return parts
 
 
+def convert(
+    program: torch.export.ExportedProgram, target: Any, spec: Any, calibration: Sequence[tuple[Any, ...]]
+) -> torch.fx.GraphModule:
+    """The stock stage up to its re-export: prepare, calibrate, convert."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    prepared = prepare_pt2e(program.module(check_guards=False), target.quantizer(spec))
+    for sample in calibration:
+        prepared(*sample)
+    return convert_pt2e(prepared)
+
+
 def run_stock(
     program: torch.export.ExportedProgram,
     target: Any,
@@ -78,13 +92,7 @@ def run_stock(
     calibration: Sequence[tuple[Any, ...]],
 ) -> torch.export.ExportedProgram:
     """The stock stage: prepare, calibrate, convert, re-export."""
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    prepared = prepare_pt2e(program.module(check_guards=False), target.quantizer(spec))
-    for sample in calibration:
-        prepared(*sample)
-    converted = convert_pt2e(prepared)
-    return torch.export.export(converted, tuple(example_inputs))
+    return torch.export.export(convert(program, target, spec, calibration), tuple(example_inputs))
 
 
 @frozen_heap()  # why: gcfreeze.py; a no-op inside the flow's own freeze
@@ -103,21 +111,17 @@ def quantize(
     # kernels' out variants that to_executorch needs; a hit must too.
     import executorch.backends.arm.quantizer  # noqa: F401
 
-    from . import arm
+    from . import arm, reexport
 
     computed: list[torch.export.ExportedProgram] = []
     storing = parts is not None and session.store is not None
 
     def compute() -> Entry:
-        result = run_stock(program, target, spec, example_inputs, calibration)
+        converted = convert(program, target, spec, calibration)
+        spec_digest = arm.compile_spec_digest(spec) if storing else ""
+        result, stored = reexport.export(converted, example_inputs, spec_digest, session, storing)
         computed.append(result)
-        if not storing:  # uncached or unkeyed: encoding would be wasted work
-            return Entry(meta={"stored": False, "reason": "not stored"})
-        try:
-            return encode(result, arm.compile_spec_digest(spec))
-        except FormatError as err:
-            log.info("lowercache: quantized program not stored (%s)", err)
-            return Entry(meta={"stored": False, "reason": str(err)})
+        return stored
 
     entry = session.run("quantize", target.name, parts, compute)
     if computed:
@@ -134,7 +138,8 @@ def quantize(
         return run_stock(program, target, fresh, example_inputs, calibration), fresh
 
 
-def _tensor_record(t: Any) -> dict[str, Any]:
+def tensor_record(t: Any) -> dict[str, Any]:
+    """How a stored tensor is described: everything but its bytes; FormatError if it cannot be stored."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu" or t.is_sparse or t.is_quantized:
         raise FormatError(f"unsupported tensor {type(t).__name__}")
     return {
@@ -159,15 +164,31 @@ def encode(program: torch.export.ExportedProgram, spec_digest: str) -> Entry:
         graph = serde.serialize(
             program, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
         ).exported_program
+    groups = {"state_dict": program.state_dict, "constants": program.constants}
+    groups["example_inputs"] = {str(i): t for i, t in enumerate(args)}
+    return stored_entry(graph, groups, spec_digest)
+
+
+def encode_or_note(program: torch.export.ExportedProgram, spec_digest: str, storing: bool) -> Entry:
+    """``encode``, or an entry saying why the program is not stored."""
+    if not storing:  # uncached or unkeyed: encoding would be wasted work
+        return Entry(meta={"stored": False, "reason": "not stored"})
+    try:
+        return encode(program, spec_digest)
+    except FormatError as err:
+        log.info("lowercache: quantized program not stored (%s)", err)
+        return Entry(meta={"stored": False, "reason": str(err)})
+
+
+def stored_entry(graph: bytes, groups: dict[str, dict[str, Any]], spec_digest: str) -> Entry:
+    """The entry for a program's JSON and its tensors by group (state_dict, constants, example_inputs)."""
     _check_graph(graph)
     tensors: dict[str, dict[str, Any]] = {}
     chunks: list[bytes] = []
     offset = 0
-    groups = {"state_dict": program.state_dict, "constants": program.constants}
-    groups["example_inputs"] = {str(i): t for i, t in enumerate(args)}
     for group, items in groups.items():
         for name, t in items.items():
-            record = _tensor_record(t)
+            record = tensor_record(t)
             data = tensor_bytes(t)
             tensors[f"{group}/{name}"] = {**record, "offset": offset, "size": len(data)}
             chunks.append(data)

@@ -1,0 +1,292 @@
+"""The re-export that ends the quantization stage, as a step that survives weight edits.
+
+The stage ends with ``torch.export.export(converted)``: a full trace of the
+converted GraphModule (4 s of a 13 s stage on DeiT-tiny), then the stored
+form of its result (1.5 s more). When only weights change, the converted
+graph keeps its structure; what changes are the scale and zero point
+literals of per-tensor quantize/dequantize nodes and the values of its
+tensor attributes (folded weights, biases, per-channel qparams). The trace
+reads neither: it records the literals as they are and the tensors by name.
+
+So the step's key is the converted graph with those literals and tensor
+values left out (``template_parts``), and its value is a *template*: the
+stored form of the exported program (``quantize.encode``'s JSON) without
+tensors. A hit fills the template with this converted graph's own literals
+and tensors (``fill``) and gives the entry ``quantize.encode`` would have
+written for a fresh export, which ``quantize.decode`` rebuilds as on any hit.
+
+Why filling is exact: a template is only stored when the exported graph
+corresponds to the converted one node for node (same operators in the same
+order, arguments equal under the node mapping, every lifted tensor equal to
+the converted module's attribute of the same name) and the k-th filled node
+of the JSON holds the k-th literal pair of the converted graph
+(``make_template``). With the key equal, the new converted graph differs
+from the stored one only in what is filled, and the trace copies both
+through unchanged. What is not filled is the base run's: the metadata that
+two stock exports of one graph in one process already differ in
+(``from_node`` graph ids; torch's ``_torchdynamo_disable`` markers in
+``custom``, which depend on what the process traced before). Neither
+reaches an output byte; the tests compare the rest with a fresh export.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Sequence
+
+import torch
+
+from . import quantize
+from .hashing import Unhashable, canon, digest_json, inputs_digest, node_form, op_name, tensor_bytes
+from .steps import Session
+from .store import Entry
+from .toolchain import toolchain_parts
+
+log = logging.getLogger("lowercache")
+
+REEXPORT_VERSION = "torch.export.export(converted):template:v1"
+
+# Operators whose scale and zero point are filled in, and the names torch's
+# serializer gives those arguments.
+_FILLED_OPS = frozenset(
+    {"quantized_decomposed::quantize_per_tensor.default", "quantized_decomposed::dequantize_per_tensor.default"}
+)
+_FILLED_ARGS = ("scale", "zero_point")
+_LIFTED_KINDS = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
+
+
+def _is_filled(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and op_name(node.target) in _FILLED_OPS
+
+
+def _literals(node: torch.fx.Node) -> tuple[float, int]:
+    """A filled node's scale and zero point; Unhashable unless they are a plain float and int."""
+    if len(node.args) < 3 or node.kwargs or type(node.args[1]) is not float or type(node.args[2]) is not int:
+        raise Unhashable(f"{node.name}: scale and zero point are not literals")
+    return node.args[1], node.args[2]
+
+
+def _attribute(module: torch.nn.Module, target: str) -> Any:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _attribute_form(module: torch.nn.Module, value: Any) -> list:
+    if not isinstance(value, torch.Tensor):
+        raise Unhashable(f"attribute of type {type(value).__name__}")
+    kind = "parameter" if isinstance(value, torch.nn.Parameter) else "tensor"
+    return [kind, canon(value), list(value.stride())]
+
+
+def _plain_graph_module(module: Any) -> bool:
+    """A GraphModule of torch's own class (each instance gets its own subclass for ``forward``)."""
+    cls = type(module)
+    own = cls.__qualname__ == "GraphModule.__new__.<locals>.GraphModuleImpl"
+    return cls is torch.fx.GraphModule or (own and cls.__bases__ == (torch.fx.GraphModule,))
+
+
+def template_parts(converted: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, str] | None:
+    """Key parts of the re-export, literals and tensor values left out; None if it cannot be keyed."""
+    if not _plain_graph_module(converted) or converted._forward_hooks or converted._forward_pre_hooks:
+        return None
+    try:
+        nodes = []
+        for node in converted.graph.nodes:
+            form = node_form(node)
+            if _is_filled(node):
+                _literals(node)
+                form[3] = canon((node.args[0], "<filled>", "<filled>", *node.args[3:]))
+            elif node.op == "get_attr":
+                form.append(_attribute_form(converted, _attribute(converted, str(node.target))))
+            elif node.op not in ("placeholder", "call_function", "output"):
+                return None
+            nodes.append(form)
+        module = {
+            "training": converted.training,
+            "modules": [[name, type(m).__qualname__] for name, m in converted.named_modules()],
+            "state": [
+                [name, _attribute_form(converted, t)]
+                for name, t in [*converted.named_parameters(), *converted.named_buffers()]
+            ],
+            "codegen": [type(converted.graph._codegen).__qualname__, str(getattr(converted.graph._codegen, "pytree_info", None))],
+            "meta": canon(converted.meta),
+        }
+        parts = {
+            "graph": digest_json(nodes),
+            "module": digest_json(module),
+            "example_inputs": inputs_digest([tuple(example_inputs)]),
+        }
+    except (Unhashable, AttributeError):
+        return None
+    parts["step"] = REEXPORT_VERSION
+    parts.update(toolchain_parts())
+    return parts
+
+
+def _lifted(program: torch.export.ExportedProgram) -> dict[str, str]:
+    """Lifted placeholder name -> the attribute it stands for."""
+    return {
+        spec.arg.name: spec.target
+        for spec in program.graph_signature.input_specs
+        if spec.kind.name in _LIFTED_KINDS
+    }
+
+
+def _compared(node: torch.fx.Node) -> bool:
+    """Nodes compared one to one. The trace adds a ``_assert_tensor_metadata``
+    before each ``to``: it reads tensor metadata only, which the key holds."""
+    if node.op == "output":
+        return True
+    return node.op == "call_function" and node.target is not torch.ops.aten._assert_tensor_metadata.default
+
+
+def _sequences_as_lists(form: Any) -> Any:
+    """A canonical form with tuples and lists alike: the trace records an
+    operator's list arguments as it likes, and the operator cannot tell."""
+    if isinstance(form, list) and len(form) == 2 and form[0] in ("tuple", "list", "immutable_list") and isinstance(form[1], list):
+        return ["sequence", [_sequences_as_lists(v) for v in form[1]]]
+    if isinstance(form, list):
+        return [_sequences_as_lists(v) for v in form]
+    return form
+
+
+def _corresponds(converted: torch.fx.GraphModule, program: torch.export.ExportedProgram) -> bool:
+    """Whether the exported graph is the converted one, node for node."""
+    lifted = _lifted(program)
+    by_target = {target: n for n in program.graph.nodes if (target := lifted.get(n.name)) is not None}
+    theirs_inputs = [n for n in program.graph.nodes if n.op == "placeholder" and n.name not in lifted]
+    ours_inputs = [n for n in converted.graph.nodes if n.op == "placeholder"]
+    if len(ours_inputs) != len(theirs_inputs):
+        return False
+    mapped: dict[torch.fx.Node, torch.fx.Node] = dict(zip(ours_inputs, theirs_inputs))
+    for node in converted.graph.nodes:
+        if node.op == "get_attr":
+            if str(node.target) not in by_target:
+                return False
+            mapped[node] = by_target[str(node.target)]
+    ours = [n for n in converted.graph.nodes if _compared(n)]
+    exported = [n for n in program.graph.nodes if _compared(n)]
+    if len(ours) != len(exported):
+        return False
+    for mine, theirs in zip(ours, exported):
+        if mine.op != theirs.op or mine.target is not theirs.target:
+            return False
+        args = torch.fx.map_arg((mine.args, mine.kwargs), lambda n: mapped[n])
+        if _sequences_as_lists(canon(args)) != _sequences_as_lists(canon((theirs.args, theirs.kwargs))):
+            return False
+        mapped[mine] = theirs
+    for group in (program.state_dict, program.constants):
+        for name, value in group.items():
+            try:
+                ours_value = _attribute(converted, name)
+            except AttributeError:
+                return False
+            if not isinstance(ours_value, torch.Tensor) or tensor_bytes(ours_value) != tensor_bytes(value):
+                return False
+    return True
+
+
+def _filled_doc_nodes(doc: dict[str, Any]) -> list[dict[str, dict[str, Any]]]:
+    """The JSON's filled nodes in order, as {argument name: argument} for the filled arguments."""
+    filled = []
+    for node in doc["graph_module"]["graph"]["nodes"]:
+        target = node.get("target", "")
+        namespace, _, rest = target.removeprefix("torch.ops.").partition(".")
+        if f"{namespace}::{rest}" in _FILLED_OPS:
+            args = {a["name"]: a["arg"] for a in node["inputs"] if a.get("name") in _FILLED_ARGS}
+            if set(args) != set(_FILLED_ARGS) or "as_float" not in args["scale"] or "as_int" not in args["zero_point"]:
+                raise quantize.FormatError(f"filled node {target} without literal scale and zero point")
+            filled.append(args)
+    return filled
+
+
+def make_template(
+    converted: torch.fx.GraphModule, program: torch.export.ExportedProgram, stored: Entry
+) -> Entry | None:
+    """The template of an exported program and its stored form; None if filling it would not be exact."""
+    if not _corresponds(converted, program):
+        return None
+    literals = [_literals(n) for n in converted.graph.nodes if _is_filled(n)]
+    doc = json.loads(stored.blobs["program.json"])
+    filled = _filled_doc_nodes(doc)
+    if len(filled) != len(literals):
+        return None
+    for args, (scale, zero_point) in zip(filled, literals):
+        if args["scale"]["as_float"] != scale or args["zero_point"]["as_int"] != zero_point:
+            return None
+    # A list: stored meta is written with sorted keys, and the order is the program's.
+    tensors = [[name, _record_only(r)] for name, r in stored.meta["tensors"].items() if not name.startswith("example_inputs/")]
+    meta = {"format": REEXPORT_VERSION, "tensors": tensors}
+    return Entry(meta=meta, blobs={"program.json": stored.blobs["program.json"]})
+
+
+def _record_only(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k not in ("offset", "size")}
+
+
+def fill(template: Entry, converted: torch.fx.GraphModule, example_inputs: Sequence[Any], spec_digest: str) -> Entry:
+    """The stored form of ``converted``'s export, from a template; FormatError if it does not fit."""
+    if template.meta.get("format") != REEXPORT_VERSION:
+        raise quantize.FormatError(template.meta.get("reason", "not a re-export template"))
+    literals = [_literals(n) for n in converted.graph.nodes if _is_filled(n)]
+    doc = json.loads(template.blobs["program.json"])
+    filled = _filled_doc_nodes(doc)
+    if len(filled) != len(literals):
+        raise quantize.FormatError("the template's quantize nodes do not match the converted graph")
+    for args, (scale, zero_point) in zip(filled, literals):
+        args["scale"]["as_float"] = scale
+        args["zero_point"]["as_int"] = zero_point
+    groups: dict[str, dict[str, torch.Tensor]] = {"state_dict": {}, "constants": {}}
+    for blob, record in template.meta["tensors"]:
+        group, _, name = blob.partition("/")
+        try:
+            value = _attribute(converted, name)
+        except AttributeError:
+            raise quantize.FormatError(f"the converted model has no tensor {name}") from None
+        if group not in groups or not isinstance(value, torch.Tensor) or quantize.tensor_record(value) != record:
+            raise quantize.FormatError(f"tensor {name} does not match the template")
+        groups[group][name] = value
+    groups["example_inputs"] = {str(i): t for i, t in enumerate(example_inputs)}
+    graph = json.dumps(doc, allow_nan=False).encode("utf-8")
+    return quantize.stored_entry(graph, groups, spec_digest)
+
+
+def export(
+    converted: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    spec_digest: str,
+    session: Session,
+    storing: bool,
+) -> tuple[torch.export.ExportedProgram, Entry]:
+    """The stage's re-export through the ``reexport`` step: the program, and the stage's entry."""
+    parts = template_parts(converted, example_inputs) if storing else None
+    made: list[tuple[torch.export.ExportedProgram, Entry]] = []
+
+    def compute() -> Entry:
+        program = torch.export.export(converted, tuple(example_inputs))
+        stored = quantize.encode_or_note(program, spec_digest, storing)
+        made.append((program, stored))
+        if parts is None:
+            return stored
+        if not stored.meta.get("stored", True):
+            return Entry(meta={"reason": stored.meta["reason"]})
+        template = make_template(converted, program, stored)
+        return template if template is not None else Entry(meta={"reason": "export does not map node for node"})
+
+    if parts is None:
+        compute()
+        return made[0]
+    template = session.run("reexport", "converted model", parts, compute)
+    if made:
+        return made[0]
+    try:
+        entry = fill(template, converted, example_inputs, spec_digest)
+        return quantize.decode(entry), entry
+    except Exception as err:  # a template that does not fill is a miss, never a crash
+        if template.meta.get("format") == REEXPORT_VERSION:
+            log.warning("lowercache: warning: cached re-export template unusable (%s); exporting", err)
+        compute()
+        return made[0]

@@ -1,0 +1,152 @@
+"""The stage's re-export as a template: a weights edit fills it, and the result is a fresh export's."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import lowercache
+from lowercache import models, quantize, reexport
+from lowercache.store import Store
+from lowercache.targets import resolve
+
+from .conftest import reference
+
+
+def counts(artifacts, kind):
+    return artifacts.manifest["step_counts"].get(kind, {})
+
+
+def _converted(model: str, edit: str | None, target: str = "ethos-u55-128"):
+    module, example = models.MODELS[model](edit=edit)
+    resolved = resolve(target)
+    program = torch.export.export(module, example)
+    return quantize.convert(program, resolved, resolved.compile_spec(), [example]), example
+
+
+def _without_varying_meta(graph: bytes) -> dict:
+    """The stored JSON without what two stock exports of one graph in one process
+    already differ in: ``from_node`` (graphs named by object id) and torch's
+    ``_torchdynamo_disable*`` markers in ``custom`` (they depend on what the
+    process traced before: 11 nodes on a first export of transformer_block, 27 after)."""
+    doc = json.loads(graph)
+    for node in doc["graph_module"]["graph"]["nodes"]:
+        meta = node.get("metadata", {})
+        meta.pop("from_node", None)
+        if "custom" in meta:
+            custom = {k: v for k, v in json.loads(meta["custom"]).items() if not k.startswith("_torchdynamo_disable")}
+            meta["custom"] = json.dumps(custom)
+    return doc
+
+
+def _template(converted, example):
+    program = torch.export.export(converted, tuple(example))
+    template = reexport.make_template(converted, program, quantize.encode(program, "spec"))
+    assert template is not None
+    return template
+
+
+@pytest.mark.parametrize("model", ["residual_cnn", "transformer_block"])
+def test_filled_template_is_the_stored_form_of_a_fresh_export(model):
+    base, example = _converted(model, None)
+    edited, _ = _converted(model, "weights")
+    assert reexport.template_parts(edited, example) == reexport.template_parts(base, example)
+    filled = reexport.fill(_template(base, example), edited, example, "spec")
+    fresh = quantize.encode(torch.export.export(edited, tuple(example)), "spec")
+    assert filled.meta == fresh.meta  # tensor names, order, records and offsets
+    assert filled.blobs["tensors"] == fresh.blobs["tensors"]
+    assert _without_varying_meta(filled.blobs["program.json"]) == _without_varying_meta(fresh.blobs["program.json"])
+    base_literals = [reexport._literals(n) for n in base.graph.nodes if reexport._is_filled(n)]
+    edited_literals = [reexport._literals(n) for n in edited.graph.nodes if reexport._is_filled(n)]
+    assert base_literals != edited_literals  # the edit did change what is filled
+
+
+def test_key_leaves_out_only_the_filled_literals_and_tensor_values():
+    converted, example = _converted("tiny_cnn", None)
+    parts = reexport.template_parts(converted, example)
+    filled = next(n for n in converted.graph.nodes if reexport._is_filled(n))
+    attr = next(n for n in converted.graph.nodes if n.op == "get_attr")
+    tensor = reexport._attribute(converted, attr.target)
+
+    filled.args = (filled.args[0], filled.args[1] * 2, filled.args[2] + 1, *filled.args[3:])
+    with torch.no_grad():
+        tensor.add_(1)
+    assert reexport.template_parts(converted, example) == parts
+
+    filled.args = (*filled.args[:3], filled.args[3] + 1, *filled.args[4:])  # quant_min is not filled
+    assert reexport.template_parts(converted, example)["graph"] != parts["graph"]
+    filled.args = (*filled.args[:3], filled.args[3] - 1, *filled.args[4:])
+    assert reexport.template_parts(converted, example) == parts
+
+    setattr(converted, attr.target, tensor.to(torch.int16))  # a dtype is part of the key
+    assert reexport.template_parts(converted, example)["graph"] != parts["graph"]
+    other_inputs = tuple(torch.zeros_like(t) for t in example)
+    assert reexport.template_parts(converted, other_inputs)["example_inputs"] != parts["example_inputs"]
+
+
+def test_tensor_scales_are_not_filled_and_refuse_a_key():
+    converted, example = _converted("tiny_cnn", None)
+    filled = next(n for n in converted.graph.nodes if reexport._is_filled(n))
+    filled.args = (filled.args[0], 0.5, 1.0, *filled.args[3:])  # a float zero point: not this format
+    assert reexport.template_parts(converted, example) is None
+
+
+def test_no_template_unless_the_export_maps_node_for_node():
+    converted, example = _converted("tiny_cnn", None)
+    program = torch.export.export(converted, tuple(example))
+    stored = quantize.encode(program, "spec")
+    assert reexport.make_template(converted, program, stored) is not None
+    node = next(n for n in program.graph.nodes if n.target is torch.ops.aten.relu.default)
+    node.target = torch.ops.aten.sigmoid.default
+    assert reexport.make_template(converted, program, stored) is None
+    node.target = torch.ops.aten.relu.default
+    name = next(iter(program.state_dict))
+    program.state_dict[name] = program.state_dict[name] + 1  # a lifted tensor that is not the attribute
+    assert reexport.make_template(converted, program, stored) is None
+
+
+def test_template_with_wrong_literal_count_does_not_fill():
+    converted, example = _converted("tiny_cnn", None)
+    template = _template(converted, example)
+    doc = json.loads(template.blobs["program.json"])
+    nodes = doc["graph_module"]["graph"]["nodes"]
+    nodes.remove(next(n for n in nodes if n["target"].endswith("quantize_per_tensor.default")))
+    template.blobs["program.json"] = json.dumps(doc).encode()
+    with pytest.raises(quantize.FormatError, match="do not match"):
+        reexport.fill(template, converted, example, "spec")
+
+
+@pytest.mark.parametrize("model,target", [("residual_cnn", "ethos-u55-128"), ("transformer_block", "tosa-int")])
+def test_weights_edit_fills_the_template_and_lowers_to_stock_bytes(model, target, cache_dir):
+    module, example = models.MODELS[model]()
+    cold = lowercache.lower(module, example, target=target, cache_dir=cache_dir)
+    assert counts(cold, "reexport") == {"miss": 1}
+    edited, example = models.MODELS[model](edit="weights")
+    weights = lowercache.lower(edited, example, target=target, cache_dir=cache_dir)
+    assert counts(weights, "quantize") == {"miss": 1}
+    assert counts(weights, "reexport") == {"hit": 1}
+    assert weights.pte == reference(model, target, "weights")
+    structure, example = models.MODELS[model](edit="structure")
+    changed = lowercache.lower(structure, example, target=target, cache_dir=cache_dir)
+    assert counts(changed, "reexport") == {"miss": 1}
+    assert changed.pte == reference(model, target, "structure")
+
+
+def test_unusable_template_exports_with_a_warning(cache_dir, caplog):
+    module, example = models.residual_cnn()
+    lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
+    store = Store(cache_dir)
+    (key,) = [key for kind, key in store.actions() if kind == "reexport"]
+    template = store.get("reexport", key)
+    template.meta["tensors"][0][0] = "state_dict/no_such_tensor"
+    store.put("reexport", key, template)
+    store.close()
+    edited, example = models.residual_cnn(edit="weights")
+    with caplog.at_level(logging.WARNING, logger="lowercache"):
+        again = lowercache.lower(edited, example, target="ethos-u55-128", cache_dir=cache_dir)
+    assert counts(again, "reexport") == {"hit": 1}
+    assert again.pte == reference("residual_cnn", "ethos-u55-128", "weights")
+    assert any("re-export template unusable" in r.getMessage() for r in caplog.records)
