@@ -216,9 +216,9 @@ def op_name(target: Any) -> str:
     return _qualname(target)
 
 
-def node_form(node: torch.fx.Node) -> list:
+def node_form(node: torch.fx.Node, ignored: frozenset[str] = IGNORED_META) -> list:
     """The canonical form of one node: identity, arguments and the metadata that matters."""
-    meta = {k: canon(v) for k, v in node.meta.items() if k not in IGNORED_META}
+    meta = {k: canon(v) for k, v in node.meta.items() if k not in ignored}
     return [
         node.op,
         node.name,

@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import torch
 
 from . import quantize
-from .hashing import Unhashable, canon, digest_json, inputs_digest, node_form, op_name, tensor_bytes
+from .hashing import IGNORED_META, Unhashable, canon, digest_json, inputs_digest, node_form, op_name, tensor_bytes
 from .steps import Session
 from .store import Entry
 from .toolchain import toolchain_parts
@@ -54,6 +54,9 @@ _FILLED_OPS = frozenset(
 )
 _FILLED_ARGS = ("scale", "zero_point")
 _LIFTED_KINDS = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
+# pt2e's per-node annotation, read by prepare_pt2e: the trace neither reads
+# nor copies it, and it is the largest part of hashing a converted graph.
+_KEY_IGNORED_META = IGNORED_META | {"quantization_annotation"}
 
 
 def _is_filled(node: torch.fx.Node) -> bool:
@@ -95,7 +98,7 @@ def template_parts(converted: torch.fx.GraphModule, example_inputs: Sequence[Any
     try:
         nodes = []
         for node in converted.graph.nodes:
-            form = node_form(node)
+            form = node_form(node, _KEY_IGNORED_META)
             if _is_filled(node):
                 _literals(node)
                 form[3] = canon((node.args[0], "<filled>", "<filled>", *node.args[3:]))
@@ -143,14 +146,30 @@ def _compared(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target is not torch.ops.aten._assert_tensor_metadata.default
 
 
-def _sequences_as_lists(form: Any) -> Any:
-    """A canonical form with tuples and lists alike: the trace records an
-    operator's list arguments as it likes, and the operator cannot tell."""
-    if isinstance(form, list) and len(form) == 2 and form[0] in ("tuple", "list", "immutable_list") and isinstance(form[1], list):
-        return ["sequence", [_sequences_as_lists(v) for v in form[1]]]
-    if isinstance(form, list):
-        return [_sequences_as_lists(v) for v in form]
-    return form
+def _same_argument(ours: Any, theirs: Any, mapped: dict[torch.fx.Node, torch.fx.Node]) -> bool:
+    """Whether two node arguments are equal under the node mapping. Tuples and
+    lists count as alike, and keyword order does not count: the trace records
+    them as it likes, and an operator cannot tell. Floats must be bit for bit the same."""
+    if isinstance(ours, torch.fx.Node):
+        return mapped.get(ours) is theirs
+    if isinstance(ours, (list, tuple)) and not hasattr(ours, "_fields"):
+        return (
+            isinstance(theirs, (list, tuple))
+            and not hasattr(theirs, "_fields")
+            and len(ours) == len(theirs)
+            and all(_same_argument(a, b, mapped) for a, b in zip(ours, theirs))
+        )
+    if isinstance(ours, dict):
+        return (
+            isinstance(theirs, dict)
+            and ours.keys() == theirs.keys()
+            and all(_same_argument(ours[k], theirs[k], mapped) for k in ours)
+        )
+    if type(ours) is not type(theirs) or isinstance(ours, (torch.Tensor, torch.fx.GraphModule)):
+        return False
+    if type(ours) is float:
+        return ours.hex() == theirs.hex() if ours == ours else theirs != theirs
+    return bool(ours == theirs)
 
 
 def _corresponds(converted: torch.fx.GraphModule, program: torch.export.ExportedProgram) -> bool:
@@ -174,8 +193,7 @@ def _corresponds(converted: torch.fx.GraphModule, program: torch.export.Exported
     for mine, theirs in zip(ours, exported):
         if mine.op != theirs.op or mine.target is not theirs.target:
             return False
-        args = torch.fx.map_arg((mine.args, mine.kwargs), lambda n: mapped[n])
-        if _sequences_as_lists(canon(args)) != _sequences_as_lists(canon((theirs.args, theirs.kwargs))):
+        if not _same_argument((mine.args, mine.kwargs), (theirs.args, theirs.kwargs), mapped):
             return False
         mapped[mine] = theirs
     for group in (program.state_dict, program.constants):
@@ -184,7 +202,12 @@ def _corresponds(converted: torch.fx.GraphModule, program: torch.export.Exported
                 ours_value = _attribute(converted, name)
             except AttributeError:
                 return False
-            if not isinstance(ours_value, torch.Tensor) or tensor_bytes(ours_value) != tensor_bytes(value):
+            if not isinstance(ours_value, torch.Tensor):
+                return False
+            if ours_value is value:
+                continue
+            layout = (ours_value.dtype, ours_value.shape, ours_value.stride())
+            if layout != (value.dtype, value.shape, value.stride()) or tensor_bytes(ours_value) != tensor_bytes(value):
                 return False
     return True
 

@@ -150,3 +150,17 @@ def test_unusable_template_exports_with_a_warning(cache_dir, caplog):
     assert counts(again, "reexport") == {"hit": 1}
     assert again.pte == reference("residual_cnn", "ethos-u55-128", "weights")
     assert any("re-export template unusable" in r.getMessage() for r in caplog.records)
+
+
+def test_same_argument_rules():
+    graph = torch.fx.Graph()
+    a, b, c = graph.placeholder("a"), graph.placeholder("b"), graph.placeholder("c")
+    mapped = {a: b}
+    same = reexport._same_argument
+    assert same((a, [1, 2]), (b, (1, 2)), mapped)  # lists and tuples alike
+    assert not same((a,), (c,), mapped)  # a node must map to its counterpart
+    assert same({"x": 1, "y": torch.float32}, {"y": torch.float32, "x": 1}, mapped)  # keyword order
+    assert not same({"x": 1}, {"x": 1, "y": 2}, mapped)
+    assert not same(1, 1.0, mapped) and not same(True, 1, mapped)  # types count
+    assert not same(0.0, -0.0, mapped) and same(float("nan"), float("nan"), mapped)  # bits count
+    assert not same(torch.ones(1), torch.ones(1), mapped)  # tensors are never inline arguments here
