@@ -17,8 +17,9 @@ scenario: with ``--check pte`` both quantized programs are lowered and the
 .pte bytes compared (minutes for DeiT); by default (``--check parts``) their
 content digests (``hashing.program_parts``, what the flow step is keyed on)
 are compared, so equal digests mean the rest of the flow is given equal input.
-A program served from the cache is compared with stock's passed through
-the same stored form (tests/test_quantize.py shows the stored form lowers to
+A program served from the cache (a ``quantize`` hit, or a ``reexport``
+hit, whose filled template is rebuilt the same way) is compared with
+stock's passed through the same stored form (tests/test_quantize.py shows the stored form lowers to
 stock's bytes).
 """
 
@@ -106,7 +107,7 @@ def main() -> None:
                     if checked is None and args.check == "pte":
                         checked = _pte(s_program, target, s_spec) == _pte(c_program, target, c_spec)
                     elif checked is None:
-                        if summary.get("quantize", {}).get("hit"):
+                        if summary.get("quantize", {}).get("hit") or summary.get("reexport", {}).get("hit"):
                             s_program = quantize.decode(quantize.encode(s_program, ""))  # stock's, in stored form
                         checked = program_parts(s_program) == program_parts(c_program)
             s, c = statistics.median(times_stock), statistics.median(times_cached)
