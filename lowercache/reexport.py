@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -84,6 +85,18 @@ def _attribute_form(module: torch.nn.Module, value: Any) -> list:
     return [kind, canon(value), list(value.stride())]
 
 
+def _reads_no_values(target: Any) -> bool:
+    """Whether tracing a call can only see its inputs' metadata. Constant
+    attributes are real tensors while the trace runs, so an operator whose
+    output depends on data (``item``, ``nonzero``) would bake a value left
+    out of the key into the program; any Python callable but ``getitem`` might too."""
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return not ({torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape} & set(target.tags))
+
+
 def _plain_graph_module(module: Any) -> bool:
     """A GraphModule of torch's own class (each instance gets its own subclass for ``forward``)."""
     cls = type(module)
@@ -104,6 +117,8 @@ def template_parts(converted: torch.fx.GraphModule, example_inputs: Sequence[Any
                 form[3] = canon((node.args[0], "<filled>", "<filled>", *node.args[3:]))
             elif node.op == "get_attr":
                 form.append(_attribute_form(converted, _attribute(converted, str(node.target))))
+            elif node.op == "call_function" and not _reads_no_values(node.target):
+                return None
             elif node.op not in ("placeholder", "call_function", "output"):
                 return None
             nodes.append(form)

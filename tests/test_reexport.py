@@ -164,3 +164,13 @@ def test_same_argument_rules():
     assert not same(1, 1.0, mapped) and not same(True, 1, mapped)  # types count
     assert not same(0.0, -0.0, mapped) and same(float("nan"), float("nan"), mapped)  # bits count
     assert not same(torch.ones(1), torch.ones(1), mapped)  # tensors are never inline arguments here
+
+
+def test_graphs_that_could_read_tensor_values_are_not_keyed():
+    converted, example = _converted("tiny_cnn", None)
+    assert reexport.template_parts(converted, example) is not None
+    attr = next(n for n in converted.graph.nodes if n.op == "get_attr")
+    output = next(n for n in converted.graph.nodes if n.op == "output")
+    with converted.graph.inserting_before(output):
+        converted.graph.call_function(torch.ops.aten._local_scalar_dense.default, (attr,))
+    assert reexport.template_parts(converted, example) is None  # item() of a constant: a value the key leaves out
