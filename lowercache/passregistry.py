@@ -152,6 +152,39 @@ def _decompose_grouped_conv(module: Any) -> Gate:
     return gate
 
 
+# ReplaceScalarWithTensorArgPass.call_operator, which ReplaceScalarWithTensorByProfilePass
+# reaches through ArmPass (its MRO: ByProfile, ArmPass, ArgPass, ExportPass): its
+# pass-through is ``op not in self.scalar_to_tensor_ops``.
+_SCALAR_ARG_PASS_DIGEST = "77d6ea19ff1c96177e9886627211f4ad338943356c42837306ef218f457e3076"
+
+
+def _scalar_with_tensor_by_profile(module: Any) -> Gate:
+    arg_pass = module.ReplaceScalarWithTensorArgPass
+    if source_digest(arg_pass.__dict__["call_operator"]) != _SCALAR_ARG_PASS_DIGEST:
+        return lambda p, n, op, env: None
+
+    def gate(p: Any, n: Any, op: Any, env: dict) -> Any:
+        if p.is_tfa_pass and op in module._preserve_in_tfa:
+            return op  # ExportPass.call_operator, directly
+        try:  # the profile check stock makes first, raising where it raises
+            tosa_spec = module.get_context_spec()
+            included_ops: dict = {}
+            if tosa_spec.support_integer():
+                included_ops |= module._int_profile_ops
+            if tosa_spec.support_float():
+                included_ops |= module._fp_profile_ops
+        except Exception:
+            return None
+        if included_ops == {}:
+            return None
+        # Every branch that follows ends in ArmPass.call_operator (whose own special ops
+        # fastcopy never copies) or ExportPass.call_operator, except the replacement of
+        # an op in scalar_to_tensor_ops by ReplaceScalarWithTensorArgPass.
+        return None if op in p.scalar_to_tensor_ops else op
+
+    return gate
+
+
 # (module, class) -> (sha256 of the class's call_operator source, gate factory given the module)
 REGISTRY: dict[tuple[str, str], tuple[str, Callable[[Any], Gate]]] = {
     ("executorch.exir.passes.normalize_transpose_pass", "NormalizeTransposePass"): (
@@ -189,6 +222,10 @@ REGISTRY: dict[tuple[str, str], tuple[str, Callable[[Any], Gate]]] = {
     ("executorch.backends.arm._passes.symbolic_to_tosa_shape_pass", "SymbolicToTosaShapesPass"): (
         "6fb542a8eb608e901c9e50cc6c094d882757ebf6f978043fd072170b01cb735e",
         _symbolic_to_tosa_shapes,
+    ),
+    ("executorch.backends.arm._passes.replace_scalar_with_tensor_pass", "ReplaceScalarWithTensorByProfilePass"): (
+        "61f85246d0e0ac29b6de541a0c16b5e52b5d571cf9489b222c47bdf290f46adc",
+        _scalar_with_tensor_by_profile,
     ),
     ("executorch.backends.arm._passes.decompose_grouped_conv_pass", "DecomposeGroupedConvPass"): (
         "0eda31ef79c8f84e07408afd05d18714b0a64b50a05bd726148db106b11c8d17",

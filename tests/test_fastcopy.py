@@ -485,3 +485,38 @@ def test_declared_arm_gates_copy_and_keep_stock_bytes(tmp_path):
     grouped = nodes["DecomposeGroupedConvPass"]
     assert grouped.get("copied_fast", 0) > 0, nodes  # the plain conv and everything else
     assert grouped.get("retraced", 0) > 0, nodes  # the grouped conv went through the pass: slices, convs, cat
+
+
+class _Scalars(torch.nn.Module):
+    """Scalar arithmetic (replaced by tensors), a remainder (kept in the quantizer's pipeline) and a linear."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x) * 0.5 + 2.0
+        return torch.relu(y - torch.remainder(x, 3.0)) / 4.0
+
+
+@pytest.mark.parametrize("target", ["ethos-u55-128", "tosa-fp"])
+def test_scalar_with_tensor_by_profile_gate_copies_and_keeps_stock_bytes(tmp_path, target):
+    """ReplaceScalarWithTensorByProfilePass (in the quantizer's pipeline and the TOSA one):
+    fast copies of the ops it hands on, its replacements still made, stock's bytes."""
+    import lowercache
+    from executorch.backends.arm._passes.replace_scalar_with_tensor_pass import ReplaceScalarWithTensorByProfilePass
+
+    from lowercache import passregistry
+
+    assert passregistry.gate_for(ReplaceScalarWithTensorByProfilePass) is not None  # pinned digests match
+    module, example = _Scalars().eval(), (torch.randn(2, 8),)
+    artifacts = lowercache.lower(module, example, target=target, cache_dir=tmp_path)
+    assert artifacts.pte == stock_pte(module, example, target)
+    nodes: dict[str, int] = {}
+    for record in artifacts.records:
+        if record["kind"] == "pass" and record["name"] == "ReplaceScalarWithTensorByProfilePass":
+            for key, value in record.get("nodes", {}).items():
+                nodes[key] = nodes.get(key, 0) + value
+    assert nodes.get("copied_fast", 0) > 0, nodes
+    assert nodes.get("retraced", 0) > 0, nodes  # the scalar ops went through the pass and were replaced
