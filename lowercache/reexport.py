@@ -71,6 +71,11 @@ def _literals(node: torch.fx.Node) -> tuple[float, int]:
     return node.args[1], node.args[2]
 
 
+def _graph_literals(converted: torch.fx.GraphModule) -> list[tuple[float, int]]:
+    """The scale and zero point of every filled node, in graph order."""
+    return [_literals(n) for n in converted.graph.nodes if _is_filled(n)]
+
+
 def _attribute(module: torch.nn.Module, target: str) -> Any:
     value: Any = module
     for part in target.split("."):
@@ -78,7 +83,7 @@ def _attribute(module: torch.nn.Module, target: str) -> Any:
     return value
 
 
-def _attribute_form(module: torch.nn.Module, value: Any) -> list:
+def _attribute_form(value: Any) -> list:
     if not isinstance(value, torch.Tensor):
         raise Unhashable(f"attribute of type {type(value).__name__}")
     kind = "parameter" if isinstance(value, torch.nn.Parameter) else "tensor"
@@ -116,20 +121,21 @@ def template_parts(converted: torch.fx.GraphModule, example_inputs: Sequence[Any
                 _literals(node)
                 form[3] = canon((node.args[0], "<filled>", "<filled>", *node.args[3:]))
             elif node.op == "get_attr":
-                form.append(_attribute_form(converted, _attribute(converted, str(node.target))))
+                form.append(_attribute_form(_attribute(converted, str(node.target))))
             elif node.op == "call_function" and not _reads_no_values(node.target):
                 return None
             elif node.op not in ("placeholder", "call_function", "output"):
                 return None
             nodes.append(form)
+        codegen = converted.graph._codegen
         module = {
             "training": converted.training,
             "modules": [[name, type(m).__qualname__] for name, m in converted.named_modules()],
             "state": [
-                [name, _attribute_form(converted, t)]
+                [name, _attribute_form(t)]
                 for name, t in [*converted.named_parameters(), *converted.named_buffers()]
             ],
-            "codegen": [type(converted.graph._codegen).__qualname__, str(getattr(converted.graph._codegen, "pytree_info", None))],
+            "codegen": [type(codegen).__qualname__, str(getattr(codegen, "pytree_info", None))],
             "meta": canon(converted.meta),
         }
         parts = {
@@ -247,7 +253,7 @@ def make_template(
     """The template of an exported program and its stored form; None if filling it would not be exact."""
     if not _corresponds(converted, program):
         return None
-    literals = [_literals(n) for n in converted.graph.nodes if _is_filled(n)]
+    literals = _graph_literals(converted)
     doc = json.loads(stored.blobs["program.json"])
     filled = _filled_doc_nodes(doc)
     if len(filled) != len(literals):
@@ -256,7 +262,9 @@ def make_template(
         if args["scale"]["as_float"] != scale or args["zero_point"]["as_int"] != zero_point:
             return None
     # A list: stored meta is written with sorted keys, and the order is the program's.
-    tensors = [[name, _record_only(r)] for name, r in stored.meta["tensors"].items() if not name.startswith("example_inputs/")]
+    tensors = [
+        [name, _record_only(r)] for name, r in stored.meta["tensors"].items() if not name.startswith("example_inputs/")
+    ]
     meta = {"format": REEXPORT_VERSION, "tensors": tensors}
     return Entry(meta=meta, blobs={"program.json": stored.blobs["program.json"]})
 
@@ -269,7 +277,7 @@ def fill(template: Entry, converted: torch.fx.GraphModule, example_inputs: Seque
     """The stored form of ``converted``'s export, from a template; FormatError if it does not fit."""
     if template.meta.get("format") != REEXPORT_VERSION:
         raise quantize.FormatError(template.meta.get("reason", "not a re-export template"))
-    literals = [_literals(n) for n in converted.graph.nodes if _is_filled(n)]
+    literals = _graph_literals(converted)
     doc = json.loads(template.blobs["program.json"])
     filled = _filled_doc_nodes(doc)
     if len(filled) != len(literals):
