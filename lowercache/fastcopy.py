@@ -32,9 +32,13 @@ Why the output is exactly the stock retrace's:
   argument ``_fx`` passes (so the graph's namespace counter names the node);
 - the arguments: ``create_arg`` maps a Proxy to its node and returns plain
   literals (int, float, bool, str, None, dtype, device, layout,
-  memory_format) and tuple / list / dict containers as they are; nodes with
-  any other argument (tensors, modules, get_attr results, symbolic values,
-  slices) fall back;
+  memory_format) and tuple / list / dict containers as they are. A tensor
+  that a get_attr node fetched (the weights of an unlifted graph, as the
+  quantizer's passes see it) is handed to the tracer's own ``create_arg``,
+  which makes its get_attr node, in the order and under the current meta
+  (``set_current_meta`` with the interpreter's pass name) of the stock call.
+  Nodes with any other argument (modules, symbolic values, slices, tensors
+  from anywhere else) fall back;
 - the meta: ``create_node`` reads the current meta, which the stock run sets
   to a copy of the old node's meta with ``from_node`` replaced by a new
   NodeSource; here it is the plain copy. The only difference is the value
@@ -68,7 +72,7 @@ _tls = threading.local()
 _state: dict[str, Any] = {}
 _chains: dict[type, str | None] = {}
 
-_STAT_KEYS = ("copied", "fallback_pass", "fallback_node", "fallback_nested", "fallback_unaudited")
+_STAT_KEYS = ("copied", "copied_attrs", "fallback_pass", "fallback_node", "fallback_nested", "fallback_unaudited")
 _stats_lock = threading.Lock()
 _stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
 
@@ -85,7 +89,8 @@ def stats() -> dict[str, int]:
     """Counters since the last :func:`reset_stats`.
 
     ``copied``: nodes built by the fast copy (their fake values are counted by
-    ``retrace.stats()`` as reused or redispatched, like any other node).
+    ``retrace.stats()`` as reused or redispatched, like any other node), of
+    which ``copied_attrs`` had get_attr tensor arguments.
     ``fallback_*``: nodes interpreted the stock way because the pass may
     handle the op (``pass``), the node's arguments or meta are not plain
     (``node``), the node sits in a nested interpretation (``nested``), or the
@@ -176,6 +181,7 @@ def _setup() -> dict[str, Any] | None:
         traceback=fx_traceback,
         lists=(list, immutable_list),
         dicts=(dict, immutable_dict),
+        tensors=(torch.Tensor, torch.nn.Parameter),
         literals=frozenset(
             {int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
         ),
@@ -316,23 +322,56 @@ class _Fallback(Exception):
     pass
 
 
-def _map_args(a: Any, env: dict, st: dict[str, Any]) -> tuple[Any, Any]:
-    """(argument for ``create_node``, argument for the fake call) of one old argument."""
+class _Attr:
+    """A get_attr tensor argument, whose node the tracer's ``create_arg`` makes."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+
+
+def _map_args(a: Any, env: dict, st: dict[str, Any], attrs: list) -> tuple[Any, Any]:
+    """(argument for ``create_node``, argument for the fake call) of one old argument.
+
+    A get_attr tensor becomes an :class:`_Attr` (also appended to ``attrs``)
+    for :func:`_create_attrs` to replace once the value is computed, as stock
+    dispatches before it traces.
+    """
     t = type(a)
     if t is st["node"]:
         v = env.get(a)
-        if type(v) is not st["proxy_value"] or type(v.proxy_or_node) is not st["proxy"]:
-            raise _Fallback
-        return v.proxy_or_node.node, v.data
+        tv = type(v)
+        if tv is st["proxy_value"] and type(v.proxy_or_node) is st["proxy"]:
+            return v.proxy_or_node.node, v.data
+        if tv in st["tensors"] and a.op == "get_attr":
+            attr = _Attr(v)
+            attrs.append(attr)
+            return attr, v
+        raise _Fallback
     if t in st["literals"]:
         return a, a
     if t is tuple:
-        pairs = [_map_args(x, env, st) for x in a]
+        pairs = [_map_args(x, env, st, attrs) for x in a]
         return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
     if t in st["lists"]:
-        pairs = [_map_args(x, env, st) for x in a]
+        pairs = [_map_args(x, env, st, attrs) for x in a]
         return [p[0] for p in pairs], st["lists"][1](p[1] for p in pairs)
     raise _Fallback
+
+
+def _create_attrs(a: Any, tracer: Any) -> Any:
+    """``a`` with each :class:`_Attr` replaced by the node ``tracer.create_arg`` makes, in ``create_arg``'s order."""
+    t = type(a)
+    if t is _Attr:
+        return tracer.create_arg(a.tensor)
+    if t is tuple:
+        return tuple(_create_attrs(x, tracer) for x in a)
+    if t is list:
+        return [_create_attrs(x, tracer) for x in a]
+    if t is dict:
+        return {k: _create_attrs(v, tracer) for k, v in a.items()}
+    return a
 
 
 def _copy(interp: Any, n: Any, st: dict[str, Any]) -> Any:
@@ -372,13 +411,14 @@ def _copy(interp: Any, n: Any, st: dict[str, Any]) -> Any:
     ):
         _count("fallback_node")
         return None
+    attrs: list[_Attr] = []
     try:
-        new_args, data_args = _map_args(n.args, env, st)
+        new_args, data_args = _map_args(n.args, env, st, attrs)
         new_kwargs, data_kwargs = {}, {}
         for key, value in n.kwargs.items():
             if type(key) is not str:
                 raise _Fallback
-            new_kwargs[key], data_kwargs[key] = _map_args(value, env, st)
+            new_kwargs[key], data_kwargs[key] = _map_args(value, env, st, attrs)
     except _Fallback:
         _count("fallback_node")
         return None
@@ -388,12 +428,19 @@ def _copy(interp: Any, n: Any, st: dict[str, Any]) -> Any:
     interp.node = n
     res_data = retrace.fake_value(interp, n, target, data_args, data_kwargs)
     name = tracer.graph._target_to_str(target.overloadpacket.__name__) if tt is st["overload"] else None
-    saved = fx_traceback.current_meta
-    fx_traceback.current_meta = dict(meta)
-    try:
-        node = tracer.create_node("call_function", target, new_args, new_kwargs, name, None)
-    finally:
-        fx_traceback.current_meta = saved
+    if attrs:
+        # The get_attr nodes keep the meta stock gives them, ``from_node`` included.
+        with fx_traceback.set_current_meta(n, f"Interpreter_{type(interp).__name__}"):
+            new_args = _create_attrs(new_args, tracer)
+            new_kwargs = _create_attrs(new_kwargs, tracer)
+            node = tracer.create_node("call_function", target, new_args, new_kwargs, name, None)
+    else:
+        saved = fx_traceback.current_meta
+        fx_traceback.current_meta = dict(meta)
+        try:
+            node = tracer.create_node("call_function", target, new_args, new_kwargs, name, None)
+        finally:
+            fx_traceback.current_meta = saved
     proxy = tracer.proxy(node)
     node.meta.update(meta)
     if type(res_data) is st["fake"]:
@@ -404,6 +451,8 @@ def _copy(interp: Any, n: Any, st: dict[str, Any]) -> Any:
     else:
         tracer.set_metadata(node, res_data)
     _count("copied")
+    if attrs:
+        _count("copied_attrs")
     return st["proxy_value"](res_data, proxy)
 
 

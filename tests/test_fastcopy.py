@@ -128,9 +128,16 @@ def _recording(log: list):
         _ExportPassBase.call, ArmPass.__call__ = retrace_call, arm_call
 
 
-@pytest.mark.parametrize(("model", "target"), [("residual_cnn", "ethos-u55-128"), ("transformer_block", "tosa-fp")])
+@pytest.mark.parametrize(
+    ("model", "target"),
+    [("residual_cnn", "ethos-u55-128"), ("transformer_block", "tosa-fp"), ("transformer_block", "ethos-u55-128")],
+)
 def test_every_pass_output_matches_node_by_node(model, target):
-    """Both Arm pipelines and the edge passes, compared after every retrace and every Arm pass."""
+    """Both Arm pipelines and the edge passes, compared after every retrace and every Arm pass.
+
+    On the quantized targets the quantizer's passes see weights as get_attr
+    tensors; nodes taking them are copied too, their get_attr nodes included.
+    """
     stock_log: list = []
     with provenance.shared_provenance(), retrace.reuse_fake_propagation(), _recording(stock_log):
         expected = stock_pte(*models.MODELS[model](), target)
@@ -143,6 +150,8 @@ def test_every_pass_output_matches_node_by_node(model, target):
         assert fast[:2] == stock[:2]
         assert fast == stock, f"{stock[0]} {stock[1]} differs"
     assert fastcopy.stats()["copied"] > 0
+    if target != "tosa-fp":
+        assert fastcopy.stats()["copied_attrs"] > 0
 
 
 def _targeted_passes():
@@ -252,6 +261,42 @@ def test_targeted_passes_match_node_by_node(reuse):
     assert [v[3] for v in vals["aten._to_copy.default"]] == [torch.float16]  # ReluToHalf
     assert [v[3] for v in vals["aten.sum.dim_IntList"]] == [torch.float16]  # downstream dtype follows
     assert [v[1] for v in vals["aten.exp.default"]] == [(4,)]
+
+
+class _Attrs(torch.nn.Module):
+    """Weights as an unlifted graph holds them: parameters, a buffer, one used twice, one in a list."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.token = torch.nn.Parameter(torch.randn(1, 4))
+        self.register_buffer("shift", torch.randn(4))
+
+    def forward(self, x):
+        y = self.linear(x) + self.shift
+        z = torch.cat([self.token, y, self.token], dim=0)
+        return z * self.shift, torch.nn.functional.linear(z, self.linear.weight)
+
+
+def test_get_attr_arguments_are_copied_with_stock_nodes_and_meta():
+    """A node fed by get_attr tensors is copied; the tracer makes their get_attr nodes as stock does."""
+    from executorch.exir.pass_base import ExportPass
+
+    def run(mechanism: bool):
+        gm = torch.export.export(_Attrs(), (torch.randn(3, 4),), strict=False).module(check_guards=False)
+        log = []
+        with _mechanism() if mechanism else contextlib.nullcontext():
+            for _ in range(3):
+                gm = ExportPass()(gm).graph_module
+                log.append((_describe(gm, False), gm.code, sorted(dict(gm.named_parameters())), sorted(dict(gm.named_buffers()))))
+        return log
+
+    stock = run(False)
+    fast = run(True)
+    assert fast == stock
+    assert "get_attr" in [op for op, *_ in stock[-1][0]]
+    counts = fastcopy.stats()
+    assert counts["copied_attrs"] >= 2 * 5, counts  # two retraces after the first: linear, add, cat, mul, linear
 
 
 def test_unguarded_pass_falls_back_for_every_node():
