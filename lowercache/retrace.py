@@ -85,9 +85,15 @@ Restrictions (each falls back to the normal dispatch, and is counted):
   arguments): symbolic dispatches add guards and symbols to the ShapeEnv,
   side effects a reuse would skip;
 - no FakeTensor with ``constant`` (constant propagation makes the result
-  depend on data), no real tensors, no tensor subclasses, only strided
-  layouts, and no argument leaf of any type other than the plain literals
-  (int, float, bool, str, None, dtype, device, layout, memory_format, Size);
+  depend on data), no tensor subclasses, only strided layouts, and no
+  argument leaf of any type other than the plain literals (int, float, bool,
+  str, None, dtype, device, layout, memory_format, Size);
+- a real tensor (a weight a get_attr node fetched, as the quantizer's passes
+  see the unlifted graph) only when the pass's fake mode accepts non-fake
+  inputs and its converter already holds the tensor's fake, without a
+  constant: the dispatch would convert the tensor to exactly that object
+  (``from_real_tensor`` returns the memo), so the fake stands in for it in
+  the signature and the identity checks;
 - ops whose result aliases an input (schema alias annotations, e.g.
   ``view``/``permute``/``split``) are reused only when every tensor input is
   the *very same object* as at record time, so storage sharing between the
@@ -276,7 +282,7 @@ _types: dict[str, Any] = {}
 def _load_types() -> dict[str, Any]:
     if not _types:
         import torch
-        from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.fake_tensor import FakeTensor, fake_tensor_tls
         from torch.fx.immutable_collections import immutable_dict, immutable_list
 
         _types["fake"] = FakeTensor
@@ -289,6 +295,8 @@ def _load_types() -> dict[str, Any]:
             {int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size}
         )
         _types["dicts"] = (dict, immutable_dict)
+        _types["real"] = (torch.Tensor, torch.nn.Parameter)
+        _types["tls"] = fake_tensor_tls
     return _types
 
 
@@ -335,7 +343,22 @@ def _walk(x: Any, mode: Any, sig: list, tensors: list, types: dict) -> bool:
                     return False
         sig.append((tx, x))
         return True
-    return False  # real tensors, SymInts, modules, arbitrary objects
+    if tx in types["real"]:
+        fake = _converted(x, mode)
+        tsig = _tensor_sig(fake, mode) if fake is not None else None
+        if tsig is None:
+            return False
+        sig.append(("real", tx, tsig))
+        tensors.append(fake)
+        return True
+    return False  # SymInts, modules, arbitrary objects
+
+
+def _converted(x: Any, mode: Any) -> Any:
+    """The fake ``mode`` turns the real tensor ``x`` into when dispatching, if it already holds one."""
+    if mode is None or not mode.allow_non_fake_inputs or _types["tls"].allow_non_fake_inputs_override is not None:
+        return None
+    return mode.fake_tensor_converter._get_memo(x)
 
 
 def _signature(args: tuple, kwargs: dict, mode: Any) -> tuple[tuple, list] | None:

@@ -169,6 +169,56 @@ def test_symbolic_shapes_are_never_reused():
     assert retrace.stats()["reused"] == 0
 
 
+class _Weights(torch.nn.Module):
+    """Weights as the quantizer's passes see them: get_attr tensors (parameters and a buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.randn(4))
+
+    def forward(self, x):
+        return self.linear(x).flatten() * 2, self.linear.weight.flatten() + 1, x * self.scale
+
+
+def test_get_attr_tensor_arguments_are_reused_through_the_converters_fake():
+    """A node fed by a real weight reuses its val once the pass's fake mode holds the weight's fake;
+    a weight swapped for one of another shape is converted afresh and its users recomputed."""
+    from executorch.exir.pass_base import ExportPass
+
+    class SwapWeight(ExportPass):
+        def call(self, gm):
+            (linear,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default]
+            weight, bias = linear.args[1].target, linear.args[2].target
+            setattr(gm, weight, torch.nn.Parameter(torch.randn(6, 4)))
+            setattr(gm, bias, torch.nn.Parameter(torch.randn(6)))
+            return super().call(gm)
+
+    def make():
+        return torch.export.export(_Weights(), (torch.randn(3, 4),), strict=False).module(check_guards=False)
+
+    def linear_vals(gm):
+        return [n.meta["val"] for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default]
+
+    chain = [ExportPass, ExportPass, SwapWeight, ExportPass]
+    stock = _run_passes(make, chain, reuse=False)
+    retrace.reset_stats()
+    reused = _run_passes(make, chain, reuse=True)
+    assert _describe(reused) == _describe(stock)
+    assert reused.code == stock.code
+    assert [tuple(v.shape) for v in linear_vals(reused)] == [(3, 6)]
+    assert retrace.stats()["reused"] > 0
+
+    # The first retrace converts the weight (no fake of it yet: ineligible), the second records
+    # the dispatch, the third reuses the very object the second made.
+    with retrace.reuse_fake_propagation():
+        first = ExportPass()(make()).graph_module
+        second = ExportPass()(first).graph_module
+        third = ExportPass()(second).graph_module
+    assert linear_vals(second)[0] is not linear_vals(first)[0]
+    assert linear_vals(third)[0] is linear_vals(second)[0]
+
+
 class _Cond(torch.nn.Module):
     def forward(self, x):
         def true_fn(x):
