@@ -273,8 +273,11 @@ def _record_only(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if k not in ("offset", "size")}
 
 
-def fill(template: Entry, converted: torch.fx.GraphModule, example_inputs: Sequence[Any], spec_digest: str) -> Entry:
-    """The stored form of ``converted``'s export, from a template; FormatError if it does not fit."""
+def fill(
+    template: Entry, converted: torch.fx.GraphModule, example_inputs: Sequence[Any], spec_digest: str
+) -> tuple[Entry, dict[str, Any]]:
+    """The stored form of ``converted``'s export, from a template, and its JSON parsed (for
+    ``quantize.decode``, which would parse it again); FormatError if it does not fit."""
     if template.meta.get("format") != REEXPORT_VERSION:
         raise quantize.FormatError(template.meta.get("reason", "not a re-export template"))
     literals = _graph_literals(converted)
@@ -296,8 +299,8 @@ def fill(template: Entry, converted: torch.fx.GraphModule, example_inputs: Seque
             raise quantize.FormatError(f"tensor {name} does not match the template")
         groups[group][name] = value
     groups["example_inputs"] = {str(i): t for i, t in enumerate(example_inputs)}
-    graph = json.dumps(doc, allow_nan=False).encode("utf-8")
-    return quantize.stored_entry(graph, groups, spec_digest)
+    graph = json.dumps(doc, allow_nan=False).encode("utf-8")  # parses back to ``doc`` exactly
+    return quantize.stored_entry(graph, groups, spec_digest, doc), doc
 
 
 def export(
@@ -329,8 +332,8 @@ def export(
     if made:
         return made[0]
     try:
-        entry = fill(template, converted, example_inputs, spec_digest)
-        return quantize.decode(entry), entry
+        entry, doc = fill(template, converted, example_inputs, spec_digest)
+        return quantize.decode(entry, doc), entry
     except Exception as err:  # a template that does not fill is a miss, never a crash
         if template.meta.get("format") == REEXPORT_VERSION:
             log.warning("lowercache: warning: cached re-export template unusable (%s); exporting", err)

@@ -54,7 +54,8 @@ def test_filled_template_is_the_stored_form_of_a_fresh_export(model):
     base, example = _converted(model, None)
     edited, _ = _converted(model, "weights")
     assert reexport.template_parts(edited, example) == reexport.template_parts(base, example)
-    filled = reexport.fill(_template(base, example), edited, example, "spec")
+    filled, doc = reexport.fill(_template(base, example), edited, example, "spec")
+    assert doc == json.loads(filled.blobs["program.json"])
     fresh = quantize.encode(torch.export.export(edited, tuple(example)), "spec")
     assert filled.meta == fresh.meta  # tensor names, order, records and offsets
     assert filled.blobs["tensors"] == fresh.blobs["tensors"]
