@@ -278,7 +278,8 @@ def _chain(cls: type, st: dict[str, Any]) -> tuple[Any, ...] | None:
     next ``call_operator`` with the arguments unchanged, or None. An override is gated
     by its ``target_ops`` guard (read from the syntax tree) or by a condition
     declared in ``passregistry``; () means no override before ``ArmPass`` /
-    the ExportPass base; None means some override is neither (never trusted).
+    the ExportPass base (and none after ArmPass that no gate covers); None
+    means some override is neither (never trusted).
     A guard that passes ``updated`` on must reach a ``call_operator`` that takes it.
     """
     try:
@@ -288,6 +289,7 @@ def _chain(cls: type, st: dict[str, Any]) -> tuple[Any, ...] | None:
     from . import passregistry
 
     gates: list[Any] = []
+    covered: set[tuple[str, str]] = set()
     result: tuple[Any, ...] | None = None
     passes_updated = False
     base, arm = st["base"], st["arm"]
@@ -295,7 +297,7 @@ def _chain(cls: type, st: dict[str, Any]) -> tuple[Any, ...] | None:
         if "_fx" in klass.__dict__ and klass is not base:
             break
         if klass is arm or klass is base:
-            if not (klass is base and passes_updated):
+            if not (klass is base and passes_updated) and (klass is base or _plain_after_arm(cls, st, covered)):
                 result = tuple(gates)
             break
         fn = klass.__dict__.get("call_operator")
@@ -305,6 +307,7 @@ def _chain(cls: type, st: dict[str, Any]) -> tuple[Any, ...] | None:
         declared = passregistry.gate_for(klass) if params is None and _defined_in(fn, klass) else None
         if declared is not None and not passes_updated:
             gates.append(declared)
+            covered |= passregistry.covered_by(klass)
             continue
         if params is None or (passes_updated and params < 6):
             break
@@ -312,6 +315,25 @@ def _chain(cls: type, st: dict[str, Any]) -> tuple[Any, ...] | None:
         gates.append(_not_a_target)
     _chains[cls] = result
     return result
+
+
+def _plain_after_arm(cls: type, st: dict[str, Any], covered: set[tuple[str, str]]) -> bool:
+    """Whether ``ArmPass.call_operator``'s ``super()`` reaches the base with no override on the way.
+
+    In a diamond hierarchy a class can sit between ArmPass and the base in
+    the MRO; its ``call_operator`` runs for every node. Only one a declared
+    gate of an earlier class pins (``passregistry.covered_by``) is allowed.
+    """
+    mro = cls.__mro__
+    after = mro[mro.index(st["arm"]) + 1 :]
+    for klass in after:
+        if klass is st["base"]:
+            return True
+        if "_fx" in klass.__dict__:
+            return False
+        if "call_operator" in klass.__dict__ and (klass.__module__, klass.__qualname__) not in covered:
+            return False
+    return True
 
 
 def _not_a_target(p: Any, n: Any, op: Any, env: dict) -> Any:

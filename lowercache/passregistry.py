@@ -233,6 +233,21 @@ REGISTRY: dict[tuple[str, str], tuple[str, Callable[[Any], Gate]]] = {
     ),
 }
 
+# Classes whose ``call_operator`` sits after ArmPass in a declared class's MRO
+# (reached through ``ArmPass.call_operator``'s ``super()``), which that
+# class's gate reads and pins too.
+_COVERS: dict[tuple[str, str], frozenset[tuple[str, str]]] = {
+    ("executorch.backends.arm._passes.replace_scalar_with_tensor_pass", "ReplaceScalarWithTensorByProfilePass"): frozenset(
+        {("executorch.backends.transforms.replace_scalar_with_tensor", "ReplaceScalarWithTensorArgPass")}
+    ),
+}
+
+
+def covered_by(klass: type) -> frozenset[tuple[str, str]]:
+    """(module, qualname) of the later overrides ``klass``'s declared gate covers."""
+    return _COVERS.get((klass.__module__, klass.__qualname__), frozenset())
+
+
 # Functions a gate's reading also depends on, pinned with every entry: the
 # argument walk of ``map_args`` and the edge-op mapping of OpReplacePass.
 _SHARED_SOURCES = (

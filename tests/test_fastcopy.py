@@ -308,6 +308,33 @@ def test_unguarded_pass_falls_back_for_every_node():
     assert counts["copied"] == 0 and counts["fallback_pass"] > 0, counts
 
 
+def test_override_after_arm_pass_in_the_mro_is_never_skipped():
+    """A guarded pass whose MRO puts another ``call_operator`` after ArmPass (a diamond) is not trusted:
+    ArmPass's ``super()`` reaches that override for every node."""
+    from executorch.exir.pass_base import ExportPass
+
+    SumOverRows, *_ = _targeted_passes()
+
+    class SigmoidToRelu(ExportPass):
+        def call_operator(self, op, args, kwargs, meta):
+            if op == torch.ops.aten.sigmoid.default:
+                op = torch.ops.aten.relu.default
+            return super().call_operator(op, args, kwargs, meta)
+
+    class Diamond(SumOverRows, SigmoidToRelu):
+        pass
+
+    mro = Diamond.__mro__
+    assert mro.index(SigmoidToRelu) > [k.__name__ for k in mro].index("ArmPass")
+    assert fastcopy._chain(Diamond, fastcopy._setup()) is None
+    assert fastcopy._chain(SumOverRows, fastcopy._setup()) == (fastcopy._not_a_target,)
+    stock = _run_chain([Diamond])
+    fast = _run_chain([Diamond], reuse=True)
+    assert fast == stock
+    assert "aten.relu.default" in stock[-1][2] and "aten.sigmoid" not in stock[-1][2]
+    assert fastcopy.stats()["fallback_pass"] > 0
+
+
 def test_control_flow_submodules_fall_back_and_match():
     from executorch.exir.pass_base import ExportPass
 
