@@ -132,10 +132,14 @@ def quantize(
             raise FormatError("the compile spec would differ from the stock stage's")
         return decode(entry), spec
     except Exception as err:  # a stored program that does not rebuild is a miss, never a crash
-        if entry.meta.get("stored", True):
+        stored = entry.meta.get("stored", True)
+        if stored:
             log.warning("lowercache: warning: cached quantized program unusable (%s); recomputing", err)
         fresh = target.compile_spec()
-        return run_stock(program, target, fresh, example_inputs, calibration), fresh
+        result = run_stock(program, target, fresh, example_inputs, calibration)
+        if stored and storing:
+            session.replace("quantize", parts, encode_or_note(result, arm.compile_spec_digest(fresh), storing))
+        return result, fresh
 
 
 def tensor_record(t: Any) -> dict[str, Any]:

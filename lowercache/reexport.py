@@ -335,7 +335,10 @@ def export(
         entry, doc = fill(template, converted, example_inputs, spec_digest)
         return quantize.decode(entry, doc), entry
     except Exception as err:  # a template that does not fill is a miss, never a crash
-        if template.meta.get("format") == REEXPORT_VERSION:
+        usable_format = template.meta.get("format") == REEXPORT_VERSION
+        if usable_format:
             log.warning("lowercache: warning: cached re-export template unusable (%s); exporting", err)
-        compute()
+        fresh = compute()
+        if usable_format:
+            session.replace("reexport", parts, fresh)
         return made[0]

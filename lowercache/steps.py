@@ -148,6 +148,19 @@ class Session:
         self._emit("end", record, label)
         return entry
 
+    def replace(self, kind: str, parts: dict[str, str] | None, entry: Entry) -> None:
+        """Overwrite the entry a step was served with, which its consumer found unusable.
+
+        The store checks an entry's bytes, not whether the consumer can rebuild
+        them; without this every later run would warn and recompute again
+        (ccache likewise overwrites a result it could not use).
+        """
+        if parts is None or self.store is None:
+            return
+        key = step_key(kind, parts)
+        self.store.put(kind, key, entry)
+        self._memo[(kind, key)] = entry
+
     def note(self, kind: str, name: str, outcome: str, seconds: float, nodes: dict[str, int] | None = None) -> None:
         """Record a step that is observed, not cached (a pass that ran or was skipped)."""
         self.records.append(StepRecord(kind=kind, name=name, outcome=outcome, seconds=seconds, nodes=dict(nodes or {})))

@@ -126,7 +126,7 @@ def test_programs_with_expressions_or_objects_are_refused(key):
         quantize.decode(entry)
 
 
-def test_unusable_entry_recomputes_with_a_warning(cache_dir, new_flow_version, caplog):
+def test_unusable_entry_recomputes_with_a_warning_and_is_replaced(cache_dir, new_flow_version, caplog, monkeypatch):
     module, example = models.tiny_cnn()
     cold = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
     store = Store(cache_dir)
@@ -141,6 +141,14 @@ def test_unusable_entry_recomputes_with_a_warning(cache_dir, new_flow_version, c
     assert counts(again, "quantize") == {"hit": 1}
     assert again.pte == cold.pte
     assert any("cached quantized program unusable" in r.getMessage() for r in caplog.records)
+    # The recomputed program replaced the bad entry: the next run is served without a warning.
+    monkeypatch.setattr(flow, "FLOW_VERSION", flow.FLOW_VERSION + "+again")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lowercache"):
+        third = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
+    assert counts(third, "quantize") == {"hit": 1}
+    assert third.pte == cold.pte
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def _same_objects(a, b, path="program"):

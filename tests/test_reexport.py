@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lowercache
-from lowercache import models, quantize, reexport
+from lowercache import flow, models, quantize, reexport
 from lowercache.store import Store
 from lowercache.targets import resolve
 
@@ -136,7 +136,7 @@ def test_weights_edit_fills_the_template_and_lowers_to_stock_bytes(model, target
     assert changed.pte == reference(model, target, "structure")
 
 
-def test_unusable_template_exports_with_a_warning(cache_dir, caplog):
+def test_unusable_template_exports_with_a_warning_and_is_replaced(cache_dir, caplog, monkeypatch):
     module, example = models.residual_cnn()
     lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
     store = Store(cache_dir)
@@ -151,6 +151,16 @@ def test_unusable_template_exports_with_a_warning(cache_dir, caplog):
     assert counts(again, "reexport") == {"hit": 1}
     assert again.pte == reference("residual_cnn", "ethos-u55-128", "weights")
     assert any("re-export template unusable" in r.getMessage() for r in caplog.records)
+    # The fresh template replaced the bad one: a run that misses the flow and the stage fills it.
+    monkeypatch.setattr(flow, "FLOW_VERSION", flow.FLOW_VERSION + "+test")
+    monkeypatch.setattr(quantize, "QUANTIZE_VERSION", quantize.QUANTIZE_VERSION + "+test")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lowercache"):
+        third = lowercache.lower(edited, example, target="ethos-u55-128", cache_dir=cache_dir)
+    assert counts(third, "quantize") == {"miss": 1}
+    assert counts(third, "reexport") == {"hit": 1}
+    assert third.pte == again.pte
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_same_argument_rules():
