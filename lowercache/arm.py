@@ -40,6 +40,7 @@ from . import (
     dtypecheck,
     fakecache,
     fastcopy,
+    histogram,
     lazycode,
     partitionorder,
     passes,
@@ -221,6 +222,7 @@ def _unwrap_modules() -> None:
 _SPEEDUPS = (
     provenance,
     qparams,
+    histogram,
     passes,
     retrace,
     fastcopy,
