@@ -366,8 +366,9 @@ def _signature(args: tuple, kwargs: dict, mode: Any) -> tuple[tuple, list] | Non
 
     The signature holds the argument structure (tuple vs list, lengths,
     keyword names) and one entry per leaf: exact type and value for literals,
-    the full fake-tensor metadata for FakeTensors. Anything else (real
-    tensors, SymInts, modules, other objects) makes the call ineligible.
+    the full fake-tensor metadata for FakeTensors and, for a real tensor,
+    of the fake the mode already holds for it (none held: ineligible).
+    Anything else (SymInts, modules, other objects) makes the call ineligible.
     """
     types = _load_types()
     if type(args) is not tuple or not isinstance(kwargs, types["dicts"]):
