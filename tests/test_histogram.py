@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -79,17 +80,17 @@ def test_calibrated_observers_are_bit_identical(model):
     def calibrated(fast: bool):
         prepared = prepare_pt2e(exported.module(check_guards=False), target.quantizer(target.compile_spec()))
         calls = []
-        original = histogram.fast_upscale_histogram
-        with histogram.exact_upscale() if fast else _nothing():
-            if fast:
-                assert HistogramObserver._upscale_histogram is original
-                HistogramObserver._upscale_histogram = lambda *a: calls.append(1) or original(*a)
+        served = histogram.fast_upscale_histogram
+        with histogram.exact_upscale() if fast else contextlib.nullcontext():
+            if fast:  # count the calls the patch serves
+                assert HistogramObserver._upscale_histogram is served
+                HistogramObserver._upscale_histogram = lambda *a: calls.append(1) or served(*a)
             try:
                 for sample in models.calibration_samples(example):
                     prepared(*sample)
             finally:
                 if fast:
-                    HistogramObserver._upscale_histogram = original
+                    HistogramObserver._upscale_histogram = served
         states = [
             (name, [(b_name, b.clone()) for b_name, b in m.named_buffers()])
             for name, m in prepared.named_modules()
@@ -106,14 +107,6 @@ def test_calibrated_observers_are_bit_identical(model):
     for (name, s_bufs), (_, f_bufs) in zip(stock, fast):
         for (b_name, s), (_, f) in zip(s_bufs, f_bufs):
             assert _same(s, f), f"{name}.{b_name}"
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_another_torchao_source_is_left_alone(monkeypatch):
