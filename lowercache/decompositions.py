@@ -56,14 +56,15 @@ full call, before the program is touched.
 
 The first call (an empty table on a pre-dispatch program) functionalizes and
 decomposes CompositeImplicitAutograd operators torch does not preserve
-(``reshape`` becomes ``view``, ``to`` of the same dtype disappears). A
-quantized program has no mutation and no value in use that requires grad, so
+(``reshape`` becomes ``view``, ``to`` of the same dtype disappears). An
+exported model, quantized or float, has no mutation to functionalize, so
 the call is the same localized re-trace (DeiT-tiny Ethos-U55: 10.4 s ->
 1.5 s), on a copy (the real call returns a new program; the caller's is
 left as it was), plus what the trace adds: arguments in the form a trace
 records them, placeholder descriptors, lifted inputs' metadata collected
-from their readers, and ``seq_nr``. Only operators torch would decompose
-are candidates, in every call.
+from their readers, ``seq_nr``, and, as the trace runs without grad,
+operator outputs' ``tensor_meta`` without ``requires_grad``. Only operators
+torch would decompose are candidates, in every call.
 """
 
 from __future__ import annotations
@@ -541,12 +542,14 @@ def localize_functionalization(program: torch.export.ExportedProgram, original: 
     trace records them (:func:`dispatch_form`); every placeholder's ``desc``
     (its input descriptor); a lifted input's metadata as
     :func:`_lifted_input_meta` gives it; and on every operator node
-    ``seq_nr``, the autograd sequence number at the time of the call. That
-    number moves only when an autograd node is recorded, so no value in use
-    may require grad (float parameters do: their call runs in full). The
-    result is a new program, as the real call returns, leaving ``program`` as
-    it was (the caller may still hold it). Raises :class:`Unsupported` when
-    the call is outside this.
+    ``seq_nr``, the autograd sequence number at the time of the call. The
+    trace runs under ``torch.no_grad()`` (torch's ``_export_to_aten_ir``), so
+    it records no autograd node and that number stays put, and no operator's
+    output requires grad: a float program's operator nodes lose the
+    ``requires_grad`` their ``tensor_meta`` had from export (parameters keep
+    theirs). The result is a new program, as the real call returns, leaving
+    ``program`` as it was (the caller may still hold it). Raises
+    :class:`Unsupported` when the call is outside this.
     """
     from torch._export.verifier import Verifier
     from torch._functorch._aot_autograd.descriptors import BufferAOTInput, ParamAOTInput, PlainAOTInput
@@ -563,8 +566,8 @@ def localize_functionalization(program: torch.export.ExportedProgram, original: 
     for node in program.graph.nodes:
         val = node.meta.get("val")
         grad = any(isinstance(v, torch.Tensor) and v.requires_grad for v in (val if isinstance(val, (tuple, list)) else (val,)))
-        if grad and (node.op != "placeholder" or node.users):  # an unused input records nothing
-            raise Unsupported(f"{node.name} requires grad")
+        if grad and node.op != "placeholder":  # export gives operator values without grad; a trace's would differ
+            raise Unsupported(f"{node.name}'s value requires grad")
     seq_nr = torch.autograd._get_sequence_nr() - 1
     result = _copied(program)
     placeholders = result.graph.find_nodes(op="placeholder")
@@ -581,8 +584,19 @@ def localize_functionalization(program: torch.export.ExportedProgram, original: 
     for node in result.graph.nodes:
         if node.op == "call_function":
             node.meta["seq_nr"] = seq_nr
+            if "tensor_meta" in node.meta:
+                node.meta["tensor_meta"] = _without_grad(node.meta["tensor_meta"])
     result._verifiers = [Verifier]
     return result
+
+
+def _without_grad(meta: Any) -> Any:
+    """``tensor_meta`` as the no-grad trace records it: ``requires_grad`` false, the rest unchanged."""
+    if isinstance(meta, (tuple, list)) and not hasattr(meta, "_fields"):
+        return type(meta)(_without_grad(m) for m in meta)
+    if hasattr(meta, "_replace") and getattr(meta, "requires_grad", False):
+        return meta._replace(requires_grad=False)
+    return meta
 
 
 def _lifted_input_meta(program: torch.export.ExportedProgram) -> dict[torch.fx.Node, dict]:

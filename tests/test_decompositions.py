@@ -14,7 +14,16 @@ from .conftest import churn_patch, reference, stock_pte
 def _form(value):
     """A comparable form of a metadata value: tensors by their metadata, ops by name."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", type(value) is FakeTensor, value.dtype, tuple(value.shape), value.stride(), value.device, value.storage_offset())
+        return (
+            "tensor",
+            type(value) is FakeTensor,
+            value.dtype,
+            tuple(value.shape),
+            value.stride(),
+            value.device,
+            value.storage_offset(),
+            value.requires_grad,
+        )
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(_form(v) for v in value))
     if isinstance(value, dict):
@@ -96,8 +105,7 @@ def test_skipped_and_localized_calls_give_the_program_a_retrace_gives(model, tar
     audited = _audit_calls(model, target)
     assert audited["localized"] >= 1  # the second call: conv2d / transpose / _unsafe_view decomposed
     assert audited["skipped"] >= 1  # the third call, nothing left to decompose
-    # The first call: quantized programs hold no value that requires grad (float ones do: full call).
-    assert audited["functionalized"] == (target != "tosa-fp")
+    assert audited["functionalized"] == 1  # the first call, float parameters or not
 
 
 class _ConvertsAndReshapes(torch.nn.Module):
@@ -127,9 +135,26 @@ def test_localized_functionalization_is_the_real_call():
     assert asserted.args[1:] == (None, None, torch.float32) and "val" not in asserted.meta  # as a trace records it
 
 
-def test_functionalization_with_values_that_require_grad_runs_in_full():
+def test_functionalization_of_a_float_program_is_the_real_call():
+    """Parameters require grad; the trace runs without grad, so operators' tensor_meta loses it."""
+    module, example = models.transformer_block()
+    program = torch.export.export(module, example)
+    grads = [n for n in program.graph.nodes if n.op == "call_function" and n.meta["tensor_meta"].requires_grad]
+    assert grads and any(n.meta["val"].requires_grad for n in program.graph.find_nodes(op="placeholder"))
+    original = torch.export.ExportedProgram.run_decompositions
+    sequence = torch.autograd._get_sequence_nr()
+    mine = decompositions.localize_functionalization(program, original)
+    assert all(n.meta["tensor_meta"].requires_grad for n in grads)  # the caller's program is left as it was
+    stock = original(program, {})
+    assert torch.autograd._get_sequence_nr() == sequence  # the real call recorded no autograd node
+    _same_program(mine, stock)
+
+
+def test_functionalization_with_operator_values_that_require_grad_runs_in_full():
     module, example = models.tiny_cnn()
-    program = torch.export.export(module, example)  # float parameters, used: a trace records autograd nodes
+    program = torch.export.export(module, example)
+    node = next(n for n in program.graph.nodes if n.op == "call_function")
+    node.meta["val"] = node.meta["val"].detach().requires_grad_(True)  # not what export gives: no known trace form
     with pytest.raises(decompositions.Unsupported, match="requires grad"):
         decompositions.localize_functionalization(program, torch.export.ExportedProgram.run_decompositions)
 
@@ -184,10 +209,7 @@ def test_skipped_and_localized_calls_give_stock_bytes(target):
     with decompositions.active():
         got = stock_pte(*models.residual_cnn(), target)
     counts = decompositions.stats()
-    if target == "tosa-fp":  # the first, functionalizing call: float parameters require grad
-        assert counts["localized"] >= 1 and counts["full"] >= 1
-    else:
-        assert counts["localized"] >= 2 and counts["full"] == 0
+    assert counts["localized"] >= 2 and counts["full"] == 0  # the first call too, float or quantized
     assert counts["skipped"] >= 1
     assert got == reference("residual_cnn", target)
 
