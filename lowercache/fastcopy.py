@@ -18,8 +18,9 @@ Why the output is exactly the stock retrace's:
   does: every ``call_operator`` override between the pass class and the base
   must begin with ``if op not in self.target_ops: return
   super().call_operator(op, args, kwargs, meta[, updated])`` (checked on the
-  source's syntax tree, per class) and the node's target must not be in
-  ``target_ops``, or be an ExecuTorch pass whose pass-through condition
+  source's syntax tree, per class; another attribute of ``self`` in place of
+  ``target_ops`` is read the same way) and the node's target must not be in
+  it, or be an ExecuTorch pass whose pass-through condition
   ``passregistry`` declares for exactly that source (pinned by digest) and
   the node must meet it (a declared pass may also hand on one fixed
   replacement op, as OpReplacePass does with the edge op of an aten op; the
@@ -190,12 +191,15 @@ def _setup() -> dict[str, Any] | None:
     return _state if ok else None
 
 
-def _target_guard_params(fn: Any) -> int | None:
-    """Parameter count (5, or 6 with ``updated``) when ``fn`` starts with ``if op not in self.target_ops[ or ...]: return super().call_operator(...)``.
+def _target_guard_params(fn: Any) -> tuple[int, str] | None:
+    """Parameter count (5, or 6 with ``updated``) and the attribute named, when ``fn`` starts with
+    ``if op not in self.<attribute>[ or ...]: return super().call_operator(...)``.
 
-    The returned call must pass the parameters through unchanged; ``updated``
-    (if present) must default to False or None, which is what the
-    interpreter's call leaves it at. A guard that forwards ``updated`` returns 6.
+    The attribute is usually ``target_ops`` (DecomposeDynamicFullPass names
+    its own set). The returned call must pass the parameters through
+    unchanged; ``updated`` (if present) must default to False or None, which
+    is what the interpreter's call leaves it at. A guard that forwards
+    ``updated`` returns 6.
     """
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
@@ -237,7 +241,6 @@ def _target_guard_params(fn: Any) -> int | None:
         and len(test.ops) == 1
         and isinstance(test.ops[0], ast.NotIn)
         and isinstance(test.comparators[0], ast.Attribute)
-        and test.comparators[0].attr == "target_ops"
         and isinstance(test.comparators[0].value, ast.Name)
         and test.comparators[0].value.id == self_name
     ):
@@ -258,9 +261,10 @@ def _target_guard_params(fn: Any) -> int | None:
     ):
         return None
     passed = [x.id if isinstance(x, ast.Name) else None for x in call.args]
+    attribute = test.comparators[0].attr
     if passed == names[1:5]:
-        return 5
-    return 6 if len(names) == 6 and passed == names[1:] else None
+        return 5, attribute
+    return (6, attribute) if len(names) == 6 and passed == names[1:] else None
 
 
 def _defined_in(fn: Any, klass: type) -> bool:
@@ -303,16 +307,16 @@ def _chain(cls: type, st: dict[str, Any]) -> tuple[Any, ...] | None:
         fn = klass.__dict__.get("call_operator")
         if fn is None:
             continue
-        params = _target_guard_params(fn) if _defined_in(fn, klass) else None
-        declared = passregistry.gate_for(klass) if params is None and _defined_in(fn, klass) else None
+        guard = _target_guard_params(fn) if _defined_in(fn, klass) else None
+        declared = passregistry.gate_for(klass) if guard is None and _defined_in(fn, klass) else None
         if declared is not None and not passes_updated:
             gates.append(declared)
             covered |= passregistry.covered_by(klass)
             continue
-        if params is None or (passes_updated and params < 6):
+        if guard is None or (passes_updated and guard[0] < 6):
             break
-        passes_updated = params == 6
-        gates.append(_not_a_target)
+        passes_updated = guard[0] == 6
+        gates.append(_not_in(guard[1]))
     _chains[cls] = result
     return result
 
@@ -336,8 +340,13 @@ def _plain_after_arm(cls: type, st: dict[str, Any], covered: set[tuple[str, str]
     return True
 
 
-def _not_a_target(p: Any, n: Any, op: Any, env: dict) -> Any:
-    return None if op in p.target_ops else op
+def _not_in(attribute: str) -> Any:
+    """The gate of a guard ``if op not in self.<attribute>``: evaluated as the guard is, once per node."""
+
+    def gate(p: Any, n: Any, op: Any, env: dict) -> Any:
+        return None if op in getattr(p, attribute) else op
+
+    return gate
 
 
 class _Fallback(Exception):

@@ -152,6 +152,16 @@ def _decompose_grouped_conv(module: Any) -> Gate:
     return gate
 
 
+def _decompose_tosa_unsupported_clamp(module: Any) -> Gate:
+    def gate(p: Any, n: Any, op: Any, env: dict) -> Any:
+        # ``meta["val"]`` and two set lookups come before its target_ops guard.
+        if "val" not in n.meta:
+            return None  # stock raises KeyError there: let it
+        return None if op in p.target_ops else op
+
+    return gate
+
+
 # ReplaceScalarWithTensorArgPass.call_operator, which ReplaceScalarWithTensorByProfilePass
 # reaches through ArmPass (its MRO: ByProfile, ArmPass, ArgPass, ExportPass): its
 # pass-through is ``op not in self.scalar_to_tensor_ops``.
@@ -230,6 +240,10 @@ REGISTRY: dict[tuple[str, str], tuple[str, Callable[[Any], Gate]]] = {
     ("executorch.backends.arm._passes.decompose_grouped_conv_pass", "DecomposeGroupedConvPass"): (
         "0eda31ef79c8f84e07408afd05d18714b0a64b50a05bd726148db106b11c8d17",
         _decompose_grouped_conv,
+    ),
+    ("executorch.backends.arm._passes.decompose_tosa_unsupported_clamp_pass", "DecomposeTOSAUnsupportedClampPass"): (
+        "c76294f4dec7e8953eb6638d379a49769ad3315f32fe0c8ee55156e1374feb16",
+        _decompose_tosa_unsupported_clamp,
     ),
 }
 

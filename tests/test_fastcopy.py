@@ -327,7 +327,7 @@ def test_override_after_arm_pass_in_the_mro_is_never_skipped():
     mro = Diamond.__mro__
     assert mro.index(SigmoidToRelu) > [k.__name__ for k in mro].index("ArmPass")
     assert fastcopy._chain(Diamond, fastcopy._setup()) is None
-    assert fastcopy._chain(SumOverRows, fastcopy._setup()) == (fastcopy._not_a_target,)
+    assert len(fastcopy._chain(SumOverRows, fastcopy._setup())) == 1
     stock = _run_chain([Diamond])
     fast = _run_chain([Diamond], reuse=True)
     assert fast == stock
@@ -386,11 +386,19 @@ def test_guard_recognition():
             return None
 
     class OtherSet(ExportPass):
+        """Guarded by a set of its own (as DecomposeDynamicFullPass is): that set decides."""
+
         target_ops = ()
-        others = ()
+        others = (torch.ops.aten.relu.default,)
 
         def call_operator(self, op, args, kwargs, meta):
             if op not in self.others:
+                return super().call_operator(op, args, kwargs, meta)
+            return None
+
+    class NotSelf(ExportPass):
+        def call_operator(self, op, args, kwargs, meta):
+            if op not in Guard.target_ops:
                 return super().call_operator(op, args, kwargs, meta)
             return None
 
@@ -413,10 +421,37 @@ def test_guard_recognition():
         target_ops = ()
         call_operator = Guard.call_operator
 
-    assert fastcopy._chain(Guard, st) == (fastcopy._not_a_target,)
+    relu, exp = torch.ops.aten.relu.default, torch.ops.aten.exp.default
+    (guard,) = fastcopy._chain(Guard, st)
+    assert guard(Guard(), None, relu, {}) is relu  # not a target: handed on unchanged
+    Guard.target_ops = (relu,)
+    assert guard(Guard(), None, relu, {}) is None  # the set is read when the node is copied
+    (other,) = fastcopy._chain(OtherSet, st)
+    assert other(OtherSet(), None, relu, {}) is None and other(OtherSet(), None, exp, {}) is exp
     assert fastcopy._chain(Plain, st) == ()
-    for cls in (SwappedArgs, LateGuard, OtherSet, UpdatedToBase, Borrowed):
+    for cls in (SwappedArgs, LateGuard, NotSelf, UpdatedToBase, Borrowed):
         assert fastcopy._chain(cls, st) is None, cls.__name__
+
+
+def test_guard_on_a_set_of_its_own_matches_node_by_node():
+    """``if op not in self.<set>`` guards like ``target_ops``: all but that set's nodes are copied."""
+    SumOverRows, *_ = _targeted_passes()
+
+    class ExpToSigmoid(SumOverRows.__mro__[1]):
+        target_ops = {torch.ops.aten.exp.default, torch.ops.aten.relu.default}  # relu: in target_ops, not rewritten
+        rewritten = {torch.ops.aten.exp.default}
+
+        def call_operator(self, op, args, kwargs, meta, updated=False):
+            if op not in self.rewritten:
+                return super().call_operator(op, args, kwargs, meta, updated)
+            return super().call_operator(torch.ops.aten.sigmoid.default, args, kwargs, meta, True)
+
+    stock = _run_chain([SumOverRows, ExpToSigmoid])
+    copies: list = []
+    fast = _run_chain([SumOverRows, ExpToSigmoid], copies=copies, reuse=True)
+    assert fast == stock
+    assert copies == [0, 11, 11], copies  # relu copied too: only the guard's own set is interpreted
+    assert "aten.exp" not in stock[-1][2] and stock[-1][2].count("aten.sigmoid") == 2
 
 
 class _Declared(torch.nn.Module):
@@ -592,3 +627,44 @@ def test_scalar_with_tensor_by_profile_gate_copies_and_keeps_stock_bytes(tmp_pat
                 nodes[key] = nodes.get(key, 0) + value
     assert nodes.get("copied_fast", 0) > 0, nodes
     assert nodes.get("retraced", 0) > 0, nodes  # the scalar ops went through the pass and were replaced
+
+
+class _ClampsAndFull(torch.nn.Module):
+    """relu6 (a clamp once converted) and a ``full``, among ops neither pass touches."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = torch.nn.functional.relu6(self.fc(x)) + torch.full((2, 8), 0.5)
+        return torch.sigmoid(y) * 2.0
+
+
+def test_clamp_and_dynamic_full_passes_copy_and_keep_stock_bytes(tmp_path):
+    """DecomposeTOSAUnsupportedClampPass (declared gate) and DecomposeDynamicFullPass (a guard on a set
+    of its own): fast copies of everything but their targets, stock's bytes."""
+    import lowercache
+    from executorch.backends.arm._passes.decompose_dynamic_full_pass import DecomposeDynamicFullPass
+    from executorch.backends.arm._passes.decompose_tosa_unsupported_clamp_pass import DecomposeTOSAUnsupportedClampPass
+
+    from lowercache import passregistry
+
+    assert passregistry.gate_for(DecomposeTOSAUnsupportedClampPass) is not None  # pinned digest matches
+    assert len(fastcopy._chain(DecomposeDynamicFullPass, fastcopy._setup())) == 1
+    module, example = _ClampsAndFull().eval(), (torch.randn(2, 8),)
+    artifacts = lowercache.lower(module, example, target="tosa-fp", cache_dir=tmp_path)
+    assert artifacts.pte == stock_pte(module, example, "tosa-fp")
+    nodes: dict[str, dict[str, int]] = {}
+    for record in artifacts.records:
+        if record["kind"] == "pass" and record["name"] in ("DecomposeTOSAUnsupportedClampPass", "DecomposeDynamicFullPass"):
+            assert record["outcome"] == "ran", record
+            for key, value in record.get("nodes", {}).items():
+                nodes.setdefault(record["name"], {}).setdefault(key, 0)
+                nodes[record["name"]][key] += value
+    assert set(nodes) == {"DecomposeTOSAUnsupportedClampPass", "DecomposeDynamicFullPass"}, nodes
+    for name, counts in nodes.items():
+        assert counts.get("copied_fast", 0) > 0, (name, nodes)
+        interpreted = counts.get("copied", 0) + counts.get("retraced", 0) - counts["copied_fast"]
+        assert interpreted > 0, (name, nodes)  # their targets went through the pass
