@@ -18,8 +18,9 @@ during retraces (``retrace.py``), fast copies of the nodes a pass leaves
 alone (``fastcopy.py``), deferred GraphModule code generation
 (``lazycode.py``), free attribute names (``attrnames.py``), skipped
 decomposition re-traces that have nothing to decompose
-(``decompositions.py``) and FakeTensor's cache for quantize/dequantize ops
-(``fakecache.py``). They also put partitions in discovery order
+(``decompositions.py``), FakeTensor's cache for quantize/dequantize ops
+(``fakecache.py``) and one-frame stack lines for the nodes passes stamp
+(``callsite.py``). They also put partitions in discovery order
 (``partitionorder.py``), which stock leaves to the string-hash seed, so
 the output is the same in every process. Calls that ask for debug
 artifacts on disk run uncached (a hit would not write them).
@@ -36,6 +37,7 @@ from typing import Any
 
 from . import (
     attrnames,
+    callsite,
     decompositions,
     dtypecheck,
     fakecache,
@@ -234,6 +236,7 @@ _SPEEDUPS = (
     signature,
     treeiter,
     dtypecheck,
+    callsite,
 )
 
 
