@@ -23,7 +23,6 @@ every other call, the real ``format_stack`` runs.
 from __future__ import annotations
 
 import sys
-import threading
 import traceback
 import types
 from typing import Any
@@ -40,7 +39,6 @@ _SITES = (
 )
 _AUDITED_DIGEST = "8a3f1368a2166e28aefa3e505dba3d5e887ac1a5e94b2060259c95a74ffd307e"
 
-_lock = threading.Lock()
 _codes: set[Any] = set()
 _modules: list[Any] = []
 

@@ -567,6 +567,17 @@ class _GroupedConvs(torch.nn.Module):
         return self.plain(torch.relu(self.depthwise(torch.relu(self.grouped(x))))).flatten(1)
 
 
+def _pass_nodes(records: list, *names: str) -> dict[str, dict[str, int]]:
+    """Node counts (retraced, copied, copied_fast) summed per pass over a lowering's records, for ``names``."""
+    nodes: dict[str, dict[str, int]] = {}
+    for record in records:
+        if record["kind"] == "pass" and record["name"] in names:
+            counts = nodes.setdefault(record["name"], {})
+            for key, value in record.get("nodes", {}).items():
+                counts[key] = counts.get(key, 0) + value
+    return nodes
+
+
 def test_declared_arm_gates_copy_and_keep_stock_bytes(tmp_path):
     """SymbolicToTosaShapesPass and DecomposeGroupedConvPass: fast copies where their call_operator
     hands the node on, their own rewrite where it does not, and stock's bytes."""
@@ -582,12 +593,7 @@ def test_declared_arm_gates_copy_and_keep_stock_bytes(tmp_path):
     expected = stock_pte(module, example, "ethos-u55-128")
     artifacts = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=tmp_path)
     assert artifacts.pte == expected
-    nodes: dict[str, dict[str, int]] = {}
-    for record in artifacts.records:
-        if record["kind"] == "pass" and record["name"] in ("SymbolicToTosaShapesPass", "DecomposeGroupedConvPass"):
-            for key, value in record.get("nodes", {}).items():
-                nodes.setdefault(record["name"], {}).setdefault(key, 0)
-                nodes[record["name"]][key] += value
+    nodes = _pass_nodes(artifacts.records, "SymbolicToTosaShapesPass", "DecomposeGroupedConvPass")
     assert nodes["SymbolicToTosaShapesPass"].get("copied_fast", 0) > 0, nodes
     grouped = nodes["DecomposeGroupedConvPass"]
     assert grouped.get("copied_fast", 0) > 0, nodes  # the plain conv and everything else
@@ -620,11 +626,7 @@ def test_scalar_with_tensor_by_profile_gate_copies_and_keeps_stock_bytes(tmp_pat
     module, example = _Scalars().eval(), (torch.randn(2, 8),)
     artifacts = lowercache.lower(module, example, target=target, cache_dir=tmp_path)
     assert artifacts.pte == stock_pte(module, example, target)
-    nodes: dict[str, int] = {}
-    for record in artifacts.records:
-        if record["kind"] == "pass" and record["name"] == "ReplaceScalarWithTensorByProfilePass":
-            for key, value in record.get("nodes", {}).items():
-                nodes[key] = nodes.get(key, 0) + value
+    nodes = _pass_nodes(artifacts.records, "ReplaceScalarWithTensorByProfilePass").get("ReplaceScalarWithTensorByProfilePass", {})
     assert nodes.get("copied_fast", 0) > 0, nodes
     assert nodes.get("retraced", 0) > 0, nodes  # the scalar ops went through the pass and were replaced
 
@@ -656,13 +658,11 @@ def test_clamp_and_dynamic_full_passes_copy_and_keep_stock_bytes(tmp_path):
     module, example = _ClampsAndFull().eval(), (torch.randn(2, 8),)
     artifacts = lowercache.lower(module, example, target="tosa-fp", cache_dir=tmp_path)
     assert artifacts.pte == stock_pte(module, example, "tosa-fp")
-    nodes: dict[str, dict[str, int]] = {}
+    names = ("DecomposeTOSAUnsupportedClampPass", "DecomposeDynamicFullPass")
     for record in artifacts.records:
-        if record["kind"] == "pass" and record["name"] in ("DecomposeTOSAUnsupportedClampPass", "DecomposeDynamicFullPass"):
+        if record["kind"] == "pass" and record["name"] in names:
             assert record["outcome"] == "ran", record
-            for key, value in record.get("nodes", {}).items():
-                nodes.setdefault(record["name"], {}).setdefault(key, 0)
-                nodes[record["name"]][key] += value
+    nodes = _pass_nodes(artifacts.records, *names)
     assert set(nodes) == {"DecomposeTOSAUnsupportedClampPass", "DecomposeDynamicFullPass"}, nodes
     for name, counts in nodes.items():
         assert counts.get("copied_fast", 0) > 0, (name, nodes)
