@@ -26,11 +26,12 @@ Why the output is exactly the stock retrace's:
   replacement op, as OpReplacePass does with the edge op of an aten op; the
   node is then built with that op and its value re-dispatched);
   ``ArmPass.call_operator``'s own special ops (bmm,
-  leaky_relu) always fall back. The base functions whose behaviour this
+  leaky_relu) fall back when the node has input qparams, the case that
+  method builds itself. The base functions whose behaviour this
   reproduces are pinned by a digest of their source: another torch or
   ExecuTorch turns the mechanism off;
-- the names: ``tracer.create_node`` is called with the same ``name``
-  argument ``_fx`` passes (so the graph's namespace counter names the node);
+- the names: the node is made with the same ``name`` argument ``_fx``
+  passes (so the graph's namespace counter names the node);
 - the arguments: ``create_arg`` maps a Proxy to its node and returns plain
   literals (int, float, bool, str, None, dtype, device, layout,
   memory_format) and tuple / list / dict containers as they are. A tensor
@@ -45,9 +46,12 @@ Why the output is exactly the stock retrace's:
   NodeSource; here it is the plain copy. The only difference is the value
   ``create_node`` copies for ``from_node``, and ``meta.update(old meta)``
   overwrites it right after, so nodes without ``from_node`` (the first
-  retrace after export) fall back. Key order, ``seq_nr``, stack traces and
-  every other key come from the same code; the interpreter and tracer must be
-  exactly the stock ExportPass classes;
+  retrace after export) fall back. ``_create_node`` runs the tracer's
+  ``create_node`` steps that apply here (``Graph.create_node``, the stack
+  trace, the copied fields, ``seq_nr``) in its order with the same torch
+  functions, so key order and every key's value match; it only skips
+  ``copy.copy`` of builtin values the merge overwrites. The interpreter,
+  tracer and graph must be exactly the stock classes;
 - the value: ``retrace.fake_value`` makes the call ``_fx`` would make (reuse
   under the same proof, or dispatch), so changed inputs are re-dispatched;
 - nodes interpreted inside another node's interpretation (control-flow
@@ -62,6 +66,7 @@ One pass attribute differs while a retrace runs and agrees once it ends:
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 import textwrap
 import threading
@@ -78,7 +83,7 @@ _stats_lock = threading.Lock()
 _stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
 
 # sha256 over the sources of the functions listed in _audited_sources (torch 2.13.0, executorch 1.5.1).
-_AUDITED_DIGEST = "a76f2900fb43fbed5a9051c6d3e5a87e4d98ce6549f9309f18a37ba19bb5f76c"
+_AUDITED_DIGEST = "915e4edd40b6ac2360808f6ccdf13a038a6bf26be82aceb0f36f51e3ca8d5b3a"
 
 
 def _count(key: str) -> None:
@@ -114,6 +119,7 @@ def _audited_sources() -> list[Any]:
     from executorch.backends.arm._passes.arm_pass import ArmPass
     from executorch.exir.pass_base import ExportPass, NodeMetadata, ProxyValue, _ExportPassBase
     from torch.fx import traceback as fx_traceback
+    from torch.fx.experimental import proxy_tensor
     from torch.fx.experimental.proxy_tensor import PythonKeyTracer
     from torch.fx.proxy import TracerBase
 
@@ -139,6 +145,12 @@ def _audited_sources() -> list[Any]:
         TracerBase.create_arg,
         torch.fx.Tracer.create_arg,
         PythonKeyTracer.create_arg,
+        PythonKeyTracer.create_node,
+        TracerBase.create_node,
+        torch.fx.Graph._target_to_str,
+        torch.fx.Node.stack_trace.fset,
+        torch.fx.Node.__setattr__,
+        proxy_tensor._should_save_eager_input_vals,
     ]
 
 
@@ -161,7 +173,10 @@ def _setup() -> dict[str, Any] | None:
     from executorch.exir.pass_base import ExportPass, ProxyValue, _ExportPassBase
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.fx import traceback as fx_traceback
+    from torch.fx.experimental import proxy_tensor
     from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+    from . import retrace
 
     try:
         ok = sources_digest() == _AUDITED_DIGEST
@@ -187,6 +202,14 @@ def _setup() -> dict[str, Any] | None:
             {int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
         ),
         arm_special=frozenset({exir_ops.edge.aten.bmm.default, exir_ops.edge.aten.leaky_relu.default}),
+        graph=torch.fx.Graph,
+        names={},
+        proxy_module=torch.fx.proxy,
+        proxy_tensor=proxy_tensor,
+        # copy.copy of these makes an equal object and nothing else (the merge then puts the original back)
+        plain_copy=frozenset({dict, list, tuple, str, int, float, bool, type(None)}),
+        copy=copy.copy,
+        fake_value=retrace.fake_value,
     )
     return _state if ok else None
 
@@ -414,7 +437,7 @@ def _copy(interp: Any, n: Any, st: dict[str, Any]) -> Any:
         return None
     p = interp.callback
     chain = _chain(type(p), st)
-    if chain is None or target in st["arm_special"] or "call_operator" in p.__dict__ or "_fx" in p.__dict__:
+    if chain is None or "call_operator" in p.__dict__ or "_fx" in p.__dict__:
         _count("fallback_pass")
         return None
     env = interp.env
@@ -427,6 +450,12 @@ def _copy(interp: Any, n: Any, st: dict[str, Any]) -> Any:
     if tt not in st["edge"] and tt is not st["overload"]:
         _count("fallback_pass")
         return None
+    if target in st["arm_special"]:
+        # ArmPass.call_operator builds these itself when len(meta["input_qparams"]) > 0
+        qparams = n.meta.get("input_qparams", {})
+        if type(qparams) is not dict or qparams:
+            _count("fallback_pass")
+            return None
     tracer = p.tracer
     fx_traceback = st["traceback"]
     meta = n.meta
@@ -454,11 +483,9 @@ def _copy(interp: Any, n: Any, st: dict[str, Any]) -> Any:
         _count("fallback_node")
         return None
 
-    from . import retrace
-
     interp.node = n
-    res_data = retrace.fake_value(interp, n, target, data_args, data_kwargs)
-    name = tracer.graph._target_to_str(target.overloadpacket.__name__) if tt is st["overload"] else None
+    res_data = st["fake_value"](interp, n, target, data_args, data_kwargs)
+    name = _op_name(tracer.graph, target, st) if tt is st["overload"] else None
     if attrs:
         # The get_attr nodes keep the meta stock gives them, ``from_node`` included.
         with fx_traceback.set_current_meta(n, f"Interpreter_{type(interp).__name__}"):
@@ -467,9 +494,9 @@ def _copy(interp: Any, n: Any, st: dict[str, Any]) -> Any:
             node = tracer.create_node("call_function", target, new_args, new_kwargs, name, None)
     else:
         saved = fx_traceback.current_meta
-        fx_traceback.current_meta = dict(meta)
+        fx_traceback.current_meta = current = dict(meta)
         try:
-            node = tracer.create_node("call_function", target, new_args, new_kwargs, name, None)
+            node = _create_node(tracer, target, new_args, new_kwargs, name, current, st)
         finally:
             fx_traceback.current_meta = saved
     proxy = tracer.proxy(node)
@@ -485,6 +512,60 @@ def _copy(interp: Any, n: Any, st: dict[str, Any]) -> Any:
     if attrs:
         _count("copied_attrs")
     return st["proxy_value"](res_data, proxy)
+
+
+def _op_name(graph: Any, target: Any, st: dict[str, Any]) -> str:
+    """``graph._target_to_str(target.overloadpacket.__name__)``, the name ``_fx`` passes, once per op.
+
+    For a plain ``torch.fx.Graph`` it is a function of the string alone (snake case).
+    """
+    if type(graph) is not st["graph"]:
+        return graph._target_to_str(target.overloadpacket.__name__)
+    names = st["names"]
+    name = names.get(target)
+    if name is None:
+        name = names[target] = graph._target_to_str(target.overloadpacket.__name__)
+    return name
+
+
+def _create_node(tracer: Any, target: Any, args: Any, kwargs: Any, name: Any, current: dict, st: dict) -> Any:
+    """What ``tracer.create_node("call_function", ...)`` does under the conditions ``_copy`` checked.
+
+    ``PythonKeyTracer.create_node`` and ``TracerBase.create_node`` in order,
+    minus the branches those conditions rule out (mutable-operation checks,
+    recorded stack traces, replay nodes, placeholder / output / get_attr
+    kinds). ``current`` is the current meta, a copy of the old node's meta
+    that the caller merges into the node right after, so a field whose
+    ``copy.copy`` is plain (builtin containers and scalars) is set to the
+    value the merge leaves there instead of copied: same keys, same order.
+    A target whose input values ``PythonKeyTracer`` would save takes the full call.
+    """
+    # An edge op is neither a higher-order operator nor an OpOverload: never saved.
+    if type(target) not in st["edge"] and st["proxy_tensor"]._should_save_eager_input_vals(target, (args, kwargs)):
+        return tracer.create_node("call_function", target, args, kwargs, name, None)
+    proxy = st["proxy_module"]
+    node = tracer.graph.create_node("call_function", target, args, kwargs, name, None)
+    tracer.node_name_to_scope[node.name] = (tracer.scope.module_path, tracer.scope.module_type)
+    meta = node.meta
+    stack_trace = current.get("stack_trace")
+    if stack_trace:
+        # ``node.stack_trace = ...``: the setter stores it in meta; Node.__setattr__ would
+        # move the node to the end of its lookup bucket, where it already is
+        meta["stack_trace"] = stack_trace
+        if st["traceback"].GRADIENT_ACC_SPECIAL_STACK in stack_trace:
+            meta["is_gradient_acc"] = True
+            meta["autograd_backward"] = True
+    plain = st["plain_copy"]
+    for field in proxy._COPY_META_FIELDS:
+        if field in current:
+            value = current[field]
+            meta[field] = value if type(value) in plain else st["copy"](value)
+    seq_nr = proxy._get_seq_nr(node.name)
+    if seq_nr is not None:
+        meta["seq_nr"] = seq_nr
+    if current.get("autograd_backward", False):
+        meta["autograd_backward"] = True
+    return node
 
 
 def _run_node(self: Any, n: Any) -> Any:

@@ -668,3 +668,47 @@ def test_clamp_and_dynamic_full_passes_copy_and_keep_stock_bytes(tmp_path):
         assert counts.get("copied_fast", 0) > 0, (name, nodes)
         interpreted = counts.get("copied", 0) + counts.get("retraced", 0) - counts["copied_fast"]
         assert interpreted > 0, (name, nodes)  # their targets went through the pass
+
+
+class _ArmSpecial(torch.nn.Module):
+    def forward(self, x, y):
+        return torch.nn.functional.leaky_relu(torch.bmm(x, y), 0.1) + 1
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_arm_special_ops_copied_unless_they_carry_input_qparams(quantized):
+    """ArmPass.call_operator builds bmm and leaky_relu itself only when input qparams are set.
+
+    Without them (float flows) the nodes are copied; with them they take the stock path,
+    and the graphs match the stock retrace's either way.
+    """
+    from executorch.backends.arm._passes.arm_pass import ArmPass
+    from executorch.exir import EdgeCompileConfig, to_edge
+
+    class Plain(ArmPass):
+        _passes_required_after: set = set()
+
+    def run(mechanism: bool):
+        inputs = (torch.randn(2, 3, 4), torch.randn(2, 4, 5))
+        ep = to_edge(torch.export.export(_ArmSpecial(), inputs), compile_config=EdgeCompileConfig(_check_ir_validity=False))
+        gm = ep.exported_program().graph_module
+        special = [n for n in gm.graph.nodes if "bmm" in str(n.target) or "leaky_relu" in str(n.target)]
+        assert len(special) == 2
+        if quantized:
+            for node in special:
+                node.meta["input_qparams"] = {0: "qparams"}
+        log = []
+        with _mechanism() if mechanism else contextlib.nullcontext():
+            for _ in range(3):
+                gm = Plain()(gm).graph_module
+                log.append((_describe(gm, False), gm.code))
+        return log
+
+    stock = run(False)
+    fast = run(True)
+    assert fast == stock
+    ops = sum(1 for op, *_ in stock[-1][0] if op == "call_function")
+    counts = fastcopy.stats()
+    # three retraces, each copying every op but (with qparams) bmm and leaky_relu
+    assert counts["copied"] == 3 * (ops - 2 if quantized else ops), (ops, counts)
+    assert counts["fallback_pass"] == (3 * 2 if quantized else 0), counts
