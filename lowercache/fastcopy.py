@@ -206,12 +206,27 @@ def _setup() -> dict[str, Any] | None:
         names={},
         proxy_module=torch.fx.proxy,
         proxy_tensor=proxy_tensor,
-        # copy.copy of these makes an equal object and nothing else (the merge then puts the original back)
-        plain_copy=frozenset({dict, list, tuple, str, int, float, bool, type(None)}),
+        # copy.copy of these makes a new object and nothing else (the merge then puts the original back)
+        plain_copy=frozenset({dict, list, tuple, str, int, float, bool, type(None)} | _plain_objects()),
         copy=copy.copy,
         fake_value=retrace.fake_value,
     )
     return _state if ok else None
+
+
+def _plain_objects() -> set[type]:
+    """``OpOverload`` (``original_aten``) when ``copy.copy`` of it is the default object copy.
+
+    With no copy or pickling hook on the class, ``copy.copy`` makes a bare
+    instance with ``object.__new__`` and fills its ``__dict__``: nothing of the class runs.
+    """
+    import torch
+
+    hooks = ("__copy__", "__reduce__", "__reduce_ex__", "__getstate__", "__setstate__", "__new__")
+    klass = torch._ops.OpOverload
+    if any(hook in base.__dict__ for base in klass.__mro__[:-1] for hook in hooks):
+        return set()
+    return {klass}
 
 
 def _target_guard_params(fn: Any) -> tuple[int, str] | None:
@@ -405,12 +420,27 @@ def _map_args(a: Any, env: dict, st: dict[str, Any], attrs: list) -> tuple[Any, 
         raise _Fallback
     if t in st["literals"]:
         return a, a
-    if t is tuple:
-        pairs = [_map_args(x, env, st, attrs) for x in a]
-        return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
-    if t in st["lists"]:
-        pairs = [_map_args(x, env, st, attrs) for x in a]
-        return [p[0] for p in pairs], st["lists"][1](p[1] for p in pairs)
+    if t is tuple or t in st["lists"]:
+        new, data = [], []
+        node_type, proxy_value, proxy, literals = st["node"], st["proxy_value"], st["proxy"], st["literals"]
+        for x in a:
+            tx = type(x)
+            if tx is node_type:  # the common case, inline: a Proxy's node and its value
+                v = env.get(x)
+                if type(v) is proxy_value and type(v.proxy_or_node) is proxy:
+                    new.append(v.proxy_or_node.node)
+                    data.append(v.data)
+                    continue
+            elif tx in literals:
+                new.append(x)
+                data.append(x)
+                continue
+            x_new, x_data = _map_args(x, env, st, attrs)
+            new.append(x_new)
+            data.append(x_data)
+        if t is tuple:
+            return tuple(new), tuple(data)
+        return new, st["lists"][1](data)
     raise _Fallback
 
 
