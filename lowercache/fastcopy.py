@@ -566,8 +566,9 @@ def _create_node(tracer: Any, target: Any, args: Any, kwargs: Any, name: Any, cu
     recorded stack traces, replay nodes, placeholder / output / get_attr
     kinds). ``current`` is the current meta, a copy of the old node's meta
     that the caller merges into the node right after, so a field whose
-    ``copy.copy`` is plain (builtin containers and scalars) is set to the
-    value the merge leaves there instead of copied: same keys, same order.
+    ``copy.copy`` runs no code of its own (builtin containers and scalars,
+    ``OpOverload`` per :func:`_plain_objects`) is set to the value the merge
+    leaves there instead of copied: same keys, same order.
     A target whose input values ``PythonKeyTracer`` would save takes the full call.
     """
     # An edge op is neither a higher-order operator nor an OpOverload: never saved.
