@@ -19,9 +19,10 @@ alone (``fastcopy.py``), deferred GraphModule code generation
 (``lazycode.py``), free attribute names (``attrnames.py``), skipped
 decomposition re-traces that have nothing to decompose
 (``decompositions.py``), FakeTensor's cache for quantize/dequantize ops
-(``fakecache.py``) and one-frame stack lines for the nodes passes stamp
-(``callsite.py``). They also put partitions in discovery order
-(``partitionorder.py``), which stock leaves to the string-hash seed, so
+(``fakecache.py``), one-frame stack lines for the nodes passes stamp
+(``callsite.py``) and dead-code elimination that asks about side effects
+only for nodes without users (``deadcode.py``). They also put partitions
+in discovery order (``partitionorder.py``), which stock leaves to the string-hash seed, so
 the output is the same in every process. Calls that ask for debug
 artifacts on disk run uncached (a hit would not write them).
 """
@@ -38,6 +39,7 @@ from typing import Any
 from . import (
     attrnames,
     callsite,
+    deadcode,
     decompositions,
     dtypecheck,
     fakecache,
@@ -237,6 +239,7 @@ _SPEEDUPS = (
     treeiter,
     dtypecheck,
     callsite,
+    deadcode,
 )
 
 

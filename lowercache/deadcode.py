@@ -1,0 +1,91 @@
+"""Dead-code elimination that asks about side effects only where it matters.
+
+``Graph.eliminate_dead_code`` removes a node when ``not has_side_effect(node)
+and len(node.users) == 0``, asking the side-effect question first, for every
+node. For an operator node that question is ``torch._library.utils.is_impure``
+(schema mutability, effect registry, random ops): several microseconds, and
+the Arm passes run DCE often (DecomposeLinearPass once per linear layer):
+DeiT-tiny asks it ~150,000 times a lowering, for nodes that almost all have
+users and so are kept whatever the answer.
+
+While installed, a call without its own ``is_impure_node`` gets one that
+answers "kept" for an operator node that has users, and otherwise asks
+``Node.is_impure`` exactly as the stock default does (same ``impure_random``).
+A node is removed under precisely the stock condition, so the graph, the
+order of removals and the return value are unchanged. Operator nodes only:
+for them ``Node.is_impure`` is a query that cannot fail; other kinds (a
+``call_module`` whose module is missing raises) are asked as before.
+The two torch functions this relies on are pinned by a digest of their
+source: another torch leaves DCE stock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from typing import Any, Callable
+
+from .patching import Patch
+
+# sha256 over the sources of Graph.eliminate_dead_code and Node.is_impure (torch 2.13.0).
+_AUDITED_DIGEST = "77a59f571c67df23518ba2f39af5641ac2ef63b0dc803af356edf96100c338ff"
+_originals: dict[str, Any] = {}
+
+
+def sources_digest() -> str:
+    """Digest of the torch sources whose behaviour this module relies on."""
+    from torch.fx import Graph, Node
+
+    h = hashlib.sha256()
+    for fn in (Graph.eliminate_dead_code, Node.is_impure):
+        h.update(inspect.getsource(fn).encode())
+    return h.hexdigest()
+
+
+def _impure_random() -> bool:
+    """The ``impure_random`` the stock default passes to ``Node.is_impure``."""
+    import torch
+
+    if torch._guards.TracingContext.try_get():
+        return torch._inductor.config.fallback_random
+    return True
+
+
+def _eliminate_dead_code(self: Any, is_impure_node: Callable[[Any], bool] | None = None) -> bool:
+    original = _originals["eliminate_dead_code"]
+    if is_impure_node is not None:
+        return original(self, is_impure_node)
+    impure_random = _impure_random()
+
+    def kept_or_impure(node: Any) -> bool:
+        if node.op == "call_function" and node.users:
+            return True  # has users: kept whatever the answer
+        return node.is_impure(impure_random)
+
+    return original(self, kept_or_impure)
+
+
+def _apply() -> None:
+    from torch.fx import Graph
+
+    try:
+        ok = sources_digest() == _AUDITED_DIGEST
+    except (OSError, TypeError):
+        ok = False
+    if ok:
+        _originals["eliminate_dead_code"] = Graph.eliminate_dead_code
+        Graph.eliminate_dead_code = _eliminate_dead_code
+
+
+def _undo() -> None:
+    from torch.fx import Graph
+
+    original = _originals.pop("eliminate_dead_code", None)
+    if original is not None:
+        Graph.eliminate_dead_code = original
+
+
+_patch = Patch(_apply, _undo)
+enable = _patch.enable
+disable = _patch.disable
+active = _patch.active
