@@ -47,7 +47,10 @@ inference mode, python dispatcher, and for TOSA dialect ops the identity of
 the TOSA lowering context's spec and shape env, which their fake kernels
 read); and the outputs' own signatures. The record is therefore a fact
 about one dispatch, "``target`` on inputs like these returned exactly these
-objects", not about any node. Reuse also requires that the only active
+objects", not about any node. An edge op's call only forwards to its ATen
+op, so records are kept by the ATen op: an ``aten.X`` node retraced as
+``edge.aten.X`` (``to_edge``'s op replacement) can reuse its value. Reuse
+also requires that the only active
 torch-dispatch mode is the pass's FakeTensorMode and that no
 torch-function mode is active, so no outer tracer could observe the
 dispatch being skipped.
@@ -133,7 +136,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from .patching import Patch
 
@@ -146,8 +149,9 @@ _MISS = object()
 
 # id(first output leaf) -> (weakref to it, record); entries die with the tensor.
 _records: dict[int, tuple[Any, tuple]] = {}
-# op target -> None when ineligible, else (result may alias an input, fake kernel reads the TOSA context).
-_op_policy: dict[Any, tuple[bool, bool] | None] = {}
+# op target -> None when ineligible, else (result may alias an input, fake kernel reads the TOSA
+# context, the op the call dispatches: see _kernel).
+_op_policy: dict[Any, tuple[bool, bool, Any] | None] = {}
 
 _stats_lock = threading.Lock()
 _STAT_KEYS = (
@@ -188,8 +192,8 @@ def reset_stats() -> None:
             _stats[key] = 0
 
 
-def _policy(target: Any) -> tuple[bool, bool] | None:
-    """None when ``target`` must always be dispatched, else ``(may_alias, reads_tosa_context)``."""
+def _policy(target: Any) -> tuple[bool, bool, Any] | None:
+    """None when ``target`` must always be dispatched, else ``(may_alias, reads_tosa_context, kernel)``."""
     try:
         return _op_policy[target]
     except KeyError:
@@ -200,7 +204,7 @@ def _policy(target: Any) -> tuple[bool, bool] | None:
     return result
 
 
-def _compute_policy(target: Any) -> tuple[bool, bool] | None:
+def _compute_policy(target: Any) -> tuple[bool, bool, Any] | None:
     import torch
     from executorch.exir.dialects.edge._ops import EdgeOpOverload
 
@@ -234,7 +238,28 @@ def _compute_policy(target: Any) -> tuple[bool, bool] | None:
             if ret.alias_info.is_write:
                 return None
             aliases = True
-    return aliases, op.namespace == "tosa"
+    return aliases, op.namespace == "tosa", _kernel(target)
+
+
+def _kernel(target: Any) -> Any:
+    """What calling ``target`` dispatches: an edge op's ATen op, when its call only forwards to it.
+
+    ``EdgeOpOverload.__call__`` is ``return self._op(*args, **kwargs)``, so a
+    dispatch of an edge op is a dispatch of its ATen op: records are kept by
+    the latter, and a retrace that turns ``aten.X`` into ``edge.aten.X``
+    (``to_edge``'s op replacement) can reuse what the ATen op computed.
+    """
+    import inspect
+    import textwrap
+
+    from executorch.exir.dialects.edge._ops import EdgeOpOverload
+
+    if type(target) is not EdgeOpOverload:
+        return target
+    call = textwrap.dedent(inspect.getsource(EdgeOpOverload.__call__))
+    if call != "def __call__(self, *args, **kwargs):\n    return self._op(*args, **kwargs)\n":
+        return target
+    return target._op
 
 
 def _is_op(target: Any) -> bool:
@@ -413,7 +438,7 @@ def _forget(key: int, ref: Any) -> None:
         del _records[key]
 
 
-def _record(target: Any, sig: tuple, tensors: list, ctx: tuple, keep: tuple, res: Any, mode: Any) -> None:
+def _record(kernel: Any, sig: tuple, tensors: list, ctx: tuple, keep: tuple, res: Any, mode: Any) -> None:
     out = _flatten_output(res, mode)
     if out is None:
         return
@@ -425,7 +450,7 @@ def _record(target: Any, sig: tuple, tensors: list, ctx: tuple, keep: tuple, res
     key = id(first)
     ref = weakref.ref(first, lambda r, key=key: _forget(key, r))
     record = (
-        target,
+        kernel,
         sig,
         ctx,
         tuple(weakref.ref(x) for x in tensors),
@@ -458,7 +483,7 @@ class _Shim:
         if policy is None:
             _count(*(("redispatched", "redispatched_ineligible") if _is_op(target) else ("not_applicable",)))
             return inner.call_function(target, args, kwargs)
-        aliases, tosa = policy
+        aliases, tosa, kernel = policy
         mode = getattr(self._pass, "fake_tensor_mode", None)
         context = _context(mode, tosa)
         found = _signature(args, kwargs, mode) if context is not None else None
@@ -467,14 +492,14 @@ class _Shim:
             return inner.call_function(target, args, kwargs)
         sig, tensors = found
         ctx, keep = context
-        res = self._reuse(target, sig, tensors, ctx, aliases, mode)
+        res = self._reuse(kernel, sig, tensors, ctx, aliases, mode)
         if res is not _MISS:
             return res
         res = inner.call_function(target, args, kwargs)
-        _record(target, sig, tensors, ctx, keep, res, mode)
+        _record(kernel, sig, tensors, ctx, keep, res, mode)
         return res
 
-    def _reuse(self, target: Any, sig: tuple, tensors: list, ctx: tuple, aliases: bool, mode: Any) -> Any:
+    def _reuse(self, kernel: Any, sig: tuple, tensors: list, ctx: tuple, aliases: bool, mode: Any) -> Any:
         frame = getattr(_tls, "frame", None)
         if frame is None or frame[1] is not self._pass:
             _count("redispatched", "redispatched_no_record")
@@ -489,7 +514,7 @@ class _Shim:
         leaves, out_spec, out_sigs = out
         r_target, r_sig, r_ctx, r_inputs, r_out_spec, r_out, r_out_sigs, _, r_view = entry[1]
         if (
-            r_target is not target
+            r_target is not kernel
             or r_ctx != ctx
             or r_sig != sig
             or r_out_spec != out_spec
@@ -559,6 +584,34 @@ def fake_value(interpreter: Any, n: Any, target: Any, args: tuple, kwargs: dict)
         return _Shim(pass_.interpreter, pass_).call_function(target, args, kwargs)
     finally:
         _tls.frame = previous
+
+
+def reuse_or_dispatch(owner: Any, node: Any, target: Any, args: tuple, kwargs: dict, dispatch: Callable[..., Any]) -> Any:
+    """What ``dispatch(target, args, kwargs)`` computes for ``node``, for interpreters that are not retraces.
+
+    The edge dtype check (``dtypecheck``) runs every op of a graph on fake
+    tensors under ``owner.fake_tensor_mode``; ``owner`` is that interpreter
+    (one run of one graph). ``node``'s own value is returned when the proof
+    above holds for this call, else the dispatch runs (and is recorded).
+    """
+    if not enabled():
+        return dispatch(target, args, kwargs)
+    previous = getattr(_tls, "frame", None)
+    used = owner.__dict__.setdefault("_lowercache_retrace_used", set())
+    _tls.frame = (node, owner, used)
+    try:
+        return _Shim(_Dispatch(dispatch), owner).call_function(target, args, kwargs)
+    finally:
+        _tls.frame = previous
+
+
+class _Dispatch:
+    """The real dispatch behind a :class:`_Shim` outside retraces."""
+
+    __slots__ = ("call_function",)
+
+    def __init__(self, dispatch: Callable[..., Any]):
+        self.call_function = dispatch
 
 
 def _apply() -> None:

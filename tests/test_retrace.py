@@ -144,6 +144,53 @@ def test_export_pass_chain_matches_node_by_node():
     assert counts["reused"] > 0 and counts["redispatched_changed"] > 0, counts
 
 
+def _edge_ops_pass():
+    from executorch.exir.dialects._ops import ops as exir_ops
+    from executorch.exir.pass_base import ExportPass
+
+    class ToEdgeOps(ExportPass):
+        """Every ATen op becomes its edge op, as ``to_edge``'s op replacement does."""
+
+        def call_operator(self, op, args, kwargs, meta):
+            if isinstance(op, torch._ops.OpOverload) and op.namespace == "aten":
+                op = getattr(getattr(exir_ops.edge.aten, op._schema.name.split("::")[1]), op._overloadname)
+            return super().call_operator(op, args, kwargs, meta)
+
+    return ToEdgeOps
+
+
+def test_edge_op_reuses_what_its_aten_op_computed():
+    """``edge.aten.X`` calls ``aten.X``: an ATen node retraced as its edge op needs no dispatch."""
+    ExportPass, _, _ = _passes()
+    ToEdgeOps = _edge_ops_pass()
+    make = _exported(_Small(), (torch.randn(3, 4),))
+    chain = [ExportPass, ToEdgeOps, ExportPass]
+    stock = _run_passes(make, chain, reuse=False)
+    with retrace.reuse_fake_propagation():
+        gm = ExportPass()(make()).graph_module  # records the ATen dispatches
+        ops = sum(1 for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload))
+        retrace.reset_stats()
+        gm = ToEdgeOps()(gm).graph_module
+        counts = retrace.stats()
+        gm = ExportPass()(gm).graph_module
+    assert _describe(gm) == _describe(stock)
+    assert counts["reused"] == ops and counts["redispatched"] == 0, counts
+    # the edge op of another ATen op is another dispatch
+    from executorch.exir.dialects._ops import ops as exir_ops
+
+    class ReluToEdgeSigmoid(ExportPass):
+        def call_operator(self, op, args, kwargs, meta):
+            if op == torch.ops.aten.relu.default:
+                op = exir_ops.edge.aten.sigmoid.default
+            return super().call_operator(op, args, kwargs, meta)
+
+    with retrace.reuse_fake_propagation():
+        gm = ExportPass()(make()).graph_module
+        retrace.reset_stats()
+        ReluToEdgeSigmoid()(gm)
+    assert retrace.stats()["redispatched_changed"] == 2  # the sigmoid, and the permute that views its output
+
+
 def test_stale_val_with_a_record_is_not_trusted():
     """A node whose args change in place keeps a recorded val: the recomputation must win."""
     ExportPass, _, StaleArgs = _passes()
