@@ -16,12 +16,21 @@ whose dtype and shape are not changed in place): that call is skipped. The
 memo holds the objects it compares until the lowering ends; graphs with
 submodule or method calls, or symbolic shapes (whose run could add guards),
 are always checked.
+
+A check that does run learns each op's argument dtypes by running the op
+on fake tensors. While installed, the validator it builds runs each op
+through ``retrace.reuse_or_dispatch``: an op whose call is one a retrace
+recorded, on inputs with the same metadata, takes the node's own value (a
+fake tensor with exactly the metadata the run would produce) instead of
+being dispatched again. The check reads only dtypes of those values, so its
+verdict and message are the stock ones.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from . import retrace
 from .patching import AttributePatch, Patch
 
 _MISSING = object()
@@ -76,8 +85,48 @@ def stats() -> dict[str, int]:
     return dict(_stats)
 
 
+def _reusing_validator() -> type:
+    """ExecuTorch's ``EdgeOpArgValidator`` with its op calls (its ``super().call_function``) reusing values."""
+    import torch
+    from executorch.exir.verification.arg_validator import EdgeOpArgValidator
+
+    class _Reusing(torch.fx.Interpreter):
+        @property
+        def fake_tensor_mode(self) -> Any:
+            """The mode the check runs under (the only one on the dispatch stack)."""
+            if torch._C._len_torch_dispatch_stack() != 1:
+                return None
+            return torch._C._get_dispatch_stack_at(0)
+
+        def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+            return retrace.reuse_or_dispatch(self, self.node, target, args, kwargs, super().call_function)
+
+    class Validator(EdgeOpArgValidator, _Reusing):  # MRO: EdgeOpArgValidator's super() is _Reusing
+        pass
+
+    return Validator
+
+
+_validators: dict[str, type] = {}
+
+
+def _enable() -> None:
+    verifier = _verifier_module()[0]
+    if "reusing" not in _validators:
+        _validators["reusing"] = _reusing_validator()
+    _validators["stock"] = verifier.EdgeOpArgValidator
+    verifier.EdgeOpArgValidator = _validators["reusing"]
+    _attribute.enable()
+
+
+def _disable() -> None:
+    _attribute.disable()
+    _verifier_module()[0].EdgeOpArgValidator = _validators.pop("stock")
+    _passed.clear()  # nothing kept alive after
+
+
 _attribute = AttributePatch(_verifier_module, "_check_tensor_args_matching_op_allowed_dtype", _check)
-_patch = Patch(_attribute.enable, lambda: (_attribute.disable(), _passed.clear()))  # nothing kept alive after
+_patch = Patch(_enable, _disable)
 enable = _patch.enable  # while a lowering runs
 disable = _patch.disable
 active = _patch.active

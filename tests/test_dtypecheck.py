@@ -8,7 +8,7 @@ import torch
 import executorch.exir.verification.verifier as verifier
 from executorch.exir import to_edge
 
-from lowercache import dtypecheck
+from lowercache import dtypecheck, retrace
 
 STOCK = verifier._check_tensor_args_matching_op_allowed_dtype
 
@@ -100,3 +100,53 @@ def test_installed_only_while_active_and_forgets_after():
     assert verifier._check_tensor_args_matching_op_allowed_dtype is STOCK
     with dtypecheck.active():
         assert checks(gm) == {"checked": 1, "skipped": 0}  # nothing remembered across lowerings
+
+
+def _edge_ops(gm) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and "EdgeOpOverload" in type(n.target).__name__)
+
+
+def test_a_check_takes_the_values_a_retrace_recorded():
+    """Ops whose values a retrace recorded are not run again by the check."""
+    from executorch.exir.pass_base import ExportPass
+
+    with retrace.reuse_fake_propagation(), dtypecheck.active():
+        gm = ExportPass()(edge_graph_module()).graph_module  # records every op's dispatch
+        retrace.reset_stats()
+        assert checks(gm) == {"checked": 1, "skipped": 0}
+        counts = retrace.stats()
+    assert counts["reused"] > 0 and counts["reused"] + counts["redispatched_ineligible"] == _edge_ops(gm), counts
+    with dtypecheck.active():  # no retrace records in play: every op runs
+        retrace.reset_stats()
+        checks(edge_graph_module())
+        assert retrace.stats()["reused"] == 0
+
+
+class _Mixed(torch.nn.Module):
+    def forward(self, x, y):
+        return torch.relu(x + y)
+
+
+def test_a_violation_among_reused_values_reads_as_stock():
+    """A node rewired to an input of another dtype is run again; the error is stock's, word for word."""
+    from executorch.exir import EdgeCompileConfig
+    from executorch.exir.pass_base import ExportPass
+
+    def violating(gm):
+        relu = next(n for n in gm.graph.nodes if "relu" in str(n.target))
+        x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        relu.args = (x,)  # an int32 input; the node's float val is left as it was
+        return gm
+
+    example = (torch.ones(2, 3, dtype=torch.int32), torch.ones(2, 3))
+    program = to_edge(torch.export.export(_Mixed(), example), compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    with pytest.raises(verifier.SpecViolationError) as stock:
+        STOCK(violating(ExportPass()(program.exported_program().graph_module).graph_module))
+    with retrace.reuse_fake_propagation(), dtypecheck.active():
+        gm = violating(ExportPass()(program.exported_program().graph_module).graph_module)
+        retrace.reset_stats()
+        with pytest.raises(verifier.SpecViolationError) as ours:
+            verifier._check_tensor_args_matching_op_allowed_dtype(gm)
+        counts = retrace.stats()
+    assert str(ours.value) == str(stock.value)
+    assert counts["redispatched_changed"] == 1 and counts["reused"] == 2, counts  # the relu ran; the cast and the add did not
