@@ -22,8 +22,8 @@ decomposition re-traces that have nothing to decompose
 (``fakecache.py``), one-frame stack lines for the nodes passes stamp
 (``callsite.py``) and dead-code elimination that asks about side effects
 only for nodes without users (``deadcode.py``). They also put partitions
-in discovery order (``partitionorder.py``), which stock leaves to the string-hash seed, so
-the output is the same in every process. Calls that ask for debug
+in discovery order (``partitionorder.py``), which stock leaves to the
+string-hash seed, so the output is the same in every process. Calls that ask for debug
 artifacts on disk run uncached (a hit would not write them).
 """
 

@@ -24,7 +24,8 @@ Why the output is exactly the stock retrace's:
   ``passregistry`` declares for exactly that source (pinned by digest) and
   the node must meet it (a declared pass may also hand on one fixed
   replacement op, as OpReplacePass does with the edge op of an aten op; the
-  node is then built with that op and its value re-dispatched);
+  node is then built with that op and its value computed for that op,
+  which for an edge op may be its ATen op's recorded value);
   ``ArmPass.call_operator``'s own special ops (bmm,
   leaky_relu) fall back when the node has input qparams, the case that
   method builds itself. The base functions whose behaviour this
