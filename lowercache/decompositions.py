@@ -54,6 +54,10 @@ mutable operators, non-tensor values, nodes the small trace removes or that
 would lose all their uses, a structure whose names are not known) takes the
 full call, before the program is touched.
 
+A localized call whose every candidate has a stored template (a ``decomp``
+step, ``decompreplay.py``) builds their nodes from the templates instead of
+tracing the small program; otherwise it traces and stores the templates.
+
 The first call (an empty table on a pre-dispatch program) functionalizes and
 decomposes CompositeImplicitAutograd operators torch does not preserve
 (``reshape`` becomes ``view``, ``to`` of the same dtype disappears). An
@@ -77,6 +81,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import decompreplay
 from .patching import AttributePatch
 
 log = logging.getLogger("lowercache")
@@ -104,11 +109,12 @@ _KNOWN_META = frozenset(
 _INPUT_ORDER = {"PARAMETER": 0, "BUFFER": 1, "USER_INPUT": 2}
 
 _lock = threading.Lock()
-_stats = {"skipped": 0, "localized": 0, "full": 0}
+_stats = {"skipped": 0, "localized": 0, "full": 0, "replayed": 0}
 
 
 def stats() -> dict[str, int]:
-    """Calls skipped, localized and run in full (by ExecuTorch's call site) since the last :func:`reset_stats`."""
+    """Calls skipped, localized (of which replayed from stored templates) and run in full
+    (by ExecuTorch's call site) since the last :func:`reset_stats`."""
     with _lock:
         return dict(_stats)
 
@@ -448,6 +454,62 @@ def trace_names(graph: torch.fx.Graph) -> tuple[dict[torch.fx.Node, str], Any]:
     return names, namespace
 
 
+def _reads(template: Any, c: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """Whether ``c``'s replayed nodes read its input ``node``."""
+    return any(c.all_input_nodes[j] is node for j in decompreplay.references(template))
+
+
+def _stored_templates(candidates: list, table: Any) -> tuple[dict, dict | None]:
+    """Each candidate's ``decomp`` step parts, and the decoded templates when every candidate has one."""
+    from .hashing import digest_json
+    from .steps import current_session
+    from .toolchain import toolchain_parts
+
+    session = current_session()
+    if session is None or not candidates:
+        return {}, None
+    table_id = decompreplay.table_digest(table)
+    if table_id is None:
+        return {}, None
+    toolchain = digest_json(toolchain_parts())
+    keys = {c: decompreplay.key_parts(c, table_id, toolchain) for c in candidates}
+    if any(parts is None for parts in keys.values()):
+        return keys, None
+    templates = {}
+    for c in candidates:
+        entry = session.lookup(decompreplay.KIND, str(c.target), keys[c])
+        if entry is None:
+            return keys, None
+        try:
+            template = decompreplay.decode(entry.meta.get("template"), len(c.all_input_nodes))
+        except decompreplay.Refused as why:
+            log.warning("lowercache: stored decomposition of %s is unusable (%s); tracing", c.name, why)
+            return keys, None
+        if not decompreplay.applicable(template, c):
+            return keys, None
+        templates[c] = template
+    return keys, templates
+
+
+def _store_templates(candidates: list, keys: dict, bodies: list, outputs: list, input_of: dict) -> None:
+    """Record each traced candidate's template as its ``decomp`` step."""
+    from .steps import current_session
+    from .store import Entry
+
+    session = current_session()
+    if session is None:
+        return
+    for c, body, out in zip(candidates, bodies, outputs):
+        parts = keys.get(c)
+        if parts is None:
+            continue
+        try:
+            template = decompreplay.capture(c, body, out, input_of)
+        except decompreplay.Refused:
+            continue
+        session.remember(decompreplay.KIND, str(c.target), parts, Entry(meta={"template": template}))
+
+
 def localize(program: torch.export.ExportedProgram, table: Any, original: Callable[..., Any]) -> None:
     """``program.run_decompositions(table)`` in place, re-tracing only the nodes it can change.
 
@@ -466,7 +528,22 @@ def localize(program: torch.export.ExportedProgram, table: Any, original: Callab
             raise Unsupported(f"first user of {node.name}")
     new_nodes: set[torch.fx.Node] = set()
     replaced: dict[str, torch.fx.Node] = {}
-    if candidates:
+    keys, templates = _stored_templates(candidates, table)
+    if templates is not None:
+        chosen = set(candidates)
+        for c in candidates:  # as the trace's check below: a node whose every use is decomposed away
+            for node in c.all_input_nodes:
+                if node.op != "placeholder" and all(u in chosen for u in node.users):
+                    if not any(_reads(templates[u], u, node) for u in node.users):
+                        raise Unsupported(f"{node.name} would lose all its uses")
+        seq_nr = torch.autograd._get_sequence_nr() - 1  # what the trace would stamp (it runs without grad)
+        for c in candidates:
+            out = decompreplay.replay(graph, c, templates[c], seq_nr, new_nodes)
+            c.replace_all_uses_with(out)
+            replaced[c.name] = out
+            graph.erase_node(c)
+        _count("replayed")
+    elif candidates:
         small, inputs = _small_program(program, candidates)
         try:
             traced = original(small, table)
@@ -496,6 +573,7 @@ def localize(program: torch.export.ExportedProgram, table: Any, original: Callab
         if any(n not in owner for n in body):
             raise Unsupported("a node of the small program's trace belongs to no candidate")
         mapped: dict[torch.fx.Node, torch.fx.Node] = dict(zip(placeholders, inputs))
+        _store_templates(candidates, keys, [[n for n in body if owner[n] == i] for i in range(len(candidates))], outputs, mapped)
         for i, candidate in enumerate(candidates):
             with graph.inserting_before(candidate):
                 for n in body:

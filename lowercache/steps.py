@@ -47,7 +47,7 @@ class StepRecord:
 
 
 # Kinds with one step per observer or node: counted in manifests and history, not listed.
-BULK_KINDS = frozenset({"qparams", "pass"})
+BULK_KINDS = frozenset({"qparams", "pass", "decomp"})
 
 
 def listed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -147,6 +147,34 @@ class Session:
         self.outputs.setdefault(kind, []).append(entry)
         self._emit("end", record, label)
         return entry
+
+    def lookup(self, kind: str, name: str, parts: dict[str, str]) -> Entry | None:
+        """A step's stored entry, recorded as a hit; None, with nothing recorded, when there is none.
+
+        For steps computed together (one trace for many), with :meth:`remember`.
+        """
+        if self.store is None:
+            return None
+        key = step_key(kind, parts)
+        entry = self._memo.get((kind, key))
+        tier = "memory"
+        if entry is None:
+            entry = self.store.get(kind, key)
+            tier = self.store.last_tier
+        if entry is None:
+            return None
+        self._memo[(kind, key)] = entry
+        record = StepRecord(kind=kind, name=name, outcome="hit", key=key, parts=dict(parts), output=entry.digest(), tier=tier)
+        self.records.append(record)
+        return entry
+
+    def remember(self, kind: str, name: str, parts: dict[str, str], entry: Entry) -> None:
+        """Store an entry computed outside :meth:`run`, recorded as a miss."""
+        key = step_key(kind, parts)
+        if self.store is not None:
+            self.store.put(kind, key, entry)
+            self._memo[(kind, key)] = entry
+        self.records.append(StepRecord(kind=kind, name=name, outcome="miss", key=key, parts=dict(parts), output=entry.digest()))
 
     def replace(self, kind: str, parts: dict[str, str] | None, entry: Entry) -> None:
         """Overwrite the entry a step was served with, which its consumer found unusable.
