@@ -504,7 +504,7 @@ def _store_templates(candidates: list, keys: dict, bodies: list, outputs: list, 
         if parts is None:
             continue
         try:
-            template = decompreplay.capture(c, body, out, input_of)
+            template = decompreplay.capture(c, body, out, input_of, dict(zip(outputs, candidates)))
         except decompreplay.Refused:
             continue
         session.remember(decompreplay.KIND, str(c.target), parts, Entry(meta={"template": template}))
@@ -537,8 +537,20 @@ def localize(program: torch.export.ExportedProgram, table: Any, original: Callab
                     if not any(_reads(templates[u], u, node) for u in node.users):
                         raise Unsupported(f"{node.name} would lose all its uses")
         seq_nr = torch.autograd._get_sequence_nr() - 1  # what the trace would stamp (it runs without grad)
+        inputs_of = {c: list(c.all_input_nodes) for c in candidates}  # as the keys saw them
+        planned: dict[torch.fx.Node, list] = {}
+        value_of: dict[torch.fx.Node, Any] = {}  # a replaced candidate's value
         for c in candidates:
-            out = decompreplay.replay(graph, c, templates[c], seq_nr, new_nodes)
+            input_values = [value_of[n] if n in value_of else n.meta.get("val") for n in inputs_of[c]]
+            try:
+                planned[c], value_of[c] = decompreplay.values(c, templates[c], input_values)
+            except decompreplay.Refused as why:
+                log.warning("lowercache: stored decomposition of %s does not apply (%s); tracing in full", c.name, why)
+                raise Unsupported(f"template of {c.name}: {why}") from None
+        replacement: dict[torch.fx.Node, torch.fx.Node] = {}
+        for c in candidates:
+            inputs = [replacement.get(n, n) for n in inputs_of[c]]
+            out = replacement[c] = decompreplay.insert(graph, c, templates[c], inputs, planned[c], seq_nr, new_nodes)
             c.replace_all_uses_with(out)
             replaced[c.name] = out
             graph.erase_node(c)

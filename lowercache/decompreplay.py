@@ -233,17 +233,20 @@ def _from_node_template(chain: Any, c: torch.fx.Node) -> list:
     return out
 
 
-def capture(c: torch.fx.Node, body: list, out: torch.fx.Node, input_of: dict) -> dict:
+def capture(c: torch.fx.Node, body: list, out: torch.fx.Node, input_of: dict, output_of: dict) -> dict:
     """The template of candidate ``c`` from its traced nodes ``body`` (in order) and output ``out``.
 
-    ``input_of`` maps the small program's placeholders to the big program's nodes.
+    ``input_of`` maps the small program's placeholders to the big program's
+    nodes, ``output_of`` each candidate's traced output to that candidate
+    (when ``c`` reads another candidate, the trace hands it that output).
     """
     inputs = c.all_input_nodes
     index = {n: j for j, n in enumerate(body)}
 
     def ref(a: Any) -> Any:
         if isinstance(a, torch.fx.Node) and a not in index:
-            a = input_of.get(a, a)
+            owner = output_of.get(a)
+            a = owner if owner is not None and owner in inputs else input_of.get(a, a)
         return _ref_of(a, inputs, index)
 
     nodes = []
@@ -356,15 +359,58 @@ def references(template: dict) -> set[int]:
     return found
 
 
-def replay(graph: torch.fx.Graph, c: torch.fx.Node, template: dict, seq_nr: int, new_nodes: set) -> torch.fx.Node:
-    """Insert ``c``'s nodes from ``template`` before it; returns the node (or input) that replaces ``c``."""
+def values(c: torch.fx.Node, template: dict, input_values: list) -> tuple[list, Any]:
+    """The value of each of ``c``'s nodes, and of its replacement, computed before the graph is touched.
+
+    Each operator runs on its inputs' values in the program's fake mode
+    without grad, as the trace runs it; ``extract_val`` as the tracer
+    applies it. Raises :class:`Refused` when anything fails (the call is
+    then made in full, on the untouched program).
+    """
     from torch._guards import detect_fake_mode
     from torch.fx.experimental.proxy_tensor import extract_val
+
+    tensors = [v for v in (c.meta.get("val"), *input_values) if isinstance(v, torch.Tensor)]
+    made: list = []
+
+    def value(r: Any) -> Any:
+        kind, v = r
+        if kind == "in":
+            return input_values[v]
+        if kind == "body":
+            return made[v]
+        if kind == "tuple":
+            return tuple(value(x) for x in v)
+        if kind == "list":
+            return [value(x) for x in v]
+        return v
+
+    try:
+        mode = detect_fake_mode(tensors)
+        if mode is None:
+            raise Refused("no fake mode")
+        for target, args_t, kwargs_t, _, _ in template["nodes"]:
+            args = tuple(value(a) for a in args_t)
+            kwargs = {k: value(v) for k, v in kwargs_t}
+            with torch.no_grad(), mode:
+                made.append(extract_val(target(*args, **kwargs)))
+        return made, value(template["out"])
+    except Refused:
+        raise
+    except Exception as err:  # a template that does not fit: the trace decides
+        raise Refused(f"{type(err).__name__}: {err}") from None
+
+
+def insert(graph: torch.fx.Graph, c: torch.fx.Node, template: dict, inputs: list, made_values: list, seq_nr: int, new_nodes: set) -> torch.fx.Node:
+    """Insert ``c``'s nodes from ``template`` before it, with the values :func:`values` computed;
+    returns the node (or input) that replaces ``c``.
+
+    ``inputs`` are ``c``'s inputs as its key saw them, each an earlier
+    candidate's replacement where it was one.
+    """
     from torch.fx.passes.shape_prop import _extract_tensor_metadata
     from torch.fx.traceback import NodeSource
 
-    inputs = c.all_input_nodes
-    mode = detect_fake_mode([i.meta["val"] for i in inputs])
     made: list = []
 
     def build(r: Any) -> Any:
@@ -389,13 +435,8 @@ def replay(graph: torch.fx.Graph, c: torch.fx.Node, template: dict, seq_nr: int,
         return out
 
     with graph.inserting_before(c):
-        for target, args_t, kwargs_t, sources, from_node in template["nodes"]:
-            args = tuple(build(a) for a in args_t)
-            kwargs = {k: build(v) for k, v in kwargs_t}
-            node = graph.create_node("call_function", target, args, kwargs)
-            values = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-            with torch.no_grad(), mode:
-                val = extract_val(target(*values[0], **values[1]))
+        for (target, args_t, kwargs_t, sources, from_node), val in zip(template["nodes"], made_values):
+            node = graph.create_node("call_function", target, tuple(build(a) for a in args_t), {k: build(v) for k, v in kwargs_t})
             meta: dict[str, Any] = {}
             for key, source in sources:
                 if source == "val":
