@@ -29,7 +29,11 @@ chain (the small program's node, named as the candidate, and the unlift
 node) over the candidate's own. Only the graph ids in ``from_node`` differ,
 as they do between any two traces. A call replays only when every candidate
 has a template (so no trace mixes with replayed nodes); otherwise it traces
-all of them and stores their templates.
+all of them and stores their templates. A candidate may read another's
+output (DeiT-tiny: ``transpose`` of a ``view``): its key sees the program
+before the call, its replay that candidate's replacement, as the trace
+does. All values are computed before the graph is touched, so a template
+that does not apply leaves the call to the full ``run_decompositions``.
 """
 
 from __future__ import annotations
@@ -359,6 +363,20 @@ def references(template: dict) -> set[int]:
     return found
 
 
+def _resolve(r: Any, inputs: list, made: list) -> Any:
+    """A decoded reference with inputs and earlier nodes taken from ``inputs`` and ``made``."""
+    kind, v = r
+    if kind == "in":
+        return inputs[v]
+    if kind == "body":
+        return made[v]
+    if kind == "tuple":
+        return tuple(_resolve(x, inputs, made) for x in v)
+    if kind == "list":
+        return [_resolve(x, inputs, made) for x in v]
+    return v
+
+
 def values(c: torch.fx.Node, template: dict, input_values: list) -> tuple[list, Any]:
     """The value of each of ``c``'s nodes, and of its replacement, computed before the graph is touched.
 
@@ -374,16 +392,7 @@ def values(c: torch.fx.Node, template: dict, input_values: list) -> tuple[list, 
     made: list = []
 
     def value(r: Any) -> Any:
-        kind, v = r
-        if kind == "in":
-            return input_values[v]
-        if kind == "body":
-            return made[v]
-        if kind == "tuple":
-            return tuple(value(x) for x in v)
-        if kind == "list":
-            return [value(x) for x in v]
-        return v
+        return _resolve(r, input_values, made)
 
     try:
         mode = detect_fake_mode(tensors)
@@ -414,16 +423,7 @@ def insert(graph: torch.fx.Graph, c: torch.fx.Node, template: dict, inputs: list
     made: list = []
 
     def build(r: Any) -> Any:
-        kind, v = r
-        if kind == "in":
-            return inputs[v]
-        if kind == "body":
-            return made[v]
-        if kind == "tuple":
-            return tuple(build(x) for x in v)
-        if kind == "list":
-            return [build(x) for x in v]
-        return v
+        return _resolve(r, inputs, made)
 
     def chain(template_chain: list) -> list:
         out = []
