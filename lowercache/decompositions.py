@@ -454,11 +454,6 @@ def trace_names(graph: torch.fx.Graph) -> tuple[dict[torch.fx.Node, str], Any]:
     return names, namespace
 
 
-def _reads(template: Any, c: torch.fx.Node, node: torch.fx.Node) -> bool:
-    """Whether ``c``'s replayed nodes read its input ``node``."""
-    return any(c.all_input_nodes[j] is node for j in decompreplay.references(template))
-
-
 def _stored_templates(candidates: list, table: Any) -> tuple[dict, dict | None]:
     """Each candidate's ``decomp`` step parts, and the decoded templates when every candidate has one."""
     from .hashing import digest_json
@@ -499,12 +494,13 @@ def _store_templates(candidates: list, keys: dict, bodies: list, outputs: list, 
     session = current_session()
     if session is None:
         return
+    output_of = dict(zip(outputs, candidates))
     for c, body, out in zip(candidates, bodies, outputs):
         parts = keys.get(c)
         if parts is None:
             continue
         try:
-            template = decompreplay.capture(c, body, out, input_of, dict(zip(outputs, candidates)))
+            template = decompreplay.capture(c, body, out, input_of, output_of)
         except decompreplay.Refused:
             continue
         session.remember(decompreplay.KIND, str(c.target), parts, Entry(meta={"template": template}))
@@ -531,10 +527,11 @@ def localize(program: torch.export.ExportedProgram, table: Any, original: Callab
     keys, templates = _stored_templates(candidates, table)
     if templates is not None:
         chosen = set(candidates)
+        read = {c: {c.all_input_nodes[j] for j in decompreplay.references(templates[c])} for c in candidates}
         for c in candidates:  # as the trace's check below: a node whose every use is decomposed away
             for node in c.all_input_nodes:
                 if node.op != "placeholder" and all(u in chosen for u in node.users):
-                    if not any(_reads(templates[u], u, node) for u in node.users):
+                    if not any(node in read[u] for u in node.users):
                         raise Unsupported(f"{node.name} would lose all its uses")
         seq_nr = torch.autograd._get_sequence_nr() - 1  # what the trace would stamp (it runs without grad)
         inputs_of = {c: list(c.all_input_nodes) for c in candidates}  # as the keys saw them

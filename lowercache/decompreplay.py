@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .hashing import digest_json
+from .hashing import digest_json, op_name
 
 KIND = "decomp"
 _NAMESPACES = frozenset({"aten", "prims"})
@@ -199,7 +199,7 @@ def _op_name(target: Any) -> str:
     if target is operator.getitem:
         return "getitem"
     if isinstance(target, torch._ops.OpOverload) and target.namespace in _NAMESPACES:
-        return f"{target.namespace}::{target._opname}.{target._overloadname}"
+        return op_name(target)
     raise Refused(f"operator {target}")
 
 

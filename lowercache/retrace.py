@@ -133,6 +133,7 @@ quantization folding, layouts changed by permute removal) are re-dispatched.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import weakref
@@ -249,17 +250,23 @@ def _kernel(target: Any) -> Any:
     the latter, and a retrace that turns ``aten.X`` into ``edge.aten.X``
     (``to_edge``'s op replacement) can reuse what the ATen op computed.
     """
+    from executorch.exir.dialects.edge._ops import EdgeOpOverload
+
+    if type(target) is not EdgeOpOverload or not _edge_call_forwards():
+        return target
+    return target._op
+
+
+@functools.cache
+def _edge_call_forwards() -> bool:
+    """Whether ``EdgeOpOverload.__call__`` is exactly the forwarding line (read once per process)."""
     import inspect
     import textwrap
 
     from executorch.exir.dialects.edge._ops import EdgeOpOverload
 
-    if type(target) is not EdgeOpOverload:
-        return target
     call = textwrap.dedent(inspect.getsource(EdgeOpOverload.__call__))
-    if call != "def __call__(self, *args, **kwargs):\n    return self._op(*args, **kwargs)\n":
-        return target
-    return target._op
+    return call == "def __call__(self, *args, **kwargs):\n    return self._op(*args, **kwargs)\n"
 
 
 def _is_op(target: Any) -> bool:

@@ -108,28 +108,16 @@ class Session:
         self._emit("start", None, label)
         start = time.perf_counter()
         key = step_key(kind, parts) if parts is not None else ""
-        entry = None
-        tier = ""
-        if parts is not None and self.store is not None:
-            entry = self._memo.get((kind, key))
-            tier = "memory"
-            if entry is None:
-                entry = self.store.get(kind, key)
-                tier = self.store.last_tier
+        entry, tier = self._fetch(kind, key) if parts is not None else (None, "")
         if entry is not None:
             outcome = "hit"
         else:
             begin = time.perf_counter()
             entry = compute()
             entry.cost = time.perf_counter() - begin
-            if parts is None:
-                outcome = "bypass"
-            else:
-                outcome = "miss"
-                if self.store is not None:
-                    self.store.put(kind, key, entry)
-        if parts is not None and self.store is not None:
-            self._memo[(kind, key)] = entry
+            outcome = "bypass" if parts is None else "miss"
+        if parts is not None:
+            self._keep(kind, key, entry, write=outcome == "miss")
         seconds = time.perf_counter() - start
         record = StepRecord(
             kind=kind,
@@ -148,22 +136,34 @@ class Session:
         self._emit("end", record, label)
         return entry
 
+    def _fetch(self, kind: str, key: str) -> tuple[Entry | None, str]:
+        """The entry for ``key`` (seen earlier this run, else from the store) and the tier that served it."""
+        if self.store is None:
+            return None, ""
+        entry = self._memo.get((kind, key))
+        if entry is not None:
+            return entry, "memory"
+        entry = self.store.get(kind, key)
+        return entry, self.store.last_tier
+
+    def _keep(self, kind: str, key: str, entry: Entry, write: bool) -> None:
+        """Remember ``entry`` for this run and, with ``write``, put it in the store."""
+        if self.store is None:
+            return
+        if write:
+            self.store.put(kind, key, entry)
+        self._memo[(kind, key)] = entry
+
     def lookup(self, kind: str, name: str, parts: dict[str, str]) -> Entry | None:
         """A step's stored entry, recorded as a hit; None, with nothing recorded, when there is none.
 
         For steps computed together (one trace for many), with :meth:`remember`.
         """
-        if self.store is None:
-            return None
         key = step_key(kind, parts)
-        entry = self._memo.get((kind, key))
-        tier = "memory"
-        if entry is None:
-            entry = self.store.get(kind, key)
-            tier = self.store.last_tier
+        entry, tier = self._fetch(kind, key)
         if entry is None:
             return None
-        self._memo[(kind, key)] = entry
+        self._keep(kind, key, entry, write=False)
         record = StepRecord(kind=kind, name=name, outcome="hit", key=key, parts=dict(parts), output=entry.digest(), tier=tier)
         self.records.append(record)
         return entry
@@ -171,9 +171,7 @@ class Session:
     def remember(self, kind: str, name: str, parts: dict[str, str], entry: Entry) -> None:
         """Store an entry computed outside :meth:`run`, recorded as a miss."""
         key = step_key(kind, parts)
-        if self.store is not None:
-            self.store.put(kind, key, entry)
-            self._memo[(kind, key)] = entry
+        self._keep(kind, key, entry, write=True)
         self.records.append(StepRecord(kind=kind, name=name, outcome="miss", key=key, parts=dict(parts), output=entry.digest()))
 
     def replace(self, kind: str, parts: dict[str, str] | None, entry: Entry) -> None:
@@ -183,11 +181,8 @@ class Session:
         them; without this every later run would warn and recompute again
         (ccache likewise overwrites a result it could not use).
         """
-        if parts is None or self.store is None:
-            return
-        key = step_key(kind, parts)
-        self.store.put(kind, key, entry)
-        self._memo[(kind, key)] = entry
+        if parts is not None:
+            self._keep(kind, step_key(kind, parts), entry, write=True)
 
     def note(self, kind: str, name: str, outcome: str, seconds: float, nodes: dict[str, int] | None = None) -> None:
         """Record a step that is observed, not cached (a pass that ran or was skipped)."""
