@@ -111,9 +111,15 @@ Restrictions (each falls back to the normal dispatch, and is counted):
   retrace after the mechanism is enabled, a deep-copied partition, a ``val``
   set by hand) is never reused; the first dispatch records it.
 
-``getitem``, symbolic-int ops, ``executorch_call_delegate``, ``memory.alloc``
-and higher-order ops go through unchanged (they are not fake dispatches of a
-node or are excluded above) and are counted as ``not_applicable``. A
+A delegate call (``executorch_call_delegate``) is reused under the same
+rules, with one more part in its signature: :mod:`lowercache.delegatecall`'s
+description of everything its fake run reads (the delegate's program, its
+constants' metadata, its signatures), plus the delegate's identity. Without
+a description (an operator outside the rules above, a symbolic size, an
+unaudited torch) it is dispatched. ``getitem``, symbolic-int ops,
+``memory.alloc`` and other higher-order ops go through unchanged (they are
+not fake dispatches of a node or are excluded above) and are counted as
+``not_applicable``. A
 ``getitem`` of a reused tuple returns the very element objects the old graph
 had, so the identity chain through multi-output ops is kept.
 
@@ -139,6 +145,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
+from . import delegatecall
 from .patching import Patch
 
 _originals: dict[str, Any] = {}
@@ -193,7 +200,7 @@ def reset_stats() -> None:
             _stats[key] = 0
 
 
-def _policy(target: Any) -> tuple[bool, bool, Any] | None:
+def policy(target: Any) -> tuple[bool, bool, Any] | None:
     """None when ``target`` must always be dispatched, else ``(may_alias, reads_tosa_context, kernel)``."""
     try:
         return _op_policy[target]
@@ -486,11 +493,13 @@ class _Shim:
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         inner = self._inner
-        policy = _policy(target)
-        if policy is None:
+        rule = policy(target)
+        if rule is None:
+            if target is not None and target is delegatecall.operator_if_loaded():
+                return self._call_delegate(target, args, kwargs)
             _count(*(("redispatched", "redispatched_ineligible") if _is_op(target) else ("not_applicable",)))
             return inner.call_function(target, args, kwargs)
-        aliases, tosa, kernel = policy
+        aliases, tosa, kernel = rule
         mode = getattr(self._pass, "fake_tensor_mode", None)
         context = _context(mode, tosa)
         found = _signature(args, kwargs, mode) if context is not None else None
@@ -504,6 +513,24 @@ class _Shim:
             return res
         res = inner.call_function(target, args, kwargs)
         _record(kernel, sig, tensors, ctx, keep, res, mode)
+        return res
+
+    def _call_delegate(self, target: Any, args: Any, kwargs: Any) -> Any:
+        """A delegate call: reusable like an op, with its program's description in the signature."""
+        mode = getattr(self._pass, "fake_tensor_mode", None)
+        program = delegatecall.signature(args[0]) if type(args) is tuple and args and not kwargs else None
+        context = _context(mode, program[1]) if program is not None else None
+        found = _signature(args[1:], kwargs, mode) if context is not None else None
+        if found is None:
+            _count("redispatched", "redispatched_ineligible")
+            return self._inner.call_function(target, args, kwargs)
+        sig = (("delegate", id(args[0]), program[0]),) + found[0]
+        ctx, keep = context
+        res = self._reuse(target, sig, found[1], ctx, False, mode)
+        if res is not _MISS:
+            return res
+        res = self._inner.call_function(target, args, kwargs)
+        _record(target, sig, found[1], ctx, keep + (args[0],), res, mode)
         return res
 
     def _reuse(self, kernel: Any, sig: tuple, tensors: list, ctx: tuple, aliases: bool, mode: Any) -> Any:

@@ -302,3 +302,66 @@ def test_enable_disable_reference_counted_and_restores_originals():
 
     churn_patch(retrace.enable, retrace.disable)
     assert not retrace.enabled() and _ExportPassBase._fx is fx
+
+
+def _delegated_graph():
+    """The top-level graph of a TOSA-FP lowering: placeholders, one delegate call, getitems."""
+    from executorch.backends.arm.tosa.compile_spec import TosaCompileSpec
+    from executorch.backends.arm.tosa.partitioner import TOSAPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    module, example = models.tiny_cnn()
+    spec = TosaCompileSpec("TOSA-1.0+FP")
+    edge = to_edge_transform_and_lower(torch.export.export(module, example), partitioner=[TOSAPartitioner(spec)])
+    gm = edge.exported_program().graph_module
+    (call,) = [n for n in gm.graph.nodes if n.op == "call_function" and "call_delegate" in str(n.target)]
+    return gm, getattr(gm, call.args[0].target)
+
+
+def _delegate_val(gm):
+    (call,) = [n for n in gm.graph.nodes if n.op == "call_function" and "call_delegate" in str(n.target)]
+    return call.meta["val"]
+
+
+def test_delegate_run_is_reused_only_while_its_program_is_unchanged():
+    from executorch.exir.pass_base import ExportPass
+
+    gm, lowered = _delegated_graph()
+    with retrace.reuse_fake_propagation():
+        first = ExportPass()(gm).graph_module
+        retrace.reset_stats()
+        second = ExportPass()(first).graph_module
+        assert retrace.stats()["reused"] == 1  # the delegate call; nothing else in this graph is an op
+        assert all(a is b for a, b in zip(_delegate_val(first), _delegate_val(second), strict=True))
+
+        # Make the delegate's program return an earlier, differently shaped node: its run
+        # now gives another shape, and the reuse must notice although nothing else changed.
+        program = lowered.original_module.graph
+        output = program.output_node()
+        earlier = next(n for n in program.nodes if n.op == "call_function" and n.meta["val"].dim() == 4)
+        output.args = ((earlier,),)
+        retrace.reset_stats()
+        third = ExportPass()(second).graph_module
+    assert retrace.stats()["reused"] == 0
+    expected = ExportPass()(second).graph_module  # no reuse at all
+    assert _describe(third) == _describe(expected)
+    assert tuple(_delegate_val(third)[0].shape) == tuple(earlier.meta["val"].shape) != tuple(_delegate_val(second)[0].shape)
+
+
+def test_delegate_run_is_not_reused_under_an_unaudited_torch(monkeypatch):
+    from executorch.exir.pass_base import ExportPass
+
+    from lowercache import delegatecall
+
+    gm, _ = _delegated_graph()
+    monkeypatch.setattr(delegatecall, "_AUDITED_DIGEST", "0" * 64)
+    delegatecall._audited.cache_clear()
+    try:
+        with retrace.reuse_fake_propagation():
+            first = ExportPass()(gm).graph_module
+            retrace.reset_stats()
+            ExportPass()(first)
+        assert retrace.stats()["reused"] == 0
+    finally:
+        monkeypatch.undo()
+        delegatecall._audited.cache_clear()
