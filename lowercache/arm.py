@@ -20,9 +20,10 @@ alone (``fastcopy.py``), deferred GraphModule code generation
 decomposition re-traces that have nothing to decompose
 (``decompositions.py``), FakeTensor's cache for quantize/dequantize ops
 (``fakecache.py``), one-frame stack lines for the nodes passes stamp
-(``callsite.py``) and dead-code elimination that asks about side effects
-only for nodes without users (``deadcode.py``). They also put partitions
-in discovery order (``partitionorder.py``), which stock leaves to the
+(``callsite.py``), dead-code elimination that asks about side effects
+only for nodes without users (``deadcode.py``) and one C++ registry walk
+per collection of CompositeImplicitAutograd operators (``ciaops.py``).
+They also put partitions in discovery order (``partitionorder.py``), which stock leaves to the
 string-hash seed, so the output is the same in every process. Calls that ask for debug
 artifacts on disk run uncached (a hit would not write them).
 """
@@ -39,6 +40,7 @@ from typing import Any
 from . import (
     attrnames,
     callsite,
+    ciaops,
     deadcode,
     decompositions,
     dtypecheck,
@@ -240,6 +242,7 @@ _SPEEDUPS = (
     dtypecheck,
     callsite,
     deadcode,
+    ciaops,
 )
 
 

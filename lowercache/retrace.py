@@ -43,7 +43,7 @@ OpOverload erases both); a signature of every leaf (for a FakeTensor: exact
 type, fake mode, dtype, device, layout, sizes, strides, storage offset,
 requires_grad, conj/neg bits, view-ness, no ``constant``; for a literal: its
 exact type and value, floats via ``float.hex``); the dispatch context (grad and
-inference mode, python dispatcher, and for TOSA dialect ops the identity of
+inference mode, python dispatcher, excluded autograd, and for TOSA dialect ops the identity of
 the TOSA lowering context's spec and shape env, which their fake kernels
 read); and the outputs' own signatures. The record is therefore a fact
 about one dispatch, "``target`` on inputs like these returned exactly these
@@ -302,6 +302,8 @@ def _context(mode: Any, tosa: bool) -> tuple | None:
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
         torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher),
+        # excluded autograd (a delegate's fake run excludes it) changes outputs' requires_grad
+        torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradCPU),
     )
     if tosa:
         # TOSA dialect fake kernels read the active TosaSpecification (and
