@@ -32,6 +32,14 @@ Hooks (both thin wrappers around the original functions, no copied code):
   ``self.interpreter`` for a shim whose ``call_function`` either returns the
   input node's existing ``val`` or calls the real interpreter.
 
+Both hooks are installed on ExecuTorch's ``_ExportPassBase`` and on torch's
+``_ExportPassBaseDeprecatedDoNotUse``, which ``to_edge``'s
+``ReplaceViewOpsWithViewCopyOpsPass`` derives from: its ``_fx`` makes the
+same ``self.interpreter.call_function`` call (the interpreter there is
+``PropagateUnbackedSymInts``, whose ``call_function`` is the plain one) and
+its interpreter has the same ``callback``. Hooking it records that
+retrace's dispatches, so the retraces after it can reuse them.
+
 Why the reuse is exact. Graph metadata is never trusted: a pass may rewrite
 the graph in ``call()`` before ``super().call()`` and leave ``val`` stale.
 Instead, every dispatch made while the mechanism is enabled is *recorded*
@@ -576,8 +584,7 @@ class _Shim:
         return pytree.tree_unflatten(list(leaves), out_spec)
 
 
-def _fx(self: Any, kind: str, target: Any, args: Any, kwargs: Any, meta: Any) -> Any:
-    original = _originals["_fx"]
+def _shimmed(original: Any, self: Any, kind: str, target: Any, args: Any, kwargs: Any, meta: Any) -> Any:
     if kind != "call_function":
         return original(self, kind, target, args, kwargs, meta)
     inner = self.interpreter
@@ -588,6 +595,14 @@ def _fx(self: Any, kind: str, target: Any, args: Any, kwargs: Any, meta: Any) ->
         self.interpreter = inner
 
 
+def _fx(self: Any, kind: str, target: Any, args: Any, kwargs: Any, meta: Any) -> Any:
+    return _shimmed(_originals["_fx"], self, kind, target, args, kwargs, meta)
+
+
+def _torch_fx(self: Any, kind: str, target: Any, args: Any, kwargs: Any, meta: Any) -> Any:
+    return _shimmed(_originals["torch_fx"], self, kind, target, args, kwargs, meta)
+
+
 def _frame(interpreter: Any, n: Any) -> tuple:
     used = interpreter.__dict__.get("_lowercache_retrace_used")
     if used is None:
@@ -595,13 +610,21 @@ def _frame(interpreter: Any, n: Any) -> tuple:
     return (n, interpreter.callback, used)
 
 
-def _run_node(self: Any, n: Any) -> Any:
+def _framed(original: Any, self: Any, n: Any) -> Any:
     previous = getattr(_tls, "frame", None)
     _tls.frame = _frame(self, n)
     try:
-        return _originals["run_node"](self, n)
+        return original(self, n)
     finally:
         _tls.frame = previous
+
+
+def _run_node(self: Any, n: Any) -> Any:
+    return _framed(_originals["run_node"], self, n)
+
+
+def _torch_run_node(self: Any, n: Any) -> Any:
+    return _framed(_originals["torch_run_node"], self, n)
 
 
 def fake_value(interpreter: Any, n: Any, target: Any, args: tuple, kwargs: dict) -> Any:
@@ -650,22 +673,36 @@ class _Dispatch:
         self.call_function = dispatch
 
 
-def _apply() -> None:
-    from executorch.exir.pass_base import _ExportPassBase
+def _bases() -> list[tuple[Any, str, Any, str, Any]]:
+    """Each ExportPass base: ``(class, _fx key, _fx wrapper, run_node key, run_node wrapper)``.
 
-    _originals.setdefault("_fx", _ExportPassBase._fx)
-    _originals.setdefault("run_node", _ExportPassBase.ExportInterpreter.run_node)
-    _ExportPassBase._fx = _fx
-    _ExportPassBase.ExportInterpreter.run_node = _run_node
+    torch's own deprecated base (``torch._export.pass_base``, under
+    ``ReplaceViewOpsWithViewCopyOpsPass`` in ``to_edge``) has the same ``_fx``
+    and interpreter structure as ExecuTorch's.
+    """
+    from executorch.exir.pass_base import _ExportPassBase
+    from torch._export.pass_base import _ExportPassBaseDeprecatedDoNotUse
+
+    return [
+        (_ExportPassBase, "_fx", _fx, "run_node", _run_node),
+        (_ExportPassBaseDeprecatedDoNotUse, "torch_fx", _torch_fx, "torch_run_node", _torch_run_node),
+    ]
+
+
+def _apply() -> None:
+    for base, fx_key, fx, run_key, run_node in _bases():
+        _originals.setdefault(fx_key, base._fx)
+        _originals.setdefault(run_key, base.ExportInterpreter.run_node)
+        base._fx = fx
+        base.ExportInterpreter.run_node = run_node
 
 
 def _undo() -> None:
-    from executorch.exir.pass_base import _ExportPassBase
-
     # The originals stay in ``_originals``: a retrace still running in another
     # thread keeps calling through them.
-    _ExportPassBase._fx = _originals["_fx"]
-    _ExportPassBase.ExportInterpreter.run_node = _originals["run_node"]
+    for base, fx_key, _, run_key, _ in _bases():
+        base._fx = _originals[fx_key]
+        base.ExportInterpreter.run_node = _originals[run_key]
 
 
 _patch = Patch(_apply, _undo)

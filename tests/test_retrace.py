@@ -291,14 +291,17 @@ def test_control_flow_submodules_match():
 
 def test_enable_disable_reference_counted_and_restores_originals():
     from executorch.exir.pass_base import _ExportPassBase
+    from torch._export.pass_base import _ExportPassBaseDeprecatedDoNotUse as TorchBase
 
     fx, run_node = _ExportPassBase._fx, _ExportPassBase.ExportInterpreter.run_node
+    torch_fx, torch_run_node = TorchBase._fx, TorchBase.ExportInterpreter.run_node
     with retrace.reuse_fake_propagation():
         with retrace.reuse_fake_propagation():
-            assert _ExportPassBase._fx is not fx
+            assert _ExportPassBase._fx is not fx and TorchBase._fx is not torch_fx
         assert retrace.enabled() and _ExportPassBase._fx is not fx
     assert not retrace.enabled()
     assert _ExportPassBase._fx is fx and _ExportPassBase.ExportInterpreter.run_node is run_node
+    assert TorchBase._fx is torch_fx and TorchBase.ExportInterpreter.run_node is torch_run_node
 
     churn_patch(retrace.enable, retrace.disable)
     assert not retrace.enabled() and _ExportPassBase._fx is fx
@@ -365,3 +368,21 @@ def test_delegate_run_is_not_reused_under_an_unaudited_torch(monkeypatch):
     finally:
         monkeypatch.undo()
         delegatecall._audited.cache_clear()
+
+
+def test_torch_deprecated_pass_base_records_and_reuses():
+    """``ReplaceViewOpsWithViewCopyOpsPass`` (torch's own ExportPass base) records its dispatches:
+    the ExecuTorch retrace after it reuses them, and both give the stock graphs."""
+    from executorch.exir.pass_base import ExportPass
+    from torch._export.passes.replace_view_ops_with_view_copy_ops_pass import ReplaceViewOpsWithViewCopyOpsPass
+
+    make = _exported(_Small(), (torch.randn(3, 4),))
+    chain = [ReplaceViewOpsWithViewCopyOpsPass, ExportPass]
+    expected = _run_passes(make, chain, reuse=False)
+    retrace.reset_stats()
+    got = _run_passes(make, chain, reuse=True)
+    assert _describe(got) == _describe(expected)
+    counts = retrace.stats()
+    # the view pass dispatches all six ops (export's values have no records); the ExportPass
+    # after it reuses every one of them (unhooked, it would find no records and dispatch six)
+    assert (counts["redispatched_no_record"], counts["reused"]) == (6, 6), counts
