@@ -386,3 +386,30 @@ def test_torch_deprecated_pass_base_records_and_reuses():
     # the view pass dispatches all six ops (export's values have no records); the ExportPass
     # after it reuses every one of them (unhooked, it would find no records and dispatch six)
     assert (counts["redispatched_no_record"], counts["reused"]) == (6, 6), counts
+
+
+def test_delegate_signature_refuses_what_it_cannot_describe():
+    from lowercache import delegatecall
+
+    _, lowered = _delegated_graph()
+    assert delegatecall.signature(lowered) is not None
+    ep = lowered.original_module
+
+    ep.module = lambda *a, **k: None  # an instance's own module(): the run would not be the one described
+    assert delegatecall.signature(lowered) is None
+    del ep.module
+    assert delegatecall.signature(lowered) is not None
+
+    node = next(n for n in ep.graph.nodes if n.op == "call_function" and n.target != torch.ops.higher_order.executorch_call_delegate)
+    target = node.target
+    node.target = torch.ops.aten.relu_.default  # mutates its input: not a pure function of metadata
+    assert delegatecall.signature(lowered) is None
+    node.target = target
+
+    name = next(iter(ep.state_dict))
+    real = ep.state_dict[name]
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        ep.state_dict[name] = mode.from_tensor(real)  # a fake constant: its conversion is not described
+    assert delegatecall.signature(lowered) is None
+    ep.state_dict[name] = real
+    assert delegatecall.signature(lowered) is not None
