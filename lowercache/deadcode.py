@@ -21,10 +21,9 @@ source: another torch leaves DCE stock.
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 from typing import Any, Callable
 
+from .passregistry import source_digest
 from .patching import Patch
 
 # sha256 over the sources of Graph.eliminate_dead_code and Node.is_impure (torch 2.13.0).
@@ -32,14 +31,11 @@ _AUDITED_DIGEST = "77a59f571c67df23518ba2f39af5641ac2ef63b0dc803af356edf96100c33
 _originals: dict[str, Any] = {}
 
 
-def sources_digest() -> str:
+def sources_digest() -> str | None:
     """Digest of the torch sources whose behaviour this module relies on."""
     from torch.fx import Graph, Node
 
-    h = hashlib.sha256()
-    for fn in (Graph.eliminate_dead_code, Node.is_impure):
-        h.update(inspect.getsource(fn).encode())
-    return h.hexdigest()
+    return source_digest(Graph.eliminate_dead_code, Node.is_impure)
 
 
 def _impure_random() -> bool:
@@ -68,11 +64,7 @@ def _eliminate_dead_code(self: Any, is_impure_node: Callable[[Any], bool] | None
 def _apply() -> None:
     from torch.fx import Graph
 
-    try:
-        ok = sources_digest() == _AUDITED_DIGEST
-    except (OSError, TypeError):
-        ok = False
-    if ok:
+    if sources_digest() == _AUDITED_DIGEST:
         _originals["eliminate_dead_code"] = Graph.eliminate_dead_code
         Graph.eliminate_dead_code = _eliminate_dead_code
 
