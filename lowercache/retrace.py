@@ -518,12 +518,7 @@ class _Shim:
             return inner.call_function(target, args, kwargs)
         sig, tensors = found
         ctx, keep = context
-        res = self._reuse(kernel, sig, tensors, ctx, aliases, mode)
-        if res is not _MISS:
-            return res
-        res = inner.call_function(target, args, kwargs)
-        _record(kernel, sig, tensors, ctx, keep, res, mode)
-        return res
+        return self._reuse_or_call(target, args, kwargs, kernel, sig, tensors, ctx, keep, aliases, mode)
 
     def _call_delegate(self, target: Any, args: Any, kwargs: Any) -> Any:
         """A delegate call: reusable like an op, with its program's description in the signature."""
@@ -536,11 +531,17 @@ class _Shim:
             return self._inner.call_function(target, args, kwargs)
         sig = (("delegate", id(args[0]), program[0]),) + found[0]
         ctx, keep = context
-        res = self._reuse(target, sig, found[1], ctx, False, mode)
+        return self._reuse_or_call(target, args, kwargs, target, sig, found[1], ctx, keep + (args[0],), False, mode)
+
+    def _reuse_or_call(
+        self, target: Any, args: Any, kwargs: Any, kernel: Any, sig: tuple, tensors: list, ctx: tuple, keep: tuple, aliases: bool, mode: Any
+    ) -> Any:
+        """The node's recorded value when the proof holds, else the real call, recorded."""
+        res = self._reuse(kernel, sig, tensors, ctx, aliases, mode)
         if res is not _MISS:
             return res
         res = self._inner.call_function(target, args, kwargs)
-        _record(target, sig, found[1], ctx, keep + (args[0],), res, mode)
+        _record(kernel, sig, tensors, ctx, keep, res, mode)
         return res
 
     def _reuse(self, kernel: Any, sig: tuple, tensors: list, ctx: tuple, aliases: bool, mode: Any) -> Any:
