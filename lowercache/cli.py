@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,9 +32,9 @@ app = typer.Typer(
 err = Console(stderr=True)
 out = Console()
 
-CacheDir = typer.Option(None, "--cache-dir", help="Cache directory [env: LOWERCACHE_DIR].")
+CacheDir = typer.Option(None, "--cache-dir", help=r"Cache directory \[env: LOWERCACHE_DIR].")
 RemoteUrl = typer.Option(
-    None, "--remote", help="Shared cache: redis://host:port/db or s3://bucket/prefix [env: LOWERCACHE_REMOTE]."
+    None, "--remote", help=r"Shared cache: redis://host:port/db or s3://bucket/prefix \[env: LOWERCACHE_REMOTE]."
 )
 
 
@@ -49,9 +50,28 @@ def _setup_logging() -> None:
     log.propagate = False
 
 
+_EXECUTING = re.compile(r"While executing %(\w+)")
+
+
 def _fail(message: str, code: int) -> None:
     print(f"lowercache: error: {message}", file=sys.stderr)
     raise typer.Exit(code)
+
+
+def _fail_lowering(e: BaseException) -> None:
+    """One line naming the innermost cause: ExecuTorch's pass manager wraps it in a message listing every pass run."""
+    if os.environ.get("LOWERCACHE_DEBUG"):
+        raise e
+    root, seen = e, {id(e)}
+    while root.__cause__ is not None and id(root.__cause__) not in seen:
+        root = root.__cause__
+        seen.add(id(root))
+    message = f"{type(root).__name__}: {(str(root).strip().splitlines() or [''])[0]}"
+    # torch.fx's interpreter appends the node it was running to the message
+    node = _EXECUTING.search("\n".join([str(root), *map(str, getattr(root, "__notes__", ()))]))
+    if node is not None:
+        message += f" (while executing node {node.group(1)})"
+    _fail(f"lowering failed: {message[:500]}", 1)
 
 
 @contextlib.contextmanager
@@ -123,10 +143,7 @@ def lower(
     except LowercacheError as e:
         _fail(str(e), 2)
     except Exception as e:  # a failure inside torch.export or ExecuTorch
-        if os.environ.get("LOWERCACHE_DEBUG"):
-            raise
-        first = (str(e).strip().splitlines() or [""])[0]
-        _fail(f"lowering failed: {type(e).__name__}: {first}", 1)
+        _fail_lowering(e)
     _print_summary(artifacts.records, artifacts.stages)
     out.print(f"wrote {len(written)} files to {out_dir}")
 
@@ -170,6 +187,8 @@ def verify(
         mismatches = run_verify(loaded, target, settings, calibration=samples)
     except LowercacheError as e:
         _fail(str(e), 2)
+    except Exception as e:  # a failure inside torch.export or ExecuTorch
+        _fail_lowering(e)
     for m in mismatches:
         print(f"lowercache: mismatch: {m}", file=sys.stderr)
     if mismatches:

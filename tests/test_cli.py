@@ -239,3 +239,39 @@ def test_concurrent_processes_share_one_cache(tmp_path, cache_dir):
     again = cli("lower", f"{script}:tiny_cnn", "-t", "ethos-u55-128", "-o", tmp_path / "again", cache_dir=cache_dir)
     assert again.returncode == 0, again.stderr
     assert json.loads((tmp_path / "again" / "manifest.json").read_text())["steps"][0]["outcome"] == "hit"
+
+
+def test_help_names_the_environment_variables():
+    """Every command's --help shows the env var beside --cache-dir / --remote (rich markup once ate it)."""
+    import typer.main
+    from typer.testing import CliRunner
+
+    from lowercache.cli import app
+
+    command = typer.main.get_command(app)
+    runner = CliRunner()
+    checked = 0
+    for name in command.commands:
+        result = runner.invoke(app, [name, "--help"], env={"COLUMNS": "200", "TERM": "dumb"})
+        assert result.exit_code == 0, (name, result.output)
+        for option, variable in (("--cache-dir", "[env: LOWERCACHE_DIR]"), ("--remote", "[env: LOWERCACHE_REMOTE]")):
+            if option in result.output:
+                assert variable in result.output, (name, option)
+                checked += 1
+    assert checked >= 10
+
+
+def test_a_model_stock_cannot_lower_gives_the_root_cause(tmp_path, cache_dir):
+    """ExecuTorch wraps the failure in a line listing every pass; the error names the cause and the node instead."""
+    model = f"{ROOT}/tests/op_zoo.py:unlowerable"
+    for command in ("lower", "verify"):
+        out = tmp_path / f"out-{command}"
+        extra = ["--out", out] if command == "lower" else []
+        result = cli(command, model, "--target", "ethos-u55-128", *extra, cache_dir=cache_dir)
+        assert result.returncode == 1, result.stderr
+        lines = error_lines(result)
+        assert len(lines) == 1, result.stderr
+        assert lines[0].startswith("lowercache: error: lowering failed: TosaValueError: Unsupported input dtype torch.float32")
+        assert lines[0].endswith("(while executing node aten_avg_pool2d_default)")
+        assert "Traceback" not in result.stderr
+        assert not out.exists()

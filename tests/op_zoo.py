@@ -1,0 +1,92 @@
+"""Two small models that between them use many more operators than the benchmark's models.
+
+They widen what the byte-identity tests exercise: pooling, resizing,
+concatenation, padding, splitting, strided slicing, elementwise arithmetic,
+table operators (sigmoid, tanh, exp, rsqrt), normalization, softmax,
+batched matmul, reductions and two outputs. Each has an edit that swaps one
+activation, as the benchmark's structure edits do. Weights are seeded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ConvZoo(nn.Module):
+    """Conv/BN, hardswish, max pool, depthwise conv, SiLU, nearest upsampling, sigmoid, cat, pad, mean, tanh."""
+
+    def __init__(self, act: type[nn.Module] = nn.Hardswish, avg_pool: bool = False) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.act = act()
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.pw = nn.Conv2d(8, 8, 1)
+        self.side = nn.Conv2d(8, 4, 1)
+        self.c2 = nn.Conv2d(12, 8, 3, stride=2)
+        self.fc = nn.Linear(8, 5)
+        self.avg_pool = avg_pool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.bn(self.c1(x)))
+        x = F.max_pool2d(x, 2)
+        y = self.pw(F.silu(self.dw(x)))
+        y = F.interpolate(y, scale_factor=2, mode="nearest")
+        z = F.interpolate(torch.sigmoid(self.side(x)), scale_factor=2, mode="nearest")
+        y = self.c2(F.pad(torch.cat([y, z], dim=1), (1, 1, 1, 1)))
+        y = F.avg_pool2d(y, 2) if self.avg_pool else F.relu(y)
+        return torch.tanh(self.fc(y.mean(dim=(2, 3))))
+
+
+class SeqZoo(nn.Module):
+    """Conv1d, GELU, chunk, mul/sub/div/abs, clamp, exp, rsqrt, linear, layer norm, softmax, bmm,
+    strided slices, sum, expand, cat, permute, reshape, maximum, amax; two outputs."""
+
+    def __init__(self, act: type[nn.Module] = nn.GELU) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(6, 12, 3, padding=1)
+        self.act = act()
+        self.l1 = nn.Linear(16, 16)
+        self.l2 = nn.Linear(16, 16)
+        self.ln = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self.act(self.conv(x)).chunk(2, dim=1)
+        c = torch.clamp(a * b - a / (b.abs() + 1.0), -2.0, 2.0)
+        d = torch.exp(c * 0.1) + torch.rsqrt(b * b + 1.0)
+        e = self.ln(self.l1(d))
+        f = torch.softmax(e @ e.transpose(1, 2) * 0.25, dim=-1) @ self.l2(e)
+        g = f[:, ::2, :] + f[:, 1::2, :]
+        out = torch.cat([g, g.sum(dim=-1, keepdim=True).expand(-1, -1, 4)], dim=-1)
+        return out.permute(0, 2, 1).reshape(1, -1), torch.maximum(g, torch.zeros_like(g)).amax(dim=1)
+
+
+def _seeded(module: nn.Module, shape: tuple[int, ...]) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        for name, b in module.named_buffers():
+            if name.endswith("running_var"):
+                b.copy_(torch.rand(b.shape, generator=gen) + 0.5)
+            elif name.endswith("running_mean"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+    return module.eval(), (torch.randn(shape, generator=torch.Generator().manual_seed(100)),)
+
+
+def conv_zoo(edit: bool = False) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return _seeded(ConvZoo(act=nn.ReLU6 if edit else nn.Hardswish), (1, 3, 16, 16))
+
+
+def seq_zoo(edit: bool = False) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return _seeded(SeqZoo(act=nn.SiLU if edit else nn.GELU), (1, 6, 16))
+
+
+def unlowerable() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """ConvZoo with an average pool that stock ExecuTorch 1.5.1 fails to lower for Ethos-U55 (a float input reaches it)."""
+    return _seeded(ConvZoo(avg_pool=True), (1, 3, 16, 16))
+
+
+ZOO = {"conv_zoo": conv_zoo, "seq_zoo": seq_zoo}

@@ -1,0 +1,30 @@
+"""More operators through every in-flow speed-up: cold, warm and an edit after the base, each against stock."""
+
+from __future__ import annotations
+
+import pytest
+
+import lowercache
+
+from .conftest import stock_pte
+from .op_zoo import ZOO
+
+
+@pytest.mark.parametrize("target", ("tosa-fp", "tosa-int", "ethos-u55-128", "ethos-u85-256"))
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_cold_warm_and_edit_match_stock(name, target, cache_dir):
+    build = ZOO[name]
+    module, example = build()
+    expected = stock_pte(module, example, target)
+    cold = lowercache.lower(module, example, target=target, cache_dir=cache_dir)
+    assert cold.pte == expected
+    module, example = build()
+    warm = lowercache.lower(module, example, target=target, cache_dir=cache_dir)
+    assert [r["outcome"] for r in warm.records if r["kind"] == "flow"] == ["hit"]
+    assert warm.pte == expected
+
+    module, example = build(edit=True)
+    edited = lowercache.lower(module, example, target=target, cache_dir=cache_dir)
+    assert [r["outcome"] for r in edited.records if r["kind"] == "flow"] == ["miss"]
+    assert edited.pte == stock_pte(module, example, target)
+    assert edited.pte != expected
