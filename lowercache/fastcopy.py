@@ -84,7 +84,7 @@ _stats_lock = threading.Lock()
 _stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
 
 # sha256 over the sources of the functions listed in _audited_sources (torch 2.13.0, executorch 1.5.1).
-_AUDITED_DIGEST = "915e4edd40b6ac2360808f6ccdf13a038a6bf26be82aceb0f36f51e3ca8d5b3a"
+_AUDITED_DIGEST = "204133b5cf5ee4317001f4f96542011cefaa3087bf7ceaf128a18eded66b53f0"
 
 
 def _count(key: str) -> None:
@@ -149,6 +149,7 @@ def _audited_sources() -> list[Any]:
         PythonKeyTracer.create_node,
         TracerBase.create_node,
         torch.fx.Graph._target_to_str,
+        torch.fx.Graph.create_node,
         torch.fx.Node.stack_trace.fset,
         torch.fx.Node.__setattr__,
         proxy_tensor._should_save_eager_input_vals,
@@ -198,6 +199,7 @@ def _setup() -> dict[str, Any] | None:
         traceback=fx_traceback,
         lists=(list, immutable_list),
         dicts=(dict, immutable_dict),
+        immutable_dict=immutable_dict,
         tensors=(torch.Tensor, torch.nn.Parameter),
         literals=frozenset(
             {int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
@@ -576,7 +578,11 @@ def _create_node(tracer: Any, target: Any, args: Any, kwargs: Any, name: Any, cu
     if type(target) not in st["edge"] and st["proxy_tensor"]._should_save_eager_input_vals(target, (args, kwargs)):
         return tracer.create_node("call_function", target, args, kwargs, name, None)
     proxy = st["proxy_module"]
-    node = tracer.graph.create_node("call_function", target, args, kwargs, name, None)
+    graph = tracer.graph
+    if type(graph) is st["graph"] and type(args) is tuple and type(kwargs) is dict:
+        node = _graph_create_node(graph, target, args, kwargs, name, st)
+    else:
+        node = graph.create_node("call_function", target, args, kwargs, name, None)
     tracer.node_name_to_scope[node.name] = (tracer.scope.module_path, tracer.scope.module_type)
     meta = node.meta
     stack_trace = current.get("stack_trace")
@@ -598,6 +604,31 @@ def _create_node(tracer: Any, target: Any, args: Any, kwargs: Any, name: Any, cu
     if current.get("autograd_backward", False):
         meta["autograd_backward"] = True
     return node
+
+
+def _graph_create_node(graph: Any, target: Any, args: tuple, kwargs: dict, name: Any, st: dict) -> Any:
+    """``torch.fx.Graph.create_node("call_function", ...)`` without its walk for raw symbolic values.
+
+    The walk only warns, and cannot find one here: :func:`_map_args` admits
+    nodes, the plain literals (no ``SymInt``/``SymFloat``/``SymBool``) and
+    tuples and lists of them. Every other step is torch's, in its order.
+    """
+    if not args:
+        args = ()
+    if not kwargs:
+        kwargs = st["immutable_dict"]()
+    candidate = name if name is not None else graph._target_to_str(target)
+    name = graph._graph_namespace.create_name(candidate, None)
+    n = st["node"](graph, name, "call_function", target, args, kwargs, None)
+    owner = graph.owning_module
+    if owner is not None and getattr(owner, "_create_node_hooks", None) is not None:
+        for f in owner._create_node_hooks:
+            f(n)
+    graph._graph_namespace.associate_name_with_obj(name, n)
+    graph._insert(n)
+    graph._find_nodes_lookup_table.insert(n)
+    graph._len += 1
+    return n
 
 
 def _run_node(self: Any, n: Any) -> Any:

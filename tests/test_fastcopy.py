@@ -712,3 +712,46 @@ def test_arm_special_ops_copied_unless_they_carry_input_qparams(quantized):
     # three retraces, each copying every op but (with qparams) bmm and leaky_relu
     assert counts["copied"] == 3 * (ops - 2 if quantized else ops), (ops, counts)
     assert counts["fallback_pass"] == (3 * 2 if quantized else 0), counts
+
+
+def test_graph_create_node_mirror_equals_torchs():
+    """Same names, arguments, order, lookup table, length and create-node hooks as ``Graph.create_node``."""
+    st = fastcopy._setup()
+    assert st is not None
+
+    def build(create):
+        root = torch.nn.Module()
+        gm = torch.fx.GraphModule(root, torch.fx.Graph())
+        seen = []
+        gm._register_create_node_hook(lambda n: seen.append(n.name))
+        g = gm.graph
+        x = g.placeholder("x")
+        made = [x]
+        for target, args, kwargs in (
+            (torch.ops.aten.relu.default, (x,), {}),
+            (torch.ops.aten.add.Tensor, (x, x), {"alpha": 2}),
+            (torch.ops.aten.relu.default, (x,), {}),
+            (torch.ops.aten.cat.default, ([x, x], 1), {}),
+        ):
+            made.append(create(g, target, tuple(a if a is not x else made[-1] for a in args), kwargs))
+        g.output(made[-1])
+        return g, seen
+
+    def torchs(g, target, args, kwargs):
+        return g.create_node("call_function", target, args, kwargs, None, None)
+
+    def mirror(g, target, args, kwargs):
+        return fastcopy._graph_create_node(g, target, args, kwargs, None, st)
+
+    (a, seen_a), (b, seen_b) = build(torchs), build(mirror)
+    assert seen_a == seen_b and len(seen_a) == 6
+    assert len(a.nodes) == len(b.nodes) == a._len == b._len == 6
+    assert [(n.op, n.name, n.target, str(n.args), str(n.kwargs), type(n.kwargs)) for n in a.nodes] == [
+        (n.op, n.name, n.target, str(n.args), str(n.kwargs), type(n.kwargs)) for n in b.nodes
+    ]
+    relu = torch.ops.aten.relu.default
+    assert [n.name for n in a.find_nodes(op="call_function", target=relu)] == [
+        n.name for n in b.find_nodes(op="call_function", target=relu)
+    ]
+    a.lint()
+    b.lint()
