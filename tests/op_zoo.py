@@ -63,6 +63,35 @@ class SeqZoo(nn.Module):
         return out.permute(0, 2, 1).reshape(1, -1), torch.maximum(g, torch.zeros_like(g)).amax(dim=1)
 
 
+class Stateful(nn.Module):
+    """A buffer updated in place in forward (a running mean) and a plain tensor attribute (a lifted constant)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.register_buffer("running", torch.zeros(4))
+        self.scale = torch.tensor([0.5, 1.0, 1.5, 2.0]).view(1, 4, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        self.running.mul_(0.9).add_(y.mean(dim=(0, 2, 3)) * 0.1)
+        return F.relu(y * self.scale) + self.running.view(1, 4, 1, 1)
+
+
+class Shared(nn.Module):
+    """One layer applied twice, an unused parameter, a duplicated output and an input returned as is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.unused = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a = self.lin(x)
+        b = self.lin(torch.tanh(a))
+        return a, b, b, x
+
+
 def _seeded(module: nn.Module, shape: tuple[int, ...]) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -89,4 +118,16 @@ def unlowerable() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return _seeded(ConvZoo(avg_pool=True), (1, 3, 16, 16))
 
 
+def stateful() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return _seeded(Stateful(), (1, 3, 8, 8))
+
+
+def shared() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return _seeded(Shared(), (2, 8))
+
+
 ZOO = {"conv_zoo": conv_zoo, "seq_zoo": seq_zoo}
+"""Models with an ``edit`` variant, for every target."""
+
+ODD = {"stateful": (stateful, ("tosa-int",)), "shared": (shared, ("tosa-fp", "ethos-u55-128"))}
+"""Graph shapes a cache can get wrong, with the targets stock lowers them for (a float in-place buffer update fails in stock)."""

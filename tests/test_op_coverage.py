@@ -1,4 +1,4 @@
-"""More operators through every in-flow speed-up: cold, warm and an edit after the base, each against stock."""
+"""More operators and odd graph shapes through every in-flow speed-up, each lowering against stock."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import lowercache
 
 from .conftest import stock_pte
-from .op_zoo import ZOO
+from .op_zoo import ODD, ZOO
 
 
 @pytest.mark.parametrize("target", ("tosa-fp", "tosa-int", "ethos-u55-128", "ethos-u85-256"))
@@ -28,3 +28,17 @@ def test_cold_warm_and_edit_match_stock(name, target, cache_dir):
     assert [r["outcome"] for r in edited.records if r["kind"] == "flow"] == ["miss"]
     assert edited.pte == stock_pte(module, example, target)
     assert edited.pte != expected
+
+
+@pytest.mark.parametrize(
+    "name, target", [(name, target) for name, (_, targets) in sorted(ODD.items()) for target in targets]
+)
+def test_odd_graphs_cold_and_warm_match_stock(name, target, cache_dir):
+    build = ODD[name][0]
+    module, example = build()
+    expected = stock_pte(module, example, target)
+    for outcome in ("miss", "hit"):
+        module, example = build()
+        got = lowercache.lower(module, example, target=target, cache_dir=cache_dir)
+        assert [r["outcome"] for r in got.records if r["kind"] == "flow"] == [outcome]
+        assert got.pte == expected
