@@ -92,6 +92,28 @@ class Shared(nn.Module):
         return a, b, b, x
 
 
+class MultiInput(nn.Module):
+    """Token ids (int64) through an embedding, a bool mask and a float input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.lin = nn.Linear(16, 16)
+        self.proj = nn.Linear(4, 16)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids) + self.proj(feats)
+        h = torch.where(mask.unsqueeze(-1), h, torch.zeros_like(h))
+        return self.lin(torch.relu(h)).sum(dim=1)
+
+
+class NoParameters(nn.Module):
+    """No parameters at all, and a constant second output."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.relu(x) * 2.0 - 1.0, torch.ones(2, 2)
+
+
 def _seeded(module: nn.Module, shape: tuple[int, ...]) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -126,8 +148,24 @@ def shared() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return _seeded(Shared(), (2, 8))
 
 
+def multi_input() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    module, (feats,) = _seeded(MultiInput(), (1, 6, 4))
+    ids = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(7))
+    mask = torch.tensor([[True, False, True, True, False, True]])
+    return module, (ids, mask, feats)
+
+
+def no_parameters() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return _seeded(NoParameters(), (1, 4, 4))
+
+
 ZOO = {"conv_zoo": conv_zoo, "seq_zoo": seq_zoo}
 """Models with an ``edit`` variant, for every target."""
 
-ODD = {"stateful": (stateful, ("tosa-int",)), "shared": (shared, ("tosa-fp", "ethos-u55-128"))}
+ODD = {
+    "stateful": (stateful, ("tosa-int",)),
+    "shared": (shared, ("tosa-fp", "ethos-u55-128")),
+    "multi_input": (multi_input, ("tosa-fp", "tosa-int")),
+    "no_parameters": (no_parameters, ("ethos-u55-128",)),
+}
 """Graph shapes a cache can get wrong, with the targets stock lowers them for (a float in-place buffer update fails in stock)."""
