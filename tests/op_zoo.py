@@ -1,10 +1,12 @@
-"""Two small models that between them use many more operators than the benchmark's models.
+"""Small seeded models beyond the benchmark's: more operators, and graph shapes a cache can get wrong.
 
-They widen what the byte-identity tests exercise: pooling, resizing,
-concatenation, padding, splitting, strided slicing, elementwise arithmetic,
-table operators (sigmoid, tanh, exp, rsqrt), normalization, softmax,
-batched matmul, reductions and two outputs. Each has an edit that swaps one
-activation, as the benchmark's structure edits do. Weights are seeded.
+``ZOO``: two models that between them use pooling, resizing, concatenation,
+padding, splitting, strided slicing, elementwise arithmetic, table operators
+(sigmoid, tanh, exp, rsqrt), normalization, softmax, batched matmul,
+reductions and two outputs, each with an edit that swaps one activation, as
+the benchmark's structure edits do. ``ODD``: an in-place buffer update, a
+layer applied twice with a duplicated output, several inputs of other
+dtypes, no parameters at all. ``unlowerable``: a model stock cannot lower.
 """
 
 from __future__ import annotations
