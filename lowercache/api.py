@@ -101,6 +101,26 @@ def lower(
             store.close()
 
 
+def check_output_dir(out_dir: str | os.PathLike) -> None:
+    """Fail before a lowering, not after it, when ``out_dir`` cannot receive the artifacts.
+
+    Probes the nearest existing directory on the way to ``out_dir`` with a
+    temporary directory, removed at once: nothing is left behind.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise LowercacheError(f"cannot write output directory {out}: it exists and is not a directory")
+    probe = out.absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise LowercacheError(f"cannot write output directory {out}: {probe} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".lowercache-probe-", dir=probe))
+    except OSError as e:
+        raise LowercacheError(f"cannot write output directory {out}: {probe}: {e.strerror or e}") from None
+
+
 def write_artifacts(artifacts: Artifacts, out_dir: str | os.PathLike) -> list[Path]:
     """Write every artifact and ``manifest.json`` into ``out_dir``, all or nothing.
 

@@ -115,6 +115,7 @@ def lower(
     try:
         settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote)
         resolve(target)
+        api.check_output_dir(out_dir)
         if not settings.disable:
             api.open_store(settings).close()  # fail early on an unusable cache directory
         loaded = loading.load_model(model)

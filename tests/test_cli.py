@@ -107,6 +107,7 @@ BAD_FACTORIES = {
         ("unknown_target", "unknown target 'ethos-u99'"),
         ("corrupt_pt2", "cannot load saved program"),
         ("unwritable_cache", "is not writable"),
+        ("output_under_a_file", "a-file is not a directory"),
         ("bad_calibration", "cannot load calibration file"),
         ("bad_npz_calibration", "same, non-zero number of samples"),
         ("pickled_npz_calibration", "cannot load calibration file"),
@@ -128,6 +129,9 @@ def test_bad_input_gives_one_line_and_leaves_nothing(case, expected, tmp_path, c
     elif case == "unwritable_cache":
         (tmp_path / "a-file").write_text("")
         cache_dir = tmp_path / "a-file" / "cache"
+    elif case == "output_under_a_file":
+        (tmp_path / "a-file").write_text("")
+        out = tmp_path / "a-file" / "out"
     elif case == "bad_calibration":
         (tmp_path / "calib.pt").write_bytes(b"not a torch file")
         extra = ["--calibration", tmp_path / "calib.pt"]
@@ -143,6 +147,7 @@ def test_bad_input_gives_one_line_and_leaves_nothing(case, expected, tmp_path, c
     assert len(lines) == 1 and expected in lines[0], result.stderr
     assert not out.exists()
     assert not list(tmp_path.glob(".out.tmp-*"))
+    assert not list(tmp_path.rglob(".lowercache-probe-*"))
     if cache_dir.is_dir():
         assert Store(cache_dir).entry_count() == {"actions": 0, "blobs": 0}
 
