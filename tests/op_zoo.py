@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowercache import models
+
 
 class ConvZoo(nn.Module):
     """Conv/BN, hardswish, max pool, depthwise conv, SiLU, nearest upsampling, sigmoid, cat, pad, mean, tanh."""
@@ -117,16 +119,9 @@ class NoParameters(nn.Module):
 
 
 def _seeded(module: nn.Module, shape: tuple[int, ...]) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-        for name, b in module.named_buffers():
-            if name.endswith("running_var"):
-                b.copy_(torch.rand(b.shape, generator=gen) + 0.5)
-            elif name.endswith("running_mean"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
-    return module.eval(), (torch.randn(shape, generator=torch.Generator().manual_seed(100)),)
+    """The benchmark models' seeded initialisation (per module path) and input."""
+    models._init_params(module, seed=0, salt="op-zoo")
+    return module.eval(), (models._randn(shape, seed=0, salt="op-zoo"),)
 
 
 def conv_zoo(edit: bool = False) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
@@ -152,7 +147,7 @@ def shared() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 
 def multi_input() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     module, (feats,) = _seeded(MultiInput(), (1, 6, 4))
-    ids = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(0, 50, (1, 6), generator=models._generator(0, "op-zoo", "ids"))
     mask = torch.tensor([[True, False, True, True, False, True]])
     return module, (ids, mask, feats)
 
