@@ -101,6 +101,10 @@ def lower(
             store.close()
 
 
+def _unwritable(out: Path, why: str) -> LowercacheError:
+    return LowercacheError(f"cannot write output directory {out}: {why}")
+
+
 def check_output_dir(out_dir: str | os.PathLike) -> None:
     """Fail before a lowering, not after it, when ``out_dir`` cannot receive the artifacts.
 
@@ -109,16 +113,16 @@ def check_output_dir(out_dir: str | os.PathLike) -> None:
     """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise LowercacheError(f"cannot write output directory {out}: it exists and is not a directory")
+        raise _unwritable(out, "it exists and is not a directory")
     probe = out.absolute()
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
-        raise LowercacheError(f"cannot write output directory {out}: {probe} is not a directory")
+        raise _unwritable(out, f"{probe} is not a directory")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".lowercache-probe-", dir=probe))
     except OSError as e:
-        raise LowercacheError(f"cannot write output directory {out}: {probe}: {e.strerror or e}") from None
+        raise _unwritable(out, f"{probe}: {e.strerror or e}") from None
 
 
 def write_artifacts(artifacts: Artifacts, out_dir: str | os.PathLike) -> list[Path]:
@@ -132,7 +136,7 @@ def write_artifacts(artifacts: Artifacts, out_dir: str | os.PathLike) -> list[Pa
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     except OSError as e:
-        raise LowercacheError(f"cannot write output directory {out}: {e.strerror or e}") from None
+        raise _unwritable(out, e.strerror or str(e)) from None
     try:
         files = dict(artifacts.files)
         files["manifest.json"] = (json.dumps(artifacts.manifest, indent=2, sort_keys=True) + "\n").encode()
@@ -145,7 +149,7 @@ def write_artifacts(artifacts: Artifacts, out_dir: str | os.PathLike) -> list[Pa
                 os.replace(tmp / name, out / name)
         return [out / name for name in sorted(files)]
     except OSError as e:
-        raise LowercacheError(f"cannot write output directory {out}: {e.strerror or e}") from None
+        raise _unwritable(out, e.strerror or str(e)) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -199,7 +199,6 @@ def _setup() -> dict[str, Any] | None:
         traceback=fx_traceback,
         lists=(list, immutable_list),
         dicts=(dict, immutable_dict),
-        immutable_dict=immutable_dict,
         tensors=(torch.Tensor, torch.nn.Parameter),
         literals=frozenset(
             {int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format}
@@ -616,7 +615,7 @@ def _graph_create_node(graph: Any, target: Any, args: tuple, kwargs: dict, name:
     if not args:
         args = ()
     if not kwargs:
-        kwargs = st["immutable_dict"]()
+        kwargs = st["dicts"][1]()  # immutable_dict, as torch's create_node makes
     candidate = name if name is not None else graph._target_to_str(target)
     name = graph._graph_namespace.create_name(candidate, None)
     n = st["node"](graph, name, "call_function", target, args, kwargs, None)
