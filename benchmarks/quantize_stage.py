@@ -35,12 +35,12 @@ from pathlib import Path
 
 import torch
 
-from lowercache import arm, flow, quantize
-from lowercache.hashing import program_parts
-from lowercache.models import MODELS, calibration_samples
-from lowercache.steps import Session, activate
-from lowercache.store import Store
-from lowercache.targets import resolve
+from lowercache.lowering import arm, flow, quantize
+from lowercache.cache.hashing import program_parts
+from lowercache.bench.models import MODELS, calibration_samples
+from lowercache.cache.steps import Session, activate
+from lowercache.cache.store import Store
+from lowercache.lowering.targets import resolve
 
 
 def _pte(program: torch.export.ExportedProgram, target, spec) -> bytes:

@@ -15,9 +15,10 @@ import tempfile
 import time
 
 import lowercache
-from lowercache import flow, models
+from lowercache.lowering import flow
+from lowercache.bench import models
 from lowercache.config import Settings
-from lowercache.targets import resolve
+from lowercache.lowering.targets import resolve
 
 
 def main(url: str, model: str = "mobilenet_v2", target: str = "ethos-u55-128", repeat: int = 3) -> None:

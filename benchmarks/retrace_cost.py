@@ -27,7 +27,7 @@ import torch
 def _edge_graph(model: str) -> torch.fx.GraphModule:
     from executorch.exir import EdgeCompileConfig, to_edge
 
-    from lowercache.models import MODELS
+    from lowercache.bench.models import MODELS
 
     module, example_inputs = MODELS[model]()
     with contextlib.redirect_stdout(io.StringIO()):
@@ -47,7 +47,7 @@ def main() -> None:
 
     from executorch.backends.arm._passes.arm_pass import ArmPass
 
-    from lowercache import arm
+    from lowercache.lowering import arm
 
     class LeavesAll(ArmPass):
         _passes_required_after: set = set()

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/warm_new_process.py [examples/mobilenet_v2.py:model] [ethos-u55-128]
 
-Runs, each in its own Python process: the stock flow (export + lowercache.flow.run_stock,
+Runs, each in its own Python process: the stock flow (export + lowercache.lowering.flow.run_stock,
 no cache), then `lowercache lower` twice into a fresh cache. Prints each flow's seconds
 (from inside the process, excluding interpreter start-up) and the wall-clock seconds.
 """
@@ -16,7 +16,7 @@ import time
 STOCK = """
 import contextlib, io, time
 from lowercache import flow, loading
-from lowercache.targets import resolve
+from lowercache.lowering.targets import resolve
 m = loading.load_model({model!r})
 start = time.perf_counter()
 with contextlib.redirect_stdout(io.StringIO()):

@@ -2,13 +2,13 @@
 
     lowercache lower examples/mobilenet_v2.py:model --target ethos-u55-128 --out out/mobilenet_v2
 
-The architecture lives in ``lowercache.models`` (shared with the benchmark);
+The architecture lives in ``lowercache.bench.models`` (shared with the benchmark);
 ``model`` is the factory lowercache calls.
 """
 
 import torch
 
-from lowercache import models
+from lowercache.bench import models
 
 
 def model() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:

@@ -20,13 +20,14 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from . import arm, flow, history
+from .lowering import arm, flow
+from .cache import history
 from .config import Settings, load_settings
 from .errors import LowercacheError
-from .flow import Artifacts
-from .steps import Listener, Session, activate
-from .store import Store
-from .targets import resolve
+from .lowering.flow import Artifacts
+from .cache.steps import Listener, Session, activate
+from .cache.store import Store
+from .lowering.targets import resolve
 
 __all__ = ["lower", "cached", "write_artifacts", "open_store", "Artifacts"]
 
@@ -38,7 +39,7 @@ def open_store(settings: Settings) -> Store | None:
     local = Store(settings.cache_dir, max_size=settings.max_size, read_only=settings.read_only)
     if not settings.remote:
         return local
-    from .remote import TieredStore, connect, hmac_key_from_env
+    from .cache.remote import TieredStore, connect, hmac_key_from_env
 
     try:
         ttl = {"ttl_seconds": settings.remote_ttl} if settings.remote_ttl else {}

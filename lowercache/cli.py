@@ -109,8 +109,9 @@ def lower(
     """Lower MODEL for a target, serving unchanged work from the cache."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from . import api, loading
-    from .targets import resolve
+    from . import api
+    from .lowering import loading
+    from .lowering.targets import resolve
 
     try:
         settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote)
@@ -153,7 +154,7 @@ def _print_summary(records: list[dict], stages: dict[str, float]) -> None:
     table = Table(title="lowercache steps")
     for column in ("step", "outcome", "seconds", "saved"):
         table.add_column(column)
-    from .steps import BULK_KINDS, listed, outcome_counts
+    from .cache.steps import BULK_KINDS, listed, outcome_counts
 
     for r in listed(records):
         table.add_row(f"{r['kind']}: {r['name']}", r["outcome"], f"{r['seconds']:.2f}", f"{r['saved']:.2f}")
@@ -178,7 +179,7 @@ def verify(
     remote: Optional[str] = RemoteUrl,
 ) -> None:
     """Lower with and without the cache (and in a fresh cache); fail on any byte difference."""
-    from . import loading
+    from .lowering import loading
     from .verify import verify as run_verify
 
     try:
@@ -203,7 +204,7 @@ def verify(
 )
 def bench(ctx: typer.Context) -> None:
     """Benchmark stock ExecuTorch vs lowercache (options: see `lowercache bench --help`)."""
-    from .bench import main as bench_main
+    from .bench.harness import main as bench_main
 
     raise typer.Exit(bench_main(ctx.args))
 
@@ -239,8 +240,8 @@ def explain(
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Say which named key parts changed for the last miss of MODEL on a target."""
-    from . import history
-    from .targets import resolve
+    from .cache import history
+    from .lowering.targets import resolve
 
     try:
         name = _model_name(model)
@@ -318,7 +319,7 @@ def export_cmd(
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Pack every local cache entry into one archive (for CI caches that store one file)."""
-    from .archive import export_entries
+    from .cache.archive import export_entries
 
     with _local_store(cache_dir) as store:
         try:
@@ -334,7 +335,7 @@ def import_cmd(
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Load an archive made by `lowercache export`, checking every entry."""
-    from .archive import import_entries
+    from .cache.archive import import_entries
 
     with _local_store(cache_dir) as store:
         try:

@@ -73,7 +73,7 @@ def _process_session() -> Any:
     if not _session:
         from .api import open_store
         from .config import load_settings
-        from .steps import Session
+        from .cache.steps import Session
 
         store = open_store(load_settings())
         session = Session(store)
@@ -86,10 +86,11 @@ def _process_session() -> Any:
 
 def activate_in_process() -> None:
     """Arrange for the Arm hook modules to be wrapped when (or if) they are imported."""
-    from .hookpoints import HOOK_MODULES
+    from .lowering.hookpoints import HOOK_MODULES
 
     def on_import(name: str) -> None:
-        from . import arm, steps
+        from .lowering import arm
+        from .cache import steps
 
         steps.set_fallback(_process_session)
         arm.install_permanently(name)

@@ -16,8 +16,8 @@ from typing import Any
 
 from . import api
 from .config import Settings
-from .flow import Artifacts
-from .loading import LoadedModel
+from .lowering.flow import Artifacts
+from .lowering.loading import LoadedModel
 
 
 @dataclass

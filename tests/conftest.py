@@ -11,7 +11,7 @@ import uuid
 import pytest
 import torch
 
-from lowercache import models
+from lowercache.bench import models
 
 from .servers import RedisServer, start_moto
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowercache import models
+from lowercache.bench import models
 
 
 class ConvZoo(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.ao.quantization.fx.utils as ao_utils
 
-from lowercache import attrnames
+from lowercache.speedups import attrnames
 
 
 def torch_version(prefix):

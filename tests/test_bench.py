@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from lowercache import bench
+from lowercache.bench import harness as bench
 
 TARGETS = ("tosa-fp", "ethos-u55-128")
 SCENARIOS = ("cold", "warm", "edit-structure")

@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-from lowercache import callsite, models
+from lowercache.speedups import callsite
+from lowercache.bench import models
 
 from .conftest import stock_pte
 

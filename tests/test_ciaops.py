@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lowercache import ciaops
+from lowercache.speedups import ciaops
 
 
 def _collect_counting_walks(monkeypatch):

@@ -13,8 +13,8 @@ import numpy
 import pytest
 import torch
 
-from lowercache import models
-from lowercache.store import Store
+from lowercache.bench import models
+from lowercache.cache.store import Store
 
 from .conftest import reference
 
@@ -166,7 +166,7 @@ def test_saved_program_and_calibration_file(tmp_path, cache_dir):
 
 
 def test_npz_calibration_file_equals_the_same_samples(tmp_path):
-    from lowercache.loading import load_calibration
+    from lowercache.lowering.loading import load_calibration
 
     _, example = models.transformer_block()
     samples = models.calibration_samples(example, n=3)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.fx import Graph
 
-from lowercache import deadcode
+from lowercache.speedups import deadcode
 
 
 def build() -> torch.fx.GraphModule:

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from lowercache import decompositions, models
+from lowercache.speedups import decompositions
+from lowercache.bench import models
 
 from .conftest import churn_patch, reference, stock_pte
 

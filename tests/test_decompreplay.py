@@ -7,10 +7,11 @@ import logging
 import pytest
 import torch
 
-from lowercache import decompositions, decompreplay, models
+from lowercache.speedups import decompositions, decompreplay
+from lowercache.bench import models
 from lowercache.api import lower
-from lowercache.steps import Session, activate
-from lowercache.store import Entry, Store
+from lowercache.cache.steps import Session, activate
+from lowercache.cache.store import Entry, Store
 
 from .conftest import reference
 from .test_decompositions import _ConvertsAndReshapes, _same_program
@@ -144,7 +145,7 @@ def test_decoding_refuses_what_it_cannot_check():
     "model, target", [("residual_cnn", "tosa-fp"), ("residual_cnn", "ethos-u55-128"), ("transformer_block", "tosa-fp")]
 )
 def test_an_edited_model_replays_its_decompositions_and_gives_stock_bytes(model, target, tmp_path):
-    from lowercache.bench import _settings
+    from lowercache.bench.harness import _settings
 
     base, example = models.MODELS[model]()
     lower(base, example, target=target, name="m", settings=_settings(tmp_path))

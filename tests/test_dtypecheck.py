@@ -8,7 +8,7 @@ import torch
 import executorch.exir.verification.verifier as verifier
 from executorch.exir import to_edge
 
-from lowercache import dtypecheck, retrace
+from lowercache.speedups import dtypecheck, retrace
 
 STOCK = verifier._check_tensor_args_matching_op_allowed_dtype
 

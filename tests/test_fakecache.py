@@ -8,7 +8,8 @@ import io
 import torch
 
 import lowercache
-from lowercache import fakecache, models
+from lowercache.speedups import fakecache
+from lowercache.bench import models
 
 from .conftest import reference
 

@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from lowercache import fastcopy, models, provenance, retrace
+from lowercache.speedups import fastcopy, provenance, retrace
+from lowercache.bench import models
 
 from .conftest import churn_patch, reference, stock_pte
 from .test_retrace import _Cond
@@ -519,7 +520,7 @@ def test_declared_passes_match_node_by_node():
 
 
 def test_declared_gates_apply_only_to_the_read_source(monkeypatch):
-    from lowercache import passregistry
+    from lowercache.speedups import passregistry
 
     st = fastcopy._setup()
     assert st is not None
@@ -585,7 +586,7 @@ def test_declared_arm_gates_copy_and_keep_stock_bytes(tmp_path):
     from executorch.backends.arm._passes.decompose_grouped_conv_pass import DecomposeGroupedConvPass
     from executorch.backends.arm._passes.symbolic_to_tosa_shape_pass import SymbolicToTosaShapesPass
 
-    from lowercache import passregistry
+    from lowercache.speedups import passregistry
 
     for cls in (SymbolicToTosaShapesPass, DecomposeGroupedConvPass):
         assert passregistry.gate_for(cls) is not None, cls.__name__  # pinned digests match the installed sources
@@ -620,7 +621,7 @@ def test_scalar_with_tensor_by_profile_gate_copies_and_keeps_stock_bytes(tmp_pat
     import lowercache
     from executorch.backends.arm._passes.replace_scalar_with_tensor_pass import ReplaceScalarWithTensorByProfilePass
 
-    from lowercache import passregistry
+    from lowercache.speedups import passregistry
 
     assert passregistry.gate_for(ReplaceScalarWithTensorByProfilePass) is not None  # pinned digests match
     module, example = _Scalars().eval(), (torch.randn(2, 8),)
@@ -651,7 +652,7 @@ def test_clamp_and_dynamic_full_passes_copy_and_keep_stock_bytes(tmp_path):
     from executorch.backends.arm._passes.decompose_dynamic_full_pass import DecomposeDynamicFullPass
     from executorch.backends.arm._passes.decompose_tosa_unsupported_clamp_pass import DecomposeTOSAUnsupportedClampPass
 
-    from lowercache import passregistry
+    from lowercache.speedups import passregistry
 
     assert passregistry.gate_for(DecomposeTOSAUnsupportedClampPass) is not None  # pinned digest matches
     assert len(fastcopy._chain(DecomposeDynamicFullPass, fastcopy._setup())) == 1

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 import lowercache
-from lowercache import models
-from lowercache.gcfreeze import frozen_heap
+from lowercache.bench import models
+from lowercache.speedups.gcfreeze import frozen_heap
 
 from .conftest import stock_pte
 

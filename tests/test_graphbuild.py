@@ -8,9 +8,10 @@ import logging
 import pytest
 import torch
 
-from lowercache import graphbuild, models, quantize
-from lowercache.hashing import program_parts
-from lowercache.targets import resolve
+from lowercache.lowering import graphbuild, programstore, quantize
+from lowercache.bench import models
+from lowercache.cache.hashing import program_parts
+from lowercache.lowering.targets import resolve
 
 
 class OpZoo(torch.nn.Module):
@@ -38,8 +39,8 @@ def _torch_decode(entry, monkeypatch):
     """The program as torch's deserializer alone rebuilds it."""
     with monkeypatch.context() as m:
         m.setattr(quantize, "_rebuild_fast", _unsupported)
-        m.setattr(quantize._fast_tensor_meta, "active", contextlib.nullcontext)
-        return quantize.decode(entry)
+        m.setattr(programstore._fast_tensor_meta, "active", contextlib.nullcontext)
+        return programstore.decode(entry)
 
 
 def _unsupported(*args, **kwargs):
@@ -107,11 +108,11 @@ def test_graphbuild_equals_torchs_deserializer(build, target, monkeypatch):
         spec_target = resolve(target)
         program = torch.export.export(module, example)
         program = quantize.run_stock(program, spec_target, spec_target.compile_spec(), example, [example])
-    entry = quantize.encode(program, "spec")
+    entry = programstore.encode(program, "spec")
     built = []
     original_build = graphbuild.GraphBuilder.build
     monkeypatch.setattr(graphbuild.GraphBuilder, "build", lambda self, raw: built.append(1) or original_build(self, raw))
-    fast = quantize.decode(entry)
+    fast = programstore.decode(entry)
     assert built == [1], "the fast builder made the graph"
     assert_same_program(fast, _torch_decode(entry, monkeypatch))
     for args in (example, tuple(torch.randn_like(t) for t in example)):
@@ -122,7 +123,7 @@ def test_op_zoo_uses_the_less_common_forms():
     """The zoo really stores what its test claims to cover."""
     torch.manual_seed(0)
     program = torch.export.export(OpZoo().eval(), (torch.randn(3, 5, 8),))
-    graph = quantize.encode(program, "spec").blobs["program.json"]
+    graph = programstore.encode(program, "spec").blobs["program.json"]
     for form in (b'"as_tensors"', b'"as_scalar_type"', b'"as_device"', b'"as_optional_tensors"', b'"as_float"', b'"kind": 2'):
         assert form in graph, form
     multiple = [n for n in program.graph.nodes if isinstance(n.meta.get("val"), (tuple, list)) and n.op == "call_function"]
@@ -135,7 +136,7 @@ def test_unsupported_graph_falls_back_to_torchs_deserializer(monkeypatch, caplog
 
     original_graph = vars(serde.GraphModuleDeserializer)["deserialize_graph"]
     module, example = models.tiny_cnn()
-    entry = quantize.encode(torch.export.export(module, example), "spec")
+    entry = programstore.encode(torch.export.export(module, example), "spec")
     stock = _torch_decode(entry, monkeypatch)
     original_node = graphbuild.GraphBuilder.node
     seen = []
@@ -148,7 +149,7 @@ def test_unsupported_graph_falls_back_to_torchs_deserializer(monkeypatch, caplog
 
     monkeypatch.setattr(graphbuild.GraphBuilder, "node", refuse_relu)
     with caplog.at_level(logging.DEBUG, logger="lowercache"):
-        rebuilt = quantize.decode(entry)
+        rebuilt = programstore.decode(entry)
     assert any("relu" in t for t in seen) and any("torch's deserializer (relu" in r.getMessage() for r in caplog.records)
     assert_same_program(rebuilt, stock)
     assert vars(serde.GraphModuleDeserializer)["deserialize_graph"] is original_graph, "the patch is undone"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import lowercache
-from lowercache import models
+from lowercache.bench import models
 
 from .conftest import SMALL_TARGETS, reference
 

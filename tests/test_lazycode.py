@@ -7,7 +7,7 @@ import inspect
 
 import torch
 
-from lowercache import lazycode
+from lowercache.speedups import lazycode
 
 
 class Small(torch.nn.Module):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowercache import models
+from lowercache.bench import models
 
 CHEAP = (*models.SMALL, "mobilenet_v2")
 

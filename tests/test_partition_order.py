@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from lowercache import partitionorder, stockref
+from lowercache.lowering import partitionorder
+from lowercache.bench import stockref
 
 ROOT = Path(__file__).resolve().parent.parent
 TAGS = ["tag0", "tag1"]  # what the partitioner makes for the child's model

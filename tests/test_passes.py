@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import lowercache
-from lowercache import models
+from lowercache.bench import models
 
 
 def test_manifest_lists_every_arm_pass(cache_dir):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lowercache.patching import AttributePatch
+from lowercache.speedups.patching import AttributePatch
 
 
 class Base:

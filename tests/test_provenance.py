@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx.traceback import NodeSource
 
-from lowercache.provenance import shared_provenance
+from lowercache.speedups.provenance import shared_provenance
 
 
 def _node_with_history():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 import lowercache
-from lowercache import models
-from lowercache.qparams import observer_parts
+from lowercache.bench import models
+from lowercache.lowering.qparams import observer_parts
 
 from .conftest import reference
 
@@ -90,7 +90,7 @@ def _histogram_observers():
 def test_fast_histogram_search_equals_torchao():
     from torchao.quantization.pt2e.observer import HistogramObserver
 
-    from lowercache.qparams import fast_non_linear_param_search
+    from lowercache.lowering.qparams import fast_non_linear_param_search
 
     for observer in _histogram_observers():
         stock = HistogramObserver._non_linear_param_search(observer)
@@ -103,8 +103,8 @@ def test_fast_histogram_search_equals_torchao_on_a_real_model():
     from torchao.quantization.pt2e.observer import HistogramObserver
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
-    from lowercache.qparams import fast_non_linear_param_search
-    from lowercache.targets import resolve
+    from lowercache.lowering.qparams import fast_non_linear_param_search
+    from lowercache.lowering.targets import resolve
 
     module, example = models.residual_cnn()
     target = resolve("ethos-u55-128")

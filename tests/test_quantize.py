@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import lowercache
-from lowercache import flow, models, quantize
-from lowercache.store import Entry, Store
+from lowercache.lowering import flow, programstore, quantize
+from lowercache.bench import models
+from lowercache.cache.store import Entry, Store
 
 from .conftest import reference, stock_pte
 
@@ -62,14 +63,14 @@ def test_quantize_key_sees_calibration_and_per_channel(cache_dir, new_flow_versi
 
 
 def test_stored_form_round_trips_without_pickle():
-    from lowercache.targets import resolve
+    from lowercache.lowering.targets import resolve
 
     module, example = models.tiny_cnn()
     target = resolve("tosa-int")
     program = quantize.run_stock(torch.export.export(module, example), target, target.compile_spec(), example, [example])
-    entry = quantize.encode(program, "spec")
+    entry = programstore.encode(program, "spec")
     assert all(b"\x80\x02" not in blob[:2] and not blob.startswith(b"PK") for blob in entry.blobs.values())
-    rebuilt = quantize.decode(entry)
+    rebuilt = programstore.decode(entry)
     assert [n.name for n in rebuilt.graph.nodes] == [n.name for n in program.graph.nodes]
     assert [str(n.target) for n in rebuilt.graph.nodes] == [str(n.target) for n in program.graph.nodes]
     for name, tensor in program.state_dict.items():
@@ -84,12 +85,12 @@ def test_decode_runs_without_cyclic_collections_and_restores_the_collector(monke
     import contextlib
     import gc
 
-    from lowercache.targets import resolve
+    from lowercache.lowering.targets import resolve
 
     module, example = models.tiny_cnn()
     target = resolve("tosa-int")
     program = quantize.run_stock(torch.export.export(module, example), target, target.compile_spec(), example, [example])
-    entry = quantize.encode(program, "spec")
+    entry = programstore.encode(program, "spec")
     collections = []
     inside = [False]  # flipped without allocating, so only collections during decode count
     threshold = gc.get_threshold()
@@ -97,7 +98,7 @@ def test_decode_runs_without_cyclic_collections_and_restores_the_collector(monke
     def decode_counting() -> int:
         collections.clear()
         inside[0] = True
-        quantize.decode(entry)
+        programstore.decode(entry)
         inside[0] = False
         return len(collections)
 
@@ -111,7 +112,7 @@ def test_decode_runs_without_cyclic_collections_and_restores_the_collector(monke
             unpaused = decode_counting()
         assert paused < 10 < 100 < unpaused  # only the few allocations outside the pause collect
         gc.disable()
-        quantize.decode(entry)
+        programstore.decode(entry)
         assert not gc.isenabled(), "a collector the caller turned off stays off"
     finally:
         gc.enable()
@@ -121,9 +122,9 @@ def test_decode_runs_without_cyclic_collections_and_restores_the_collector(monke
 
 @pytest.mark.parametrize("key", [b'"as_expr"', b'"as_custom_obj"', b'"as_graph"', b'"as_sym_float"', b'"as_sym_bool"'])
 def test_programs_with_expressions_or_objects_are_refused(key):
-    entry = Entry(meta={"format": quantize.QUANTIZE_VERSION, "tensors": {}}, blobs={"program.json": b'{"x": {' + key + b": 1}}"})
-    with pytest.raises(quantize.FormatError, match=f"holds {key.decode()} values"):
-        quantize.decode(entry)
+    entry = Entry(meta={"format": programstore.FORMAT, "tensors": {}}, blobs={"program.json": b'{"x": {' + key + b": 1}}"})
+    with pytest.raises(programstore.FormatError, match=f"holds {key.decode()} values"):
+        programstore.decode(entry)
 
 
 def test_unusable_entry_recomputes_with_a_warning_and_is_replaced(cache_dir, new_flow_version, caplog, monkeypatch):
@@ -176,28 +177,28 @@ def _same_objects(a, b, path="program"):
 
 
 def test_schema_conversion_equals_torch():
-    """quantize.schema_program builds the same schema objects as torch's own JSON conversion."""
+    """programstore.schema_program builds the same schema objects as torch's own JSON conversion."""
     import json
 
     from torch._export.serde import schema
     from torch._export.serde import serialize as serde
 
-    from lowercache.targets import resolve
+    from lowercache.lowering.targets import resolve
 
     module, example = models.transformer_block()
     target = resolve("tosa-int")
     program = quantize.run_stock(torch.export.export(module, example), target, target.compile_spec(), example, [example])
-    graph = quantize.encode(program, "spec").blobs["program.json"]
-    ours = quantize.schema_program(graph)
+    graph = programstore.encode(program, "spec").blobs["program.json"]
+    ours = programstore.schema_program(graph)
     theirs = serde._dict_to_dataclass(schema.ExportedProgram, json.loads(graph))
     assert ours == theirs
     _same_objects(ours, theirs)  # union __eq__ compares tag and value only: compare every attribute too
-    with pytest.raises(quantize.FormatError):
-        quantize.schema_program(b'{"graph_module": 3}')
+    with pytest.raises(programstore.FormatError):
+        programstore.schema_program(b'{"graph_module": 3}')
 
 
 def _graphbuild_unsupported(*args, **kwargs):
-    from lowercache import graphbuild
+    from lowercache.lowering import graphbuild
 
     raise graphbuild.Unsupported("test")
 
@@ -215,16 +216,16 @@ def test_fast_tensor_meta_builds_the_values_torch_does(monkeypatch):
     """decode's direct FakeTensor construction gives what the deserializer's fake-mode dispatch gives."""
     import contextlib
 
-    from lowercache.targets import resolve
+    from lowercache.lowering.targets import resolve
 
     module, example = models.transformer_block()
     target = resolve("ethos-u55-128")
     program = quantize.run_stock(torch.export.export(module, example), target, target.compile_spec(), example, [example])
-    entry = quantize.encode(program, "spec")
+    entry = programstore.encode(program, "spec")
     monkeypatch.setattr(quantize, "_rebuild_fast", _graphbuild_unsupported)  # torch builds the graph
-    fast = quantize.decode(entry)
-    monkeypatch.setattr(quantize._fast_tensor_meta, "active", contextlib.nullcontext)
-    stock = quantize.decode(entry)
+    fast = programstore.decode(entry)
+    monkeypatch.setattr(programstore._fast_tensor_meta, "active", contextlib.nullcontext)
+    stock = programstore.decode(entry)
     pairs = list(zip(fast.graph.nodes, stock.graph.nodes))
     assert len(pairs) == len(stock.graph.nodes)
     for a, b in pairs:
@@ -247,7 +248,7 @@ def test_fast_tensor_meta_per_value(shape, stride, dtype, requires_grad):
     deserializer = serde.GraphModuleDeserializer()
     deserializer.fake_tensor_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     stock = deserializer.deserialize_tensor_meta(tensor_meta)
-    with quantize._fast_tensor_meta.active():
+    with programstore._fast_tensor_meta.active():
         fast = deserializer.deserialize_tensor_meta(tensor_meta)
     assert fast is not stock and fast.fake_mode is stock.fake_mode
     assert _value_properties(fast) == _value_properties(stock)
@@ -260,20 +261,20 @@ def test_stored_json_equals_torchs_serializer_and_the_patches_are_undone():
     from torch._export.serde import serialize as serde
     from torch._export.serde.union import _Union
 
-    from lowercache.targets import resolve
+    from lowercache.lowering.targets import resolve
 
     create, to_dict = vars(_Union)["create"], serde._dataclass_to_dict
     module, example = models.transformer_block()
     target = resolve("tosa-int")
     program = quantize.run_stock(torch.export.export(module, example), target, target.compile_spec(), example, [example])
-    ours = quantize.encode(program, "spec").blobs["program.json"]
+    ours = programstore.encode(program, "spec").blobs["program.json"]
     assert vars(_Union)["create"] is create and serde._dataclass_to_dict is to_dict
-    with quantize._no_canonical_form_check.active():
+    with programstore._no_canonical_form_check.active():
         theirs = serde.serialize(
             program, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
         ).exported_program
     assert ours == theirs
-    with quantize._fast_union_create.active():
+    with programstore._fast_union_create.active():
         built = schema.Argument.create(as_int=3)
         assert vars(built) == vars(create.__func__(schema.Argument, as_int=3))  # same fields, same order, same tag
         assert list(vars(built)) == list(vars(create.__func__(schema.Argument, as_int=3)))
@@ -281,5 +282,5 @@ def test_stored_json_equals_torchs_serializer_and_the_patches_are_undone():
             schema.Argument.create(as_int=3, as_float=1.0)  # torch's own error
         with pytest.raises(TypeError):
             schema.Argument.create(not_a_field=1)
-    with quantize._fast_to_dict.active():
+    with programstore._fast_to_dict.active():
         assert serde._dataclass_to_dict(schema.Argument.create(as_float=float("inf"))) == {"as_float": "Infinity"}

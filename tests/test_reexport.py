@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import lowercache
-from lowercache import flow, models, quantize, reexport
-from lowercache.store import Store
-from lowercache.targets import resolve
+from lowercache.lowering import flow, programstore, quantize, reexport
+from lowercache.bench import models
+from lowercache.cache.store import Store
+from lowercache.lowering.targets import resolve
 
 from .conftest import reference
 
@@ -44,7 +45,7 @@ def _without_varying_meta(graph: bytes) -> dict:
 
 def _template(converted, example):
     program = torch.export.export(converted, tuple(example))
-    template = reexport.make_template(converted, program, quantize.encode(program, "spec"))
+    template = reexport.make_template(converted, program, programstore.encode(program, "spec"))
     assert template is not None
     return template
 
@@ -56,7 +57,7 @@ def test_filled_template_is_the_stored_form_of_a_fresh_export(model):
     assert reexport.template_parts(edited, example) == reexport.template_parts(base, example)
     filled, doc = reexport.fill(_template(base, example), edited, example, "spec")
     assert doc == json.loads(filled.blobs["program.json"])
-    fresh = quantize.encode(torch.export.export(edited, tuple(example)), "spec")
+    fresh = programstore.encode(torch.export.export(edited, tuple(example)), "spec")
     assert filled.meta == fresh.meta  # tensor names, order, records and offsets
     assert filled.blobs["tensors"] == fresh.blobs["tensors"]
     assert _without_varying_meta(filled.blobs["program.json"]) == _without_varying_meta(fresh.blobs["program.json"])
@@ -98,7 +99,7 @@ def test_tensor_scales_are_not_filled_and_refuse_a_key():
 def test_no_template_unless_the_export_maps_node_for_node():
     converted, example = _converted("tiny_cnn", None)
     program = torch.export.export(converted, tuple(example))
-    stored = quantize.encode(program, "spec")
+    stored = programstore.encode(program, "spec")
     assert reexport.make_template(converted, program, stored) is not None
     node = next(n for n in program.graph.nodes if n.target is torch.ops.aten.relu.default)
     node.target = torch.ops.aten.sigmoid.default
@@ -116,7 +117,7 @@ def test_template_with_wrong_literal_count_does_not_fill():
     nodes = doc["graph_module"]["graph"]["nodes"]
     nodes.remove(next(n for n in nodes if n["target"].endswith("quantize_per_tensor.default")))
     template.blobs["program.json"] = json.dumps(doc).encode()
-    with pytest.raises(quantize.FormatError, match="do not match"):
+    with pytest.raises(programstore.FormatError, match="do not match"):
         reexport.fill(template, converted, example, "spec")
 
 
@@ -153,7 +154,7 @@ def test_unusable_template_exports_with_a_warning_and_is_replaced(cache_dir, cap
     assert any("re-export template unusable" in r.getMessage() for r in caplog.records)
     # The fresh template replaced the bad one: a run that misses the flow and the stage fills it.
     monkeypatch.setattr(flow, "FLOW_VERSION", flow.FLOW_VERSION + "+test")
-    monkeypatch.setattr(quantize, "QUANTIZE_VERSION", quantize.QUANTIZE_VERSION + "+test")
+    monkeypatch.setattr(quantize, "QUANTIZE_VERSION", programstore.FORMAT + "+test")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="lowercache"):
         third = lowercache.lower(edited, example, target="ethos-u55-128", cache_dir=cache_dir)

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from lowercache import remote as rm
+from lowercache.cache import remote as rm
 from lowercache.errors import LowercacheError
-from lowercache.store import Entry, Store
+from lowercache.cache.store import Entry, Store
 
 from .conftest import BUCKET
 from .servers import RedisServer, SilentServer, free_port
@@ -419,7 +419,7 @@ def test_tiered_store_with_a_dead_remote_uses_the_local_cache(tmp_path, caplog):
 def test_remote_blob_with_other_content_is_a_miss(redis_url, tmp_path, caplog):
     entry = make_entry()
     rm.TieredStore(Store(tmp_path / "a"), rm.connect(redis_url)).put("flow", "k1", entry)
-    from lowercache.hashing import digest
+    from lowercache.cache.hashing import digest
 
     # A writer without the signing key can still seal a wrong blob; the digest check catches it.
     rm.connect(redis_url).put(f"blob/{digest(b'ok')}", b"not ok")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowercache import models, retrace
+from lowercache.bench import models
+from lowercache.speedups import retrace
 
 from .conftest import churn_patch, stock_pte
 
@@ -42,7 +43,7 @@ def test_edit_variants_identical(edit, target):
 
 
 def test_combines_with_shared_provenance():
-    from lowercache.provenance import shared_provenance
+    from lowercache.speedups.provenance import shared_provenance
 
     expected = stock_pte(*models.tiny_cnn(), "ethos-u55-128")
     retrace.reset_stats()
@@ -354,7 +355,7 @@ def test_delegate_run_is_reused_only_while_its_program_is_unchanged():
 def test_delegate_run_is_not_reused_under_an_unaudited_torch(monkeypatch):
     from executorch.exir.pass_base import ExportPass
 
-    from lowercache import delegatecall
+    from lowercache.speedups import delegatecall
 
     gm, _ = _delegated_graph()
     monkeypatch.setattr(delegatecall, "_AUDITED_DIGEST", "0" * 64)
@@ -389,7 +390,7 @@ def test_torch_deprecated_pass_base_records_and_reuses():
 
 
 def test_delegate_signature_refuses_what_it_cannot_describe():
-    from lowercache import delegatecall
+    from lowercache.speedups import delegatecall
 
     _, lowered = _delegated_graph()
     assert delegatecall.signature(lowered) is not None

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 import lowercache
-from lowercache import models
+from lowercache.bench import models
 from lowercache.config import Settings
 
 from .conftest import reference
@@ -133,7 +133,7 @@ def test_redis_ttl_from_settings(tmp_path, redis_url, monkeypatch):
     monkeypatch.setenv("LOWERCACHE_REMOTE_TTL", "3600")
     from lowercache.api import open_store
     from lowercache.config import load_settings
-    from lowercache.store import Entry
+    from lowercache.cache.store import Entry
 
     store = open_store(load_settings(cache_dir=tmp_path / "cache"))
     store.put("flow", "c" * 32, Entry(blobs={"model.pte": b"x"}))

@@ -14,7 +14,7 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 
-from lowercache import signature
+from lowercache.speedups import signature
 
 PROPERTIES = ("inputs_to_parameters", "inputs_to_buffers", "inputs_to_lifted_tensor_constants")
 STOCK = {name: vars(ExportGraphSignature)[name].fget for name in PROPERTIES}
@@ -134,7 +134,7 @@ def test_installed_only_while_active():
 def test_a_lowering_is_served_from_the_memo(tmp_path):
     import lowercache
     from lowercache.config import Settings
-    from lowercache.models import tiny_cnn
+    from lowercache.bench.models import tiny_cnn
 
     module, example = tiny_cnn()
     served = signature.stats()["served"]

@@ -7,7 +7,7 @@ import pickle
 
 import diskcache
 
-from lowercache.store import Entry, Store
+from lowercache.cache.store import Entry, Store
 
 
 def value_files(directory):
@@ -88,7 +88,7 @@ def test_export_import_round_trip_checks_content(tmp_path, caplog):
     import io
     import tarfile
 
-    from lowercache.archive import export_entries, import_entries
+    from lowercache.cache.archive import export_entries, import_entries
 
     source = Store(tmp_path / "a")
     source.put("flow", "a" * 32, Entry(meta={"m": 1}, blobs={"model.pte": b"pte-bytes", "x.tosa": b"tosa"}))

@@ -8,8 +8,8 @@ import sys
 import textwrap
 
 import lowercache
-from lowercache import models
-from lowercache.store import Store
+from lowercache.bench import models
+from lowercache.cache.store import Store
 
 from .conftest import reference, stock_pte
 

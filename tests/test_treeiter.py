@@ -12,7 +12,8 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from lowercache import arm, treeiter
+from lowercache.lowering import arm
+from lowercache.speedups import treeiter
 
 STOCK = pytree.tree_iter
 Point = collections.namedtuple("Point", "x y")

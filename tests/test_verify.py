@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from lowercache import flow
-from lowercache.steps import step_key
-from lowercache.store import Entry, Store
-from lowercache.targets import resolve
+from lowercache.lowering import flow
+from lowercache.cache.steps import step_key
+from lowercache.cache.store import Entry, Store
+from lowercache.lowering.targets import resolve
 
 from .test_cli import TINY, cli
 
@@ -17,7 +17,7 @@ def test_verify_passes_then_catches_a_wrong_but_well_formed_entry(tmp_path, cach
 
     # Plant a wrong hit: same key, well-formed entry, one byte of the .pte changed.
     store = Store(cache_dir)
-    from lowercache.loading import load_model
+    from lowercache.lowering.loading import load_model
 
     loaded = load_model(TINY)
     program = flow.export(loaded.module, loaded.example_inputs)

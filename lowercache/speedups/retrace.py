@@ -120,7 +120,7 @@ Restrictions (each falls back to the normal dispatch, and is counted):
   set by hand) is never reused; the first dispatch records it.
 
 A delegate call (``executorch_call_delegate``) is reused under the same
-rules, with one more part in its signature: :mod:`lowercache.delegatecall`'s
+rules, with one more part in its signature: :mod:`lowercache.speedups.delegatecall`'s
 description of everything its fake run reads (the delegate's program, its
 constants' metadata, its signatures), plus the delegate's identity. Without
 a description (an operator outside the rules above, a symbolic size, an
@@ -132,8 +132,8 @@ not fake dispatches of a node or are excluded above) and are counted as
 had, so the identity chain through multi-output ops is kept.
 
 What it saves. Only the fake dispatch: node creation, naming, meta copying
-and provenance still run per node (``lowercache.provenance`` addresses the
-last, ``lowercache.fastcopy`` the interpretation around unchanged nodes,
+and provenance still run per node (``lowercache.speedups.provenance`` addresses the
+last, ``lowercache.speedups.fastcopy`` the interpretation around unchanged nodes,
 taking their values from :func:`fake_value`; all combine). Measured on MobileNetV2 96x96 (2 shared cores,
 OMP_NUM_THREADS=1): ~80% of op dispatches are reused; a reused dispatch
 would have cost ~0.2 ms (FakeTensor's own dispatch cache already hits for
@@ -147,27 +147,22 @@ quantization folding, layouts changed by permute removal) are re-dispatched.
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 import weakref
 from typing import Any, Callable
 
-from . import delegatecall
+from . import delegatecall, oppolicy
 from .patching import Patch
 
 _originals: dict[str, Any] = {}
 # (input-graph node being interpreted, the pass interpreting it, candidates reused in this retrace)
 _tls = threading.local()
 
-_ALLOWED_NAMESPACES = frozenset({"aten", "prims", "quantized_decomposed", "dim_order_ops", "tosa"})
 _MISS = object()
 
 # id(first output leaf) -> (weakref to it, record); entries die with the tensor.
 _records: dict[int, tuple[Any, tuple]] = {}
-# op target -> None when ineligible, else (result may alias an input, fake kernel reads the TOSA
-# context, the op the call dispatches: see _kernel).
-_op_policy: dict[Any, tuple[bool, bool, Any] | None] = {}
 
 _stats_lock = threading.Lock()
 _STAT_KEYS = (
@@ -206,82 +201,6 @@ def reset_stats() -> None:
     with _stats_lock:
         for key in _STAT_KEYS:
             _stats[key] = 0
-
-
-def policy(target: Any) -> tuple[bool, bool, Any] | None:
-    """None when ``target`` must always be dispatched, else ``(may_alias, reads_tosa_context, kernel)``."""
-    try:
-        return _op_policy[target]
-    except KeyError:
-        pass
-    except TypeError:  # unhashable target
-        return None
-    _op_policy[target] = result = _compute_policy(target)
-    return result
-
-
-def _compute_policy(target: Any) -> tuple[bool, bool, Any] | None:
-    import torch
-    from executorch.exir.dialects.edge._ops import EdgeOpOverload
-
-    op = target._op if isinstance(target, EdgeOpOverload) else target
-    if not isinstance(op, torch._ops.OpOverload):
-        return None
-    if op.namespace not in _ALLOWED_NAMESPACES:
-        return None
-    schema = op._schema
-    if schema.is_mutable:
-        return None
-    banned = {
-        torch.Tag.data_dependent_output,
-        torch.Tag.dynamic_output_shape,
-        torch.Tag.nondeterministic_seeded,
-        torch.Tag.inplace_view,
-        torch.Tag.maybe_aliasing_or_mutating,
-    }
-    if banned.intersection(op.tags):
-        return None
-    if not schema.returns:
-        return None
-    aliases = False
-    for ret in schema.returns:
-        rtype = ret.type
-        if isinstance(rtype, torch._C.ListType):
-            rtype = rtype.getElementType()
-        if not isinstance(rtype, torch._C.TensorType):
-            return None
-        if ret.alias_info is not None:
-            if ret.alias_info.is_write:
-                return None
-            aliases = True
-    return aliases, op.namespace == "tosa", _kernel(target)
-
-
-def _kernel(target: Any) -> Any:
-    """What calling ``target`` dispatches: an edge op's ATen op, when its call only forwards to it.
-
-    ``EdgeOpOverload.__call__`` is ``return self._op(*args, **kwargs)``, so a
-    dispatch of an edge op is a dispatch of its ATen op: records are kept by
-    the latter, and a retrace that turns ``aten.X`` into ``edge.aten.X``
-    (``to_edge``'s op replacement) can reuse what the ATen op computed.
-    """
-    from executorch.exir.dialects.edge._ops import EdgeOpOverload
-
-    if type(target) is not EdgeOpOverload or not _edge_call_forwards():
-        return target
-    return target._op
-
-
-@functools.cache
-def _edge_call_forwards() -> bool:
-    """Whether ``EdgeOpOverload.__call__`` is exactly the forwarding line (read once per process)."""
-    import inspect
-    import textwrap
-
-    from executorch.exir.dialects.edge._ops import EdgeOpOverload
-
-    call = textwrap.dedent(inspect.getsource(EdgeOpOverload.__call__))
-    return call == "def __call__(self, *args, **kwargs):\n    return self._op(*args, **kwargs)\n"
 
 
 def _is_op(target: Any) -> bool:
@@ -503,7 +422,7 @@ class _Shim:
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         inner = self._inner
-        rule = policy(target)
+        rule = oppolicy.policy(target)
         if rule is None:
             if target is not None and target is delegatecall.operator_if_loaded():
                 return self._call_delegate(target, args, kwargs)
@@ -712,6 +631,11 @@ enable = _patch.enable
 disable = _patch.disable
 reuse_fake_propagation = _patch.active
 """Context manager form of :func:`enable` / :func:`disable`."""
+
+
+def original(name: str, default: Any) -> Any:
+    """The stock function the shim replaced under ``name`` (``_fx``, ``run_node``), or ``default`` before any patch."""
+    return _originals.get(name, default)
 
 
 def enabled() -> bool:

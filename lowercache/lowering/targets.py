@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import LowercacheError
+from ..errors import LowercacheError
 
 TOSA_TARGETS = {"tosa-int": "TOSA-1.0+INT", "tosa-fp": "TOSA-1.0+FP"}
 ETHOSU_TARGETS = (

@@ -18,7 +18,7 @@ import xxhash
 SCHEMA_VERSION = "1"
 
 
-def _version(dist: str) -> str:
+def version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -45,10 +45,10 @@ def toolchain_parts() -> dict[str, str]:
     # Found without importing it: importing the Arm backend costs seconds.
     executorch_dir = importlib.util.find_spec("executorch").submodule_search_locations[0]
     return {
-        "torch": _version("torch"),
-        "executorch": _version("executorch"),
-        "tosa_tools": _version("tosa-tools"),
-        "vela": _version("ethos-u-vela"),
+        "torch": version("torch"),
+        "executorch": version("executorch"),
+        "tosa_tools": version("tosa-tools"),
+        "vela": version("ethos-u-vela"),
         "arm_backend_src": source_digest(os.path.join(executorch_dir, "backends", "arm")),
         "lowercache_schema": SCHEMA_VERSION,
     }

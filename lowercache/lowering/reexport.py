@@ -10,10 +10,10 @@ reads neither: it records the literals as they are and the tensors by name.
 
 So the step's key is the converted graph with those literals and tensor
 values left out (``template_parts``), and its value is a *template*: the
-stored form of the exported program (``quantize.encode``'s JSON) without
+stored form of the exported program (``programstore.encode``'s JSON) without
 tensors. A hit fills the template with this converted graph's own literals
-and tensors (``fill``) and gives the entry ``quantize.encode`` would have
-written for a fresh export, which ``quantize.decode`` rebuilds as on any hit.
+and tensors (``fill``) and gives the entry ``programstore.encode`` would have
+written for a fresh export, which ``programstore.decode`` rebuilds as on any hit.
 
 Why filling is exact: a template is only stored when the exported graph
 corresponds to the converted one node for node (same operators in the same
@@ -38,11 +38,20 @@ from typing import Any, Sequence
 
 import torch
 
-from . import quantize
-from .hashing import IGNORED_META, Unhashable, canon, digest_json, inputs_digest, node_form, op_name, tensor_bytes
-from .steps import Session
-from .store import Entry
-from .toolchain import toolchain_parts
+from . import programstore
+from ..cache.hashing import (
+    IGNORED_META,
+    Unhashable,
+    canon,
+    digest_json,
+    inputs_digest,
+    node_form,
+    op_name,
+    tensor_bytes,
+)
+from ..cache.steps import Session
+from ..cache.store import Entry
+from ..cache.toolchain import toolchain_parts
 
 log = logging.getLogger("lowercache")
 
@@ -242,7 +251,7 @@ def _filled_doc_nodes(doc: dict[str, Any]) -> list[dict[str, dict[str, Any]]]:
         if f"{namespace}::{rest}" in _FILLED_OPS:
             args = {a["name"]: a["arg"] for a in node["inputs"] if a.get("name") in _FILLED_ARGS}
             if set(args) != set(_FILLED_ARGS) or "as_float" not in args["scale"] or "as_int" not in args["zero_point"]:
-                raise quantize.FormatError(f"filled node {target} without literal scale and zero point")
+                raise programstore.FormatError(f"filled node {target} without literal scale and zero point")
             filled.append(args)
     return filled
 
@@ -277,14 +286,14 @@ def fill(
     template: Entry, converted: torch.fx.GraphModule, example_inputs: Sequence[Any], spec_digest: str
 ) -> tuple[Entry, dict[str, Any]]:
     """The stored form of ``converted``'s export, from a template, and its JSON parsed (for
-    ``quantize.decode``, which would parse it again); FormatError if it does not fit."""
+    ``programstore.decode``, which would parse it again); FormatError if it does not fit."""
     if template.meta.get("format") != REEXPORT_VERSION:
-        raise quantize.FormatError(template.meta.get("reason", "not a re-export template"))
+        raise programstore.FormatError(template.meta.get("reason", "not a re-export template"))
     literals = _graph_literals(converted)
     doc = json.loads(template.blobs["program.json"])
     filled = _filled_doc_nodes(doc)
     if len(filled) != len(literals):
-        raise quantize.FormatError("the template's quantize nodes do not match the converted graph")
+        raise programstore.FormatError("the template's quantize nodes do not match the converted graph")
     for args, (scale, zero_point) in zip(filled, literals):
         args["scale"]["as_float"] = scale
         args["zero_point"]["as_int"] = zero_point
@@ -294,13 +303,13 @@ def fill(
         try:
             value = _attribute(converted, name)
         except AttributeError:
-            raise quantize.FormatError(f"the converted model has no tensor {name}") from None
-        if group not in groups or not isinstance(value, torch.Tensor) or quantize.tensor_record(value) != record:
-            raise quantize.FormatError(f"tensor {name} does not match the template")
+            raise programstore.FormatError(f"the converted model has no tensor {name}") from None
+        if group not in groups or not isinstance(value, torch.Tensor) or programstore.tensor_record(value) != record:
+            raise programstore.FormatError(f"tensor {name} does not match the template")
         groups[group][name] = value
     groups["example_inputs"] = {str(i): t for i, t in enumerate(example_inputs)}
     graph = json.dumps(doc, allow_nan=False).encode("utf-8")  # parses back to ``doc`` exactly
-    return quantize.stored_entry(graph, groups, spec_digest, doc), doc
+    return programstore.stored_entry(graph, groups, spec_digest, doc), doc
 
 
 def export(
@@ -316,7 +325,7 @@ def export(
 
     def compute() -> Entry:
         program = torch.export.export(converted, tuple(example_inputs))
-        stored = quantize.encode_or_note(program, spec_digest, storing)
+        stored = programstore.encode_or_note(program, spec_digest, storing)
         made.append((program, stored))
         if parts is None:
             return stored
@@ -333,7 +342,7 @@ def export(
         return made[0]
     try:
         entry, doc = fill(template, converted, example_inputs, spec_digest)
-        return quantize.decode(entry, doc), entry
+        return programstore.decode(entry, doc), entry
     except Exception as err:  # a template that does not fill is a miss, never a crash
         usable_format = template.meta.get("format") == REEXPORT_VERSION
         if usable_format:

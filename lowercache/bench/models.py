@@ -539,3 +539,8 @@ SMALL: tuple[str, ...] = ("tiny_cnn", "residual_cnn", "transformer_block")
 
 LARGE: tuple[str, ...] = ("mobilenet_v2", "resnet", "deit_tiny")
 """Realistic models for the full benchmark (minutes to lower)."""
+
+
+def scenario_calibration(example: Sequence[torch.Tensor], custom: bool) -> list[ExampleInputs] | None:
+    """The calibration set of a measured lowering: None means the flow's default (the example inputs)."""
+    return calibration_samples(example) if custom else None

@@ -14,7 +14,7 @@ Why it is built the way it is (see ``shared/notes/benchmark.md``):
 - Scenarios that start from a filled cache copy a seed cache directory before
   every repetition, so every repetition sees the same starting state.
 
-Run ``python -m lowercache.bench --quick --out benchmarks/results/quick``.
+Run ``python -m lowercache.bench.harness --quick --out benchmarks/results/quick``.
 """
 
 from __future__ import annotations
@@ -36,15 +36,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import torch
 
-from . import __version__, flow, partitionorder, stockref
-from .api import lower
-from .config import Settings
-from .models import MODELS, SMALL, calibration_samples
-from .steps import Session, listed, outcome_counts
-from .targets import resolve
-from .toolchain import _version
+from .. import __version__
+from ..lowering import flow, partitionorder
+from . import stockref
+from ..api import lower
+from ..config import Settings
+from .models import MODELS, SMALL, scenario_calibration
+from ..cache.steps import Session, listed, outcome_counts
+from ..lowering.targets import resolve
+from ..cache.toolchain import version
 
 SCENARIOS: tuple[str, ...] = ("cold", "warm", "edit-structure", "edit-weights", "target-switch", "calibration")
 """Every scenario, in the order the benchmark runs and reports them."""
@@ -61,7 +62,7 @@ QUICK: dict[str, Any] = {
 """The ``--quick`` preset: small models, one float and one quantized target, minutes in all."""
 
 STAGES: tuple[str, ...] = ("export", "hash", "quantize", "to_edge", "to_executorch", "other")
-"""Stage names as :class:`lowercache.flow._Stages` records them, in flow order.
+"""Stage names as :class:`lowercache.lowering.flow.Stages` records them, in flow order.
 
 ``other`` is the whole-flow time no stage accounts for (for lowercache
 mostly opening the store and reading or writing entries), so the stages
@@ -134,11 +135,6 @@ def _settings(cache_dir: Path) -> Settings:
     return Settings(cache_dir=cache_dir)
 
 
-def _calibration(example: Sequence[torch.Tensor], custom: bool) -> list[tuple[Any, ...]] | None:
-    """The calibration set of a measured lowering: None means the flow's default (the example inputs)."""
-    return calibration_samples(example) if custom else None
-
-
 def _with_other(stages: dict[str, float], total: float) -> dict[str, float]:
     """The stage times plus ``other``: the part of ``total`` outside every stage."""
     return {**stages, "other": max(total - sum(stages.values()), 0.0)}
@@ -153,9 +149,9 @@ def _stock(
     buffer so the console stays readable.
     """
     module, example = MODELS[model](edit=edit)
-    calibration = _calibration(example, custom_calibration) or [tuple(example)]
+    calibration = scenario_calibration(example, custom_calibration) or [tuple(example)]
     resolved = resolve(target)
-    stages = flow._Stages(Session(None))
+    stages = flow.Stages(Session(None))
     orders: list[list[str]] = []
     start = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
@@ -190,7 +186,7 @@ def _lowercache(
     Vela's summary, which would otherwise flood the console.
     """
     module, example = MODELS[model](edit=edit)
-    calibration = _calibration(example, custom_calibration)
+    calibration = scenario_calibration(example, custom_calibration)
     start = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
         artifacts = lower(module, example, target=target, calibration=calibration, name=model, settings=_settings(cache_dir))
@@ -356,10 +352,10 @@ def environment() -> dict[str, Any]:
         },
         "versions": {
             "python": platform.python_version(),
-            "torch": _version("torch"),
-            "executorch": _version("executorch"),
-            "tosa-tools": _version("tosa-tools"),
-            "vela": _version("ethos-u-vela"),
+            "torch": version("torch"),
+            "executorch": version("executorch"),
+            "tosa-tools": version("tosa-tools"),
+            "vela": version("ethos-u-vela"),
             "lowercache": __version__,
         },
     }
@@ -589,7 +585,7 @@ def _list(text: str) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry; returns 0 when every output was byte-identical, 1 otherwise."""
-    parser = argparse.ArgumentParser(prog="python -m lowercache.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lowercache.bench.harness", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", type=_list, help=f"comma list (default: all of {', '.join(MODELS)})")
     parser.add_argument("--targets", type=_list, help=f"comma list (default: {','.join(TARGETS)})")
     parser.add_argument("--scenarios", type=_list, help=f"comma list (default: {','.join(SCENARIOS)})")

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .patching import AttributePatch
+from ..speedups.patching import AttributePatch
 
 
 class Unsupported(Exception):
@@ -113,7 +113,7 @@ class GraphBuilder:
         return graph
 
     def fake(self, name: str) -> Any:
-        """The value of ``name``, built once (torch's LazyMap), as ``quantize._fake_from_meta`` builds it."""
+        """The value of ``name``, built once (torch's LazyMap), as ``programstore._fake_from_meta`` builds it."""
         from torch._subclasses.fake_tensor import FakeTensor
 
         val = self.vals.get(name)

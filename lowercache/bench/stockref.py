@@ -8,7 +8,7 @@ at, so the comparison is made against pure stock run in a fresh process
 whose ``PYTHONHASHSEED`` makes the tag set iterate in discovery order (the
 child checks the order it actually used).
 
-Child entry: ``python -m lowercache.stockref MODEL TARGET OUT [--edit E] [--custom-calibration]``,
+Child entry: ``python -m lowercache.bench.stockref MODEL TARGET OUT [--edit E] [--custom-calibration]``,
 MODEL a benchmark model name or a ``file.py:factory`` spec (no edit then).
 """
 
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from . import partitionorder
+from ..lowering import partitionorder
 
 _SET_ORDER = "import sys; s = set(sys.argv[1:]); print(list(s) == sys.argv[1:])"
 
@@ -49,7 +49,7 @@ def reference(model: str, target: str, edit: str | None, custom_calibration: boo
     for seed in seeds_for(tags):
         with tempfile.TemporaryDirectory(prefix="lowercache-stockref-") as tmp:
             out = Path(tmp) / "model.pte"
-            cmd = [sys.executable, "-m", "lowercache.stockref", model, target, str(out)]
+            cmd = [sys.executable, "-m", "lowercache.bench.stockref", model, target, str(out)]
             cmd += (["--edit", edit] if edit else []) + (["--custom-calibration"] if custom_calibration else [])
             env = {**os.environ, "PYTHONHASHSEED": str(seed)}
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -62,12 +62,11 @@ def reference(model: str, target: str, edit: str | None, custom_calibration: boo
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from . import flow
-    from .bench import _calibration
-    from .models import MODELS
-    from .targets import resolve
+    from ..lowering import flow
+    from .models import MODELS, scenario_calibration
+    from ..lowering.targets import resolve
 
-    parser = argparse.ArgumentParser(prog="python -m lowercache.stockref")
+    parser = argparse.ArgumentParser(prog="python -m lowercache.bench.stockref")
     parser.add_argument("model")
     parser.add_argument("target")
     parser.add_argument("out", type=Path)
@@ -77,11 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model in MODELS:
         module, example = MODELS[args.model](edit=args.edit)
     else:
-        from .loading import load_model
+        from ..lowering.loading import load_model
 
         loaded = load_model(args.model)
         module, example = loaded.module, loaded.example_inputs
-    calibration = _calibration(example, args.custom_calibration) or [tuple(example)]
+    calibration = scenario_calibration(example, args.custom_calibration) or [tuple(example)]
     orders: list[list[str]] = []
     with contextlib.redirect_stdout(io.StringIO()):
         program = flow.export(module, example)

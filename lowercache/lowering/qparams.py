@@ -32,10 +32,18 @@ from typing import Any
 
 import torch
 
-from .patching import Patch
-from .hashing import Unhashable, canon, digest_json, dtype_name, tensor_bytes, tensor_digest, tensor_from_bytes
-from .steps import current_session
-from .store import Entry
+from ..speedups.patching import Patch
+from ..cache.hashing import (
+    Unhashable,
+    canon,
+    digest_json,
+    dtype_name,
+    tensor_bytes,
+    tensor_digest,
+    tensor_from_bytes,
+)
+from ..cache.steps import current_session
+from ..cache.store import Entry
 
 _originals: dict[type, Any] = {}
 

@@ -88,7 +88,7 @@ def _memoized(name: str) -> property:
             _stats["served"] += 1
         return mapping
 
-    get.__doc__ = f"``{name}``, built once per state of the input specs (lowercache.signature)."
+    get.__doc__ = f"``{name}``, built once per state of the input specs (lowercache.speedups.signature)."
     return property(get)
 
 

@@ -18,13 +18,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import arm, fastcopy, partitionorder, quantize, retrace
-from .gcfreeze import frozen_heap
-from .hashing import Unhashable, digest, digest_json, inputs_digest, program_parts
-from .steps import Session, activate, listed, outcome_counts
-from .store import Entry, Store
+from . import arm, partitionorder, quantize
+from ..speedups import fastcopy, retrace
+from ..speedups.gcfreeze import frozen_heap
+from ..cache.hashing import Unhashable, digest, digest_json, inputs_digest, program_parts
+from ..cache.steps import Session, activate, listed, outcome_counts
+from ..cache.store import Entry, Store
 from .targets import Target
-from .toolchain import toolchain_parts
+from ..cache.toolchain import toolchain_parts
 
 # Names the stock flow below; part of the flow key. v2: partitions lowered in
 # discovery order (partitionorder.py); v1 entries followed the hash seed.
@@ -53,7 +54,7 @@ class Artifacts:
         return [v for k, v in sorted(self.files.items()) if k.endswith(".tosa")]
 
 
-class _Stages:
+class Stages:
     """Times the flow's stages and tells the listener which one is running."""
 
     def __init__(self, session: Session):
@@ -61,7 +62,7 @@ class _Stages:
         self.seconds: dict[str, float] = {}
 
     def run(self, name: str, fn: Callable[[], Any]) -> Any:
-        self.session._emit("stage", None, name)
+        self.session.emit("stage", None, name)
         start = time.perf_counter()
         try:
             return fn()
@@ -121,7 +122,7 @@ def run_stock(
     target: Target,
     example_inputs: Inputs,
     calibration: Sequence[Inputs],
-    stages: _Stages | None = None,
+    stages: Stages | None = None,
     session: Session | None = None,
     parts: dict[str, str] | None = None,
     partition_orders: list[list[str]] | None = None,
@@ -160,10 +161,10 @@ def lower_program(
     example_inputs: Inputs,
     calibration: Sequence[Inputs] | None,
     session: Session,
-    stages: _Stages | None = None,
+    stages: Stages | None = None,
 ) -> Artifacts:
     """Lower an exported program through the cached flow step."""
-    stages = stages or _Stages(session)
+    stages = stages or Stages(session)
     calibration = list(calibration) if calibration is not None else [tuple(example_inputs)]
     parts = stages.run("hash", lambda: flow_parts(program, target, example_inputs, calibration, session.store))
 
@@ -206,7 +207,7 @@ def lower_module(
     session: Session,
 ) -> Artifacts:
     """Export ``module`` and lower it through the cached flow."""
-    stages = _Stages(session)
+    stages = Stages(session)
     program = stages.run("export", lambda: export(module, example_inputs))
     return lower_program(program, target, example_inputs, calibration, session, stages)
 

@@ -158,7 +158,7 @@ def signature(lowered: Any) -> tuple[tuple, bool] | None:
     from executorch.exir.lowered_backend_module import LoweredBackendModule
     from torch.export import ExportedProgram
 
-    from . import retrace
+    from . import oppolicy
 
     if type(lowered) is not LoweredBackendModule or not _audited():
         return None
@@ -182,7 +182,7 @@ def signature(lowered: Any) -> tuple[tuple, bool] | None:
             entry += [node.name, node.target, meta]
         elif node.op == "call_function":
             if node.target is not operator.getitem:
-                policy = retrace.policy(node.target)
+                policy = oppolicy.policy(node.target)
                 if policy is None:
                     return None
                 tosa = tosa or policy[1]

@@ -27,7 +27,7 @@ import dataclasses
 import re
 from typing import Any
 
-from .patching import AttributePatch
+from ..speedups.patching import AttributePatch
 
 _TAG = re.compile(r"tag(\d+)")
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from . import fastcopy, retrace
-from .patching import Patch
-from .steps import current_session
+from ..speedups import fastcopy, retrace
+from ..speedups.patching import Patch
+from ..cache.steps import current_session
 
 _original: list[Any] = []
 

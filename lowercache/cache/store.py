@@ -29,8 +29,8 @@ from typing import Any, Iterator
 import diskcache
 from diskcache.core import MODE_PICKLE
 
-from .config import DEFAULT_MAX_SIZE
-from .errors import LowercacheError
+from ..config import DEFAULT_MAX_SIZE
+from ..errors import LowercacheError
 from .hashing import digest
 
 log = logging.getLogger("lowercache")

@@ -17,7 +17,7 @@ here is built around two rules:
 Layers, bottom up: :class:`Remote` moves raw bytes (:class:`RedisRemote`,
 :class:`S3Remote`, made by :func:`open_remote` from a URL); :class:`Guarded`
 adds sealing, modes, fault isolation and counters; :class:`TieredStore` puts a
-guarded remote behind a local :class:`~lowercache.store.Store`.
+guarded remote behind a local :class:`~lowercache.cache.store.Store`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 import zstandard
 
-from .errors import LowercacheError
+from ..errors import LowercacheError
 from .hashing import digest
 from .store import CorruptEntry, Entry, Store
 

@@ -9,7 +9,7 @@ Two hook points, both wrapped rather than subclassed (the backends are
 - ``vela_compile`` as imported into ``ethosu/backend.py``: TOSA bytes to the
   Ethos-U command stream. Step kind ``vela``.
 
-While installed, the hooks record into the active :class:`~lowercache.steps.Session`
+While installed, the hooks record into the active :class:`~lowercache.cache.steps.Session`
 and pass straight through when there is none. Installing them also turns on
 the in-flow speed-ups that keep output bytes identical: shared provenance
 (``provenance.py``), observer qparams steps (``qparams.py``), per-pass
@@ -37,7 +37,7 @@ import tempfile
 import threading
 from typing import Any
 
-from . import (
+from ..speedups import (
     attrnames,
     callsite,
     ciaops,
@@ -48,20 +48,18 @@ from . import (
     fastcopy,
     histogram,
     lazycode,
-    partitionorder,
-    passes,
     provenance,
-    qparams,
     retrace,
     signature,
     treeiter,
 )
-from .patching import Patch
+from . import partitionorder, passes, qparams
+from ..speedups.patching import Patch
 from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
-from .hashing import Unhashable, canon, digest, digest_json, program_parts
-from .steps import current_session
-from .store import Entry
-from .toolchain import toolchain_parts
+from ..cache.hashing import Unhashable, canon, digest, digest_json, program_parts
+from ..cache.steps import current_session
+from ..cache.store import Entry
+from ..cache.toolchain import toolchain_parts
 
 _lock = threading.Lock()
 _originals: dict[str, Any] = {}

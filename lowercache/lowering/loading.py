@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .errors import LowercacheError
+from ..errors import LowercacheError
 
 
 @dataclass

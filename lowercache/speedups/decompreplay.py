@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .hashing import digest_json, op_name
+from ..cache.hashing import digest_json, op_name
 
 KIND = "decomp"
 _NAMESPACES = frozenset({"aten", "prims"})

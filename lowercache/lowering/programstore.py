@@ -1,15 +1,7 @@
-"""The quantization stage as a cached step, and a safe stored form of its output.
+"""A safe stored form of an ``ExportedProgram``: no pickle, checked before it is rebuilt.
 
-The stage (``prepare_pt2e`` -> calibrate -> ``convert_pt2e`` -> re-export)
-is a pure function of the float program, the calibration data, the
-quantizer config and the compile spec, so it is a step of its own, kind
-``quantize``. Inside it, observer qparams are steps too (``qparams.py``), so
-a miss re-computes only observers whose statistics changed, and the
-re-export is a step (``reexport.py``) that a weights edit serves from a
-template.
-
-Its output is an ``ExportedProgram``, which must be stored without pickle.
-The stored form is torch.export's own JSON schema for the graph (op identity
+The quantization stage (``quantize.py``) and the re-export step
+(``reexport.py``) store their output this way. The form is torch.export's own JSON schema for the graph (op identity
 by qualified name, arguments, node metadata), written with the tensor parts
 switched off, plus every parameter, buffer, constant and example input as
 raw bytes with dtype, shape and stride. Before a stored program is rebuilt,
@@ -18,12 +10,6 @@ symbolic shape expressions (sympy parses them), guard code, custom objects
 and nested graphs are refused, so such programs are not stored at all. A
 hit rebuilds the graph with ``graphbuild`` and the rest with torch's
 deserializer.
-
-One side effect of the stock stage is reproduced on a hit: the Arm
-quantizer materializes the compile spec's default pass-pipeline config,
-which the partitioner later serializes into the .pte. The entry records the
-compile spec's digest after the stage; a hit applies the same
-materialization and checks the digest, and recomputes on any difference.
 """
 
 from __future__ import annotations
@@ -35,111 +21,26 @@ import json
 import logging
 import re
 import typing
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
 from . import graphbuild
-from .gcfreeze import frozen_heap
-from .hashing import dtype_name, tensor_bytes, tensor_from_bytes
-from .patching import AttributePatch
-from .steps import Session
-from .store import Entry
+from ..cache.hashing import dtype_name, tensor_bytes, tensor_from_bytes
+from ..cache.store import Entry
+from ..speedups.patching import AttributePatch
 
 log = logging.getLogger("lowercache")
 
-QUANTIZE_VERSION = "prepare_pt2e>calibrate>convert_pt2e>export:v1"
-
-# Flow key parts that the quantization stage does not depend on.
-_NOT_QUANTIZE_PARTS = ("flow", "target")
+FORMAT = "prepare_pt2e>calibrate>convert_pt2e>export:v1"
 
 # JSON keys of torch.export's schema whose content would be parsed as code or
 # expressions when the program is rebuilt, or that this format does not carry.
 # One pattern: a single pass over a program JSON of several megabytes.
 _REFUSED_KEYS = re.compile(rb'"(as_expr|as_custom_obj|as_graph|as_sym_float|as_sym_bool)"')
 
-
 class FormatError(ValueError):
     """A stored program that cannot be rebuilt safely; the stage recomputes."""
-
-
-def quantize_parts(flow_parts: dict[str, str] | None) -> dict[str, str] | None:
-    """Key parts of the stage: the flow's parts it depends on, and its own version."""
-    if flow_parts is None:
-        return None
-    parts = {k: v for k, v in flow_parts.items() if k not in _NOT_QUANTIZE_PARTS}
-    parts["stage"] = QUANTIZE_VERSION
-    return parts
-
-
-def convert(
-    program: torch.export.ExportedProgram, target: Any, spec: Any, calibration: Sequence[tuple[Any, ...]]
-) -> torch.fx.GraphModule:
-    """The stock stage up to its re-export: prepare, calibrate, convert."""
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    prepared = prepare_pt2e(program.module(check_guards=False), target.quantizer(spec))
-    for sample in calibration:
-        prepared(*sample)
-    return convert_pt2e(prepared)
-
-
-def run_stock(
-    program: torch.export.ExportedProgram,
-    target: Any,
-    spec: Any,
-    example_inputs: tuple[Any, ...],
-    calibration: Sequence[tuple[Any, ...]],
-) -> torch.export.ExportedProgram:
-    """The stock stage: prepare, calibrate, convert, re-export."""
-    return torch.export.export(convert(program, target, spec, calibration), tuple(example_inputs))
-
-
-@frozen_heap()  # why: gcfreeze.py; a no-op inside the flow's own freeze
-def quantize(
-    program: torch.export.ExportedProgram,
-    target: Any,
-    spec: Any,
-    example_inputs: tuple[Any, ...],
-    calibration: Sequence[tuple[Any, ...]],
-    parts: dict[str, str] | None,
-    session: Session,
-) -> tuple[torch.export.ExportedProgram, Any]:
-    """The stage through the ``quantize`` step: the quantized program, and the
-    compile spec as the stock stage leaves it (for the partitioner)."""
-    # The stock stage imports the Arm quantizer, which loads the quantized
-    # kernels' out variants that to_executorch needs; a hit must too.
-    import executorch.backends.arm.quantizer  # noqa: F401
-
-    from . import arm, reexport
-
-    computed: list[torch.export.ExportedProgram] = []
-    storing = parts is not None and session.store is not None
-
-    def compute() -> Entry:
-        converted = convert(program, target, spec, calibration)
-        spec_digest = arm.compile_spec_digest(spec) if storing else ""
-        result, stored = reexport.export(converted, example_inputs, spec_digest, session, storing)
-        computed.append(result)
-        return stored
-
-    entry = session.run("quantize", target.name, parts, compute)
-    if computed:
-        return computed[0], spec
-    try:
-        spec._get_pass_pipeline_config()
-        if entry.meta.get("compile_spec_after") != arm.compile_spec_digest(spec):
-            raise FormatError("the compile spec would differ from the stock stage's")
-        return decode(entry), spec
-    except Exception as err:  # a stored program that does not rebuild is a miss, never a crash
-        stored = entry.meta.get("stored", True)
-        if stored:
-            log.warning("lowercache: warning: cached quantized program unusable (%s); recomputing", err)
-        fresh = target.compile_spec()
-        result = run_stock(program, target, fresh, example_inputs, calibration)
-        if stored and storing:
-            session.replace("quantize", parts, encode_or_note(result, arm.compile_spec_digest(fresh), storing))
-        return result, fresh
 
 
 def tensor_record(t: Any) -> dict[str, Any]:
@@ -204,7 +105,7 @@ def stored_entry(
             chunks.append(data)
             offset += len(data)
     blobs = {"program.json": graph, "tensors": b"".join(chunks)}  # one blob: one file write per entry
-    meta = {"format": QUANTIZE_VERSION, "tensors": tensors, "compile_spec_after": spec_digest}
+    meta = {"format": FORMAT, "tensors": tensors, "compile_spec_after": spec_digest}
     return Entry(meta=meta, blobs=blobs)
 
 
@@ -241,7 +142,7 @@ def decode(entry: Entry, doc: dict[str, Any] | None = None) -> torch.export.Expo
     """
     from torch._export.serde import serialize as serde
 
-    if entry.meta.get("format") != QUANTIZE_VERSION:
+    if entry.meta.get("format") != FORMAT:
         raise FormatError("not a stored quantized program")
     with _no_cyclic_gc():
         doc = _check_graph(entry.blobs["program.json"], doc)

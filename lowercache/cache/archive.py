@@ -19,7 +19,7 @@ import re
 import tarfile
 from pathlib import Path
 
-from .errors import LowercacheError
+from ..errors import LowercacheError
 from .hashing import digest
 from .store import Entry, Store
 

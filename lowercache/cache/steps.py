@@ -88,7 +88,7 @@ class Session:
         self._memo: dict[tuple[str, str], Entry] = {}  # entries seen this run: no second disk read
         self._counted = 0
 
-    def _emit(self, phase: str, record: StepRecord | None, label: str) -> None:
+    def emit(self, phase: str, record: StepRecord | None, label: str) -> None:
         if self.listener is not None:
             self.listener(phase, record, label)
 
@@ -105,7 +105,7 @@ class Session:
         ``parts=None`` means the step cannot be keyed: it runs as a bypass.
         """
         label = f"{kind}: {name}"
-        self._emit("start", None, label)
+        self.emit("start", None, label)
         start = time.perf_counter()
         key = step_key(kind, parts) if parts is not None else ""
         entry, tier = self._fetch(kind, key) if parts is not None else (None, "")
@@ -133,7 +133,7 @@ class Session:
         )
         self.records.append(record)
         self.outputs.setdefault(kind, []).append(entry)
-        self._emit("end", record, label)
+        self.emit("end", record, label)
         return entry
 
     def _fetch(self, kind: str, key: str) -> tuple[Entry | None, str]:

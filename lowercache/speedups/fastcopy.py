@@ -127,8 +127,8 @@ def _audited_sources() -> list[Any]:
     from . import retrace
 
     return [
-        retrace._originals.get("_fx", _ExportPassBase._fx),
-        retrace._originals.get("run_node", _ExportPassBase.ExportInterpreter.run_node),
+        retrace.original("_fx", _ExportPassBase._fx),
+        retrace.original("run_node", _ExportPassBase.ExportInterpreter.run_node),
         _ExportPassBase.call_operator,
         _ExportPassBase.ExportInterpreter.call_function,
         ExportPass.ExportInterpreter.call_function,

@@ -456,9 +456,9 @@ def trace_names(graph: torch.fx.Graph) -> tuple[dict[torch.fx.Node, str], Any]:
 
 def _stored_templates(candidates: list, table: Any) -> tuple[dict, dict | None]:
     """Each candidate's ``decomp`` step parts, and the decoded templates when every candidate has one."""
-    from .hashing import digest_json
-    from .steps import current_session
-    from .toolchain import toolchain_parts
+    from ..cache.hashing import digest_json
+    from ..cache.steps import current_session
+    from ..cache.toolchain import toolchain_parts
 
     session = current_session()
     if session is None or not candidates:
@@ -488,8 +488,8 @@ def _stored_templates(candidates: list, table: Any) -> tuple[dict, dict | None]:
 
 def _store_templates(candidates: list, keys: dict, bodies: list, outputs: list, input_of: dict) -> None:
     """Record each traced candidate's template as its ``decomp`` step."""
-    from .steps import current_session
-    from .store import Entry
+    from ..cache.steps import current_session
+    from ..cache.store import Entry
 
     session = current_session()
     if session is None:
