@@ -28,6 +28,7 @@ from .lowering.flow import Artifacts
 from .cache.steps import Listener, Session, activate
 from .cache.store import Store
 from .lowering.targets import resolve
+from .speedups import registry
 
 __all__ = ["lower", "cached", "write_artifacts", "open_store", "Artifacts"]
 
@@ -70,6 +71,7 @@ def lower(
     """
     resolved = resolve(target, per_channel)
     settings = settings or load_settings(cache_dir=cache_dir, disable=None if use_cache else True)
+    registry.select(settings.speedups)
     if isinstance(model, torch.export.ExportedProgram):
         if example_inputs is None:
             example_inputs = tuple(model.example_inputs[0]) if model.example_inputs else None
@@ -165,6 +167,7 @@ def cached(cache_dir: str | os.PathLike | None = None, *, read_only: bool | None
     yielded session records what was hit.
     """
     settings = load_settings(cache_dir=cache_dir, read_only=read_only)
+    registry.select(settings.speedups)
     store = open_store(settings)
     session = Session(store)
     try:

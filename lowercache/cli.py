@@ -195,7 +195,7 @@ def verify(
         print(f"lowercache: mismatch: {m}", file=sys.stderr)
     if mismatches:
         raise typer.Exit(1)
-    out.print("verified: cached, fresh-cache and uncached lowerings are byte-identical")
+    out.print("verified: the cached and fresh-cache lowerings are byte-identical to stock (no cache, every speed-up off)")
 
 
 @app.command(
@@ -355,8 +355,32 @@ def config(cache_dir: Optional[Path] = CacheDir) -> None:
     except LowercacheError as e:
         _fail(str(e), 2)
     out.print(f"config file  {config_path()}")
-    for name in ("cache_dir", "max_size", "disable", "read_only", "remote", "remote_mode", "remote_ttl"):
+    for name in ("cache_dir", "max_size", "disable", "read_only", "remote", "remote_mode", "remote_ttl", "speedups"):
         out.print(f"{name:<10}   {getattr(settings, name)}  ({settings.origin[name]})", markup=False, highlight=False)
+
+
+@app.command()
+def speedups() -> None:
+    """List the exact speed-ups: on, off by setting (LOWERCACHE_SPEEDUPS), or off because the installed source differs."""
+    from rich.table import Table
+
+    from .cache.toolchain import version
+    from .speedups import registry
+
+    try:
+        registry.select(_settings(None).speedups)
+        states = registry.report()
+    except LowercacheError as e:
+        _fail(str(e), 2)
+    versions = ", ".join(f"{d} {version(d)}" for d in ("torch", "executorch", "tosa-tools", "ethos-u-vela"))
+    out.print(f"installed: {versions}", markup=False, highlight=False)
+    table = Table(show_header=True, header_style="bold")
+    for column in ("speed-up", "state", "why its bytes equal stock's"):
+        table.add_column(column, overflow="fold")
+    for entry in registry.SPEEDUPS:
+        table.add_row(entry.name, states[entry.name], entry.why)
+    out.print(table)
+    out.print(f"{sum(s == 'on' for s in states.values())} of {len(states)} on; set LOWERCACHE_SPEEDUPS=all,-NAME to turn one off", markup=False, highlight=False)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -36,6 +36,7 @@ _ENV = {
     "remote": "LOWERCACHE_REMOTE",
     "remote_mode": "LOWERCACHE_REMOTE_MODE",
     "remote_ttl": "LOWERCACHE_REMOTE_TTL",
+    "speedups": "LOWERCACHE_SPEEDUPS",
 }
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -49,6 +50,7 @@ class Settings:
     remote: str | None = None  # redis://host:port/db or s3://bucket/prefix
     remote_mode: str = "read-write"  # read-only for untrusted jobs; write-only to refresh
     remote_ttl: int | None = None  # seconds a Redis entry lives (refreshed on every write)
+    speedups: str = "all"  # exact speed-ups to use: all, none, a,b or all,-a (lowercache.speedups.registry)
     origin: dict[str, str] = field(default_factory=dict)  # where each value came from
 
 
@@ -123,6 +125,7 @@ def load_settings(**flags: Any) -> Settings:
         remote=str(resolved["remote"]) if resolved.get("remote") else None,
         remote_mode=_remote_mode(resolved.get("remote_mode", "read-write")),
         remote_ttl=_seconds(resolved.get("remote_ttl")),
+        speedups=str(resolved.get("speedups", "all")),
         origin=origin,
     )
 

@@ -31,6 +31,7 @@ def command_env(settings: Settings) -> dict[str, str]:
     env["LOWERCACHE_DISABLE"] = "1" if settings.disable else "0"
     env["LOWERCACHE_READ_ONLY"] = "1" if settings.read_only else "0"
     env["LOWERCACHE_REMOTE_MODE"] = settings.remote_mode
+    env["LOWERCACHE_SPEEDUPS"] = settings.speedups
     if settings.remote:
         env["LOWERCACHE_REMOTE"] = settings.remote
     if settings.remote_ttl:
@@ -92,6 +93,10 @@ def activate_in_process() -> None:
         from .lowering import arm
         from .cache import steps
 
+        from .config import load_settings
+        from .speedups import registry
+
+        registry.select(load_settings().speedups)
         steps.set_fallback(_process_session)
         arm.install_permanently(name)
 

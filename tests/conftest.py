@@ -85,6 +85,7 @@ def _isolated_config(tmp_path, monkeypatch):
         "LOWERCACHE_REMOTE_TTL",
         "LOWERCACHE_HMAC_KEY",
         "LOWERCACHE_S3_ENDPOINT",
+        "LOWERCACHE_SPEEDUPS",
     ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("LOWERCACHE_CONFIG", str(tmp_path / "no-config.toml"))

@@ -90,7 +90,7 @@ def _histogram_observers():
 def test_fast_histogram_search_equals_torchao():
     from torchao.quantization.pt2e.observer import HistogramObserver
 
-    from lowercache.lowering.qparams import fast_non_linear_param_search
+    from lowercache.speedups.paramsearch import fast_non_linear_param_search
 
     for observer in _histogram_observers():
         stock = HistogramObserver._non_linear_param_search(observer)
@@ -103,7 +103,7 @@ def test_fast_histogram_search_equals_torchao_on_a_real_model():
     from torchao.quantization.pt2e.observer import HistogramObserver
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
-    from lowercache.lowering.qparams import fast_non_linear_param_search
+    from lowercache.speedups.paramsearch import fast_non_linear_param_search
     from lowercache.lowering.targets import resolve
 
     module, example = models.residual_cnn()

@@ -37,23 +37,8 @@ import tempfile
 import threading
 from typing import Any
 
-from ..speedups import (
-    attrnames,
-    callsite,
-    ciaops,
-    deadcode,
-    decompositions,
-    dtypecheck,
-    fakecache,
-    fastcopy,
-    histogram,
-    lazycode,
-    provenance,
-    retrace,
-    signature,
-    treeiter,
-)
 from . import partitionorder, passes, qparams
+from ..speedups import registry
 from ..speedups.patching import Patch
 from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
 from ..cache.hashing import Unhashable, canon, digest, digest_json, program_parts
@@ -222,38 +207,41 @@ def _unwrap_modules() -> None:
         importlib.import_module(ETHOSU_MODULE).vela_compile = _originals.pop("vela")
 
 
-# The patch modules that make the stock code faster (same results) while hooks are on.
-_SPEEDUPS = (
-    provenance,
-    qparams,
-    histogram,
-    passes,
-    retrace,
-    fastcopy,
-    lazycode,
-    attrnames,
-    decompositions,
-    fakecache,
-    partitionorder,
-    signature,
-    treeiter,
-    dtypecheck,
-    callsite,
-    deadcode,
-    ciaops,
+# Patches of the flow's own, on whenever the hooks are: observer qparams as
+# steps (``qparams``), a recorder of every pass (``passes``) and partitions in
+# discovery order (``partitionorder``, the one deliberate difference: README).
+_FLOW_PATCHES = {"qparams": qparams, "passes": passes, "partitionorder": partitionorder}
+# The order patches go on (and, reversed, come off): some wrap what others wrap.
+_ORDER = (
+    "provenance", "paramsearch", "qparams", "histogram", "passes", "retrace", "fastcopy", "lazycode", "attrnames",
+    "decompositions", "fakecache", "partitionorder", "signature", "treeiter", "dtypecheck", "callsite",
+    "deadcode", "ciaops",
 )
+_enabled: list[Any] = []  # what _apply turned on, so _undo turns off the same
+
+
+def _switch_on() -> None:
+    """The flow's patches and the exact speed-ups the registry has on (pins checked before any patch)."""
+    speedups = set(registry.active())
+    chosen = [_FLOW_PATCHES.get(name) or registry.module(name) for name in _ORDER if name in _FLOW_PATCHES or name in speedups]
+    for patch in chosen:
+        patch.enable()
+        _enabled.append(patch)
+
+
+def _switch_off() -> None:
+    while _enabled:
+        _enabled.pop().disable()
 
 
 def _apply() -> None:
     for name in HOOK_MODULES:
         _wrap_module(name)
-    for patch in _SPEEDUPS:
-        patch.enable()
+    _switch_on()
 
 
 def _undo() -> None:
-    for patch in _SPEEDUPS:
-        patch.disable()
+    _switch_off()
     if not _permanent:
         _unwrap_modules()
 
@@ -269,7 +257,6 @@ def install_permanently(module_name: str) -> None:
     global _permanent
     with _lock:
         if not _permanent:
-            for patch in _SPEEDUPS:
-                patch.enable()
+            _switch_on()
         _permanent = True
         _wrap_module(module_name)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import arm, partitionorder, quantize
-from ..speedups import fastcopy, retrace
+from ..speedups import fastcopy, registry, retrace
 from ..speedups.gcfreeze import frozen_heap
 from ..cache.hashing import Unhashable, digest, digest_json, inputs_digest, program_parts
 from ..cache.steps import Session, activate, listed, outcome_counts
@@ -219,6 +219,7 @@ def manifest(artifacts: Artifacts, target: Target, model: str) -> dict[str, Any]
         "target": target.name,
         "quantization": target.quantization_config,
         "toolchain": toolchain_parts(),
+        "speedups": registry.report(check=False),
         "key_parts": artifacts.parts,
         "stages": {k: round(v, 4) for k, v in artifacts.stages.items()},
         "steps": listed(artifacts.records),

@@ -27,7 +27,7 @@ import traceback
 import types
 from typing import Any
 
-from .passregistry import source_digest
+from .sourcepin import source_digest
 from .patching import Patch
 
 # (module, function qualname) of each call site, and sha256 of their sources plus

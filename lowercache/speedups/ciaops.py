@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .passregistry import source_digest
+from .sourcepin import source_digest
 from .patching import Patch
 
 # sha256 over the sources of _collect_all_valid_cia_ops, _collect_all_valid_cia_ops_for_namespace

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .passregistry import source_digest
+from .sourcepin import source_digest
 from .patching import Patch
 
 # sha256 over the sources of Graph.eliminate_dead_code and Node.is_impure (torch 2.13.0).

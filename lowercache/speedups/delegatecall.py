@@ -36,7 +36,7 @@ import operator
 import sys
 from typing import Any
 
-from .passregistry import source_digest
+from .sourcepin import source_digest
 
 # sha256 over the sources of torch's executorch_call_delegate CPU, fake and
 # autograd implementations, ExportedProgram.module and the unlift it calls (torch 2.13.0).

@@ -38,7 +38,7 @@ import functools
 from typing import Any
 
 from .patching import Patch
-from .passregistry import source_digest
+from .sourcepin import source_digest
 
 _OPS = ("quantize_per_tensor.default", "dequantize_per_tensor.default",
         "quantize_per_channel.default", "dequantize_per_channel.default")

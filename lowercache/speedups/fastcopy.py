@@ -158,7 +158,7 @@ def _audited_sources() -> list[Any]:
 
 def sources_digest() -> str | None:
     """Digest of the audited sources as installed (None when one has no source)."""
-    from .passregistry import source_digest
+    from .sourcepin import source_digest
 
     return source_digest(*_audited_sources())
 

@@ -84,7 +84,7 @@ def _stock(self: Any, *args: Any) -> torch.Tensor:
 def _apply() -> None:
     from torchao.quantization.pt2e.observer import HistogramObserver
 
-    from .passregistry import source_digest
+    from .sourcepin import source_digest
 
     original = HistogramObserver.__dict__["_upscale_histogram"]
     _originals[:] = [original]

@@ -18,9 +18,9 @@ pass is interpreted the stock way.
 from __future__ import annotations
 
 import functools
-import hashlib
-import inspect
 from typing import Any, Callable
+
+from .sourcepin import source_digest
 
 Gate = Callable[[Any, Any, Any, dict], Any]
 """``gate(pass, node, op, env)``: the op this override hands to the next
@@ -270,17 +270,6 @@ _SHARED_SOURCES = (
     ("executorch.exir.passes.replace_aten_with_edge_pass", "should_lower_to_edge"),
 )
 SHARED_DIGEST = "cdcd9edb02137707cada1cc83c87ddcc2ecf67adf82d38bbe4d8fdba35f90c97"
-
-
-def source_digest(*fns: Any) -> str | None:
-    """sha256 over the installed sources of ``fns``, in order; None when one has no source."""
-    h = hashlib.sha256()
-    try:
-        for fn in fns:
-            h.update(inspect.getsource(fn).encode())
-    except (OSError, TypeError):
-        return None
-    return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,248 @@
+"""The one list of exact speed-ups, their pins, and which of them are on.
+
+Each entry names what it patches (``module:qualname``), the sha256 of those
+sources as audited (``sourcepin``), why its output bytes equal stock's, and the
+test that proves it. A speed-up is on when the user has not switched it off
+(``LOWERCACHE_SPEEDUPS``) and the installed sources are the audited ones; on
+another torch or ExecuTorch release a changed function turns its speed-up off,
+and the lowering stays exact, only slower. Some modules check finer pins of
+their own as well (a pass's gate, a call site).
+
+``LOWERCACHE_SPEEDUPS``: ``all`` (default), ``none``, a list of names
+(``retrace,fastcopy``), or ``all`` minus some (``all,-fastcopy``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import LowercacheError
+from .sourcepin import targets_digest
+
+
+@dataclass(frozen=True)
+class Speedup:
+    name: str
+    patches: tuple[str, ...]  # the upstream functions it replaces or reproduces, as module:qualname
+    audited: str  # sha256 of their sources when the speed-up was proven exact
+    why: str  # one line: why the bytes do not change (docs/speedups.md has the rest)
+    proof: str  # the test that proves it against stock
+
+
+_PB = "executorch.exir.pass_base"
+_TPB = "torch._export.pass_base"
+
+SPEEDUPS: tuple[Speedup, ...] = (
+    Speedup(
+        "provenance",
+        ("torch.fx.traceback:NodeSource.__init__",),
+        "99395e7f40a4a0490145b2b1ca70c03cd5b7f2d8037480bd399a2fc195ee152f",
+        "NodeSource chains are never mutated, so sharing one equals deep-copying it; provenance never reaches output bytes.",
+        "tests/test_provenance.py",
+    ),
+    Speedup(
+        "paramsearch",
+        ("torchao.quantization.pt2e.observer:HistogramObserver._non_linear_param_search",),
+        "9306a687ba73a3044c555e58d19ad69b11ee000779a3088e55da08b954b472eb",
+        "The same loop and float32 arithmetic over a Python cumulative list; monotone scans become bisections.",
+        "tests/test_qparams.py",
+    ),
+    Speedup(
+        "histogram",
+        ("torchao.quantization.pt2e.observer:HistogramObserver._upscale_histogram",),
+        "cad59b3e62afee798a5ae4d8240d5f6f26f3bd9c1194e4afe721558298aa6db4",
+        "Sorted midpoints and boundaries: one searchsorted per boundary gives the same bin counts as bucketize per midpoint.",
+        "tests/test_histogram.py",
+    ),
+    Speedup(
+        "retrace",
+        (f"{_PB}:_ExportPassBase._fx", f"{_PB}:_ExportPassBase.ExportInterpreter.run_node",
+         f"{_TPB}:_ExportPassBaseDeprecatedDoNotUse._fx", f"{_TPB}:_ExportPassBaseDeprecatedDoNotUse.ExportInterpreter.run_node"),
+        "ea6d7a375b171244755b95a016d4f30bf9d83afbf6b3acab9fa6965ac420269c",
+        "A functional op on equal fake inputs gives equal fake outputs, so an unchanged node's value is reused, not re-dispatched.",
+        "tests/test_retrace.py",
+    ),
+    Speedup(
+        "fastcopy",
+        (f"{_PB}:_ExportPassBase.call_operator", f"{_PB}:_ExportPassBase.ExportInterpreter.call_function",
+         f"{_PB}:_ExportPassBase.ExportTracer.set_metadata", "torch.fx:Graph.create_node", "torch.fx:Interpreter.run_node"),
+        "58205fbe373972cbc425bc26e4d3fea7cad1c242cd7b5f26a9e537f667bc296f",
+        "A node a pass hands to the base call_operator is made with the same torch calls on equal inputs, minus no-op layers.",
+        "tests/test_fastcopy.py",
+    ),
+    Speedup(
+        "lazycode",
+        ("torch.fx.graph_module:GraphModule.recompile", "torch.fx.graph_module:GraphModule.code",
+         "torch.fx.graph_module:GraphModule.__str__"),
+        "eabace6504a8cd8eba7b509b46ed702b71f2ab44429d9d074d0a18e744a3a0ce",
+        "Passes interpret graphs node by node; code is generated on first use, from the same graph, as _LazyGraphModule does.",
+        "tests/test_lazycode.py",
+    ),
+    Speedup(
+        "attrnames",
+        ("torchao.quantization.pt2e.utils:get_new_attr_name_with_prefix",
+         "torch.ao.quantization.fx.utils:get_new_attr_name_with_prefix"),
+        "35cc227444b4510353faeefeccd5959f9cf7f837079f4f3d8a3c178aa31feba4",
+        "Answers 'taken' from the module's own attribute dicts only when certain, else asks hasattr: the same first free name.",
+        "tests/test_attrnames.py",
+    ),
+    Speedup(
+        "decompositions",
+        ("torch.export.exported_program:ExportedProgram.run_decompositions",
+         "executorch.exir.program._program:_gen_edge_manager_for_partitioners"),
+        "57fbabd4707bcf0bc8bda14fcb7bf80f028370a0c7628d3b213c759bb462c00f",
+        "A decomposition call with nothing to decompose is skipped, one with little is traced on those nodes only (replayed from templates).",
+        "tests/test_decompositions.py",
+    ),
+    Speedup(
+        "fakecache",
+        ("torch.ao.quantization.fx._decomposed:quantize_per_tensor_meta",
+         "torch.ao.quantization.fx._decomposed:dequantize_per_tensor_meta"),
+        "c4eeb6a9cec52006a74dc6ec87a4f98b46fc9a41ade1d0fe12d1dd22815ca533",
+        "The admitted quantize/dequantize Meta kernels read only their arguments, so FakeTensor's own cache may serve them.",
+        "tests/test_fakecache.py",
+    ),
+    Speedup(
+        "signature",
+        ("torch.export.graph_signature:ExportGraphSignature.inputs_to_buffers",
+         "torch.export.graph_signature:ExportGraphSignature.inputs_to_parameters",
+         "torch.export.graph_signature:ExportGraphSignature.inputs_to_lifted_tensor_constants"),
+        "cf46023e787df9d4da7ab8480d35437efb68e796392abc5073a3b23918c9ea60",
+        "A signature's input mappings are rebuilt only when its input specs change; every change is counted.",
+        "tests/test_signature.py",
+    ),
+    Speedup(
+        "treeiter",
+        ("torch.utils._pytree:tree_iter",),
+        "f22b2006bf62c5699a40fd3f91ec02e61290820fc5c9f181b907a4ea88213899",
+        "Plain tuples, lists, dicts and FX's immutable ones are walked directly while the registry holds torch's own flatteners.",
+        "tests/test_treeiter.py",
+    ),
+    Speedup(
+        "dtypecheck",
+        ("executorch.exir.verification.verifier:EdgeOpArgValidator",
+         "executorch.exir.verification.verifier:_check_tensor_args_matching_op_allowed_dtype"),
+        "2bed68852b7340083a22375e3a67e6cda4d5c4bf90163d0dfa4a2303994a4516",
+        "The edge dtype check reads nodes, values and attributes only; a graph of the same unchanged objects has passed it already.",
+        "tests/test_dtypecheck.py",
+    ),
+    Speedup(
+        "callsite",
+        ("executorch.backends.arm._passes.arm_pass:ArmPass.call_operator", "traceback:format_stack"),
+        "f0a433fe8a1efb766b7d34cd61dd37f0c86cb521ab14d8097c4260bf1681bdcb",
+        "format_stack()[-2] from the three stamping sites formats one frame, the same text as formatting all and keeping one.",
+        "tests/test_callsite.py",
+    ),
+    Speedup(
+        "deadcode",
+        ("torch.fx:Graph.eliminate_dead_code", "torch.fx:Node.is_impure"),
+        "77a59f571c67df23518ba2f39af5641ac2ef63b0dc803af356edf96100c338ff",
+        "A node with users is kept whatever is_impure says, so the question is asked only of nodes without users.",
+        "tests/test_deadcode.py",
+    ),
+    Speedup(
+        "ciaops",
+        ("torch._export.utils:_collect_all_valid_cia_ops", "torch._export.utils:_materialize_cpp_cia_ops"),
+        "2da289f45d3f34132011381bcfe28416edde5a2dcb42898134122ebf2c665569",
+        "The first registry walk materializes every CompositeImplicitAutograd op; later walks find them all there.",
+        "tests/test_ciaops.py",
+    ),
+    Speedup(
+        "gcfreeze",
+        (),
+        "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+        "gc.freeze only moves the objects alive at the start out of full collections; no value changes.",
+        "tests/test_gcfreeze.py",
+    ),
+)
+
+NAMES = tuple(s.name for s in SPEEDUPS)
+_BY_NAME = {s.name: s for s in SPEEDUPS}
+
+_lock = threading.Lock()
+_selected: frozenset[str] = frozenset(NAMES)
+_audit: dict[str, bool] = {}  # name -> installed sources are the audited ones (once per process)
+
+
+def parse(text: str) -> frozenset[str]:
+    """The names ``text`` (``LOWERCACHE_SPEEDUPS``'s grammar) selects; one-line error for an unknown name."""
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    chosen: set[str] = set()
+    for item in items or ["all"]:
+        name = item.lstrip("-")
+        if name == "all":
+            chosen |= set(NAMES) if not item.startswith("-") else set()
+        elif name == "none":
+            chosen.clear()
+        elif name not in _BY_NAME:
+            raise LowercacheError(f"unknown speed-up {name!r} in speedups setting; known: all, none, {', '.join(NAMES)}")
+        elif item.startswith("-"):
+            chosen.discard(name)
+        else:
+            chosen.add(name)
+    return frozenset(chosen)
+
+
+def select(text: str) -> None:
+    """Choose the speed-ups the next lowering may turn on (a process-wide choice, as an env var is)."""
+    global _selected
+    chosen = parse(text)
+    with _lock:
+        _selected = chosen
+
+
+def audited(name: str) -> bool:
+    """Whether the installed sources ``name`` patches are the ones it was proven exact against."""
+    with _lock:
+        known = _audit.get(name)
+    if known is not None:
+        return known
+    entry = _BY_NAME[name]
+    found = targets_digest(entry.patches)
+    if found == "patched":
+        return True  # already replaced by lowercache itself: it was checked when that happened
+    ok = found == entry.audited
+    with _lock:
+        _audit[name] = ok
+    return ok
+
+
+def state(name: str) -> str:
+    """``on``, ``off: disabled by setting`` or ``off: installed source differs``."""
+    if name not in _selected:
+        return "off: disabled by setting"
+    return "on" if audited(name) else "off: installed source differs"
+
+
+def active() -> list[str]:
+    """The speed-ups to turn on now, in registry order."""
+    return [s.name for s in SPEEDUPS if state(s.name) == "on"]
+
+
+def module(name: str) -> Any:
+    """The module that implements ``name`` (its ``enable``/``disable`` switch it)."""
+    return importlib.import_module(f"{__package__}.{name}")
+
+
+def report(check: bool = True) -> dict[str, str]:
+    """Every speed-up's state, for ``lowercache speedups`` and the manifest.
+
+    ``check=False`` reads no source (a cache hit must not import the Arm
+    backend to describe speed-ups it did not need): a speed-up not yet checked
+    in this process is reported as ``unchecked: nothing it speeds up ran``.
+    """
+    if check:
+        return {s.name: state(s.name) for s in SPEEDUPS}
+    with _lock:
+        known = dict(_audit)
+    return {
+        s.name: state(s.name) if s.name not in _selected or s.name in known else "unchecked: nothing it speeds up ran"
+        for s in SPEEDUPS
+    }
+
+
+def is_on(name: str) -> bool:
+    return state(name) == "on"
