@@ -38,16 +38,10 @@ RemoteUrl = typer.Option(
 )
 
 
-class _OneLineWarnings(logging.Handler):
-    def emit(self, record: logging.LogRecord) -> None:
-        print(f"lowercache: warning: {record.getMessage()}", file=sys.stderr)
-
-
 def _setup_logging() -> None:
-    log = logging.getLogger("lowercache")
-    if not any(isinstance(h, _OneLineWarnings) for h in log.handlers):
-        log.addHandler(_OneLineWarnings(level=logging.WARNING))
-    log.propagate = False
+    from .errors import show_warnings_in_one_line
+
+    show_warnings_in_one_line()
 
 
 _EXECUTING = re.compile(r"While executing %(\w+)")
@@ -277,16 +271,20 @@ def gc(
         limit = _settings(cache_dir, max_size=max_size).max_size
     except LowercacheError as e:
         _fail(str(e), 2)
-    with _local_store(cache_dir, max_size=max_size) as store:
+    with _local_store(cache_dir, max_size=max_size, read_only=False) as store:
+        freed = store.gc(limit)  # first: on a full disk it makes the room the other steps need
+        orphans, orphan_bytes = store.reclaim_orphans()
         dropped = store.verify_all() if verify else 0
-        freed = store.gc(limit)
-        out.print(f"freed {freed / 2**20:.1f} MiB; {dropped} corrupt entries dropped; size now {store.volume() / 2**20:.1f} MiB")
+        out.print(
+            f"freed {(freed + orphan_bytes) / 2**20:.1f} MiB; {dropped} corrupt entries dropped; "
+            f"{orphans} orphaned files removed; size now {store.volume() / 2**20:.1f} MiB"
+        )
 
 
 @app.command()
 def clear(cache_dir: Optional[Path] = CacheDir) -> None:
     """Remove every entry, counter and run record."""
-    with _local_store(cache_dir) as store:
+    with _local_store(cache_dir, read_only=False) as store:
         removed = store.clear()
         out.print(f"removed {removed} entries from {store.directory}")
 
@@ -337,7 +335,7 @@ def import_cmd(
     """Load an archive made by `lowercache export`, checking every entry."""
     from .cache.archive import import_entries
 
-    with _local_store(cache_dir) as store:
+    with _local_store(cache_dir, read_only=False) as store:
         try:
             stored = import_entries(store, archive)
         except LowercacheError as e:

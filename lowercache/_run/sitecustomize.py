@@ -9,8 +9,10 @@ import sys
 
 if os.environ.get("LOWERCACHE_RUN") == "1":
     try:
+        from lowercache.errors import show_warnings_in_one_line
         from lowercache.runhook import activate_in_process
 
+        show_warnings_in_one_line()
         activate_in_process()
     except Exception as e:  # never break the wrapped program
         print(f"lowercache: warning: caching is off for this process ({e})", file=sys.stderr)

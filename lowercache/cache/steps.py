@@ -18,12 +18,15 @@ Outcomes:
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
 from .hashing import digest_json
 from .store import Entry, Store
+
+log = logging.getLogger("lowercache")
 
 
 @dataclass
@@ -214,11 +217,20 @@ def current_session() -> Session | None:
     """The innermost active session (the Arm hooks record into it).
 
     Outside any ``activate`` block, a process-wide fallback is used when one
-    was set (``lowercache run``).
+    was set (``lowercache run``); if it cannot be made (a cache directory that
+    cannot be opened), the process runs uncached after one warning.
     """
     if _active:
         return _active[-1]
-    return _fallback[0]() if _fallback else None
+    if not _fallback:
+        return None
+    try:
+        return _fallback[0]()
+    except Exception as e:  # lowercache run: the cache must never fail the user's script
+        log.warning("caching is off for this process (%s)", e)
+        uncached = Session(None)
+        _fallback[:] = [lambda: uncached]
+        return uncached
 
 
 def set_fallback(factory: Callable[[], "Session | None"]) -> None:

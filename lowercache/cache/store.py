@@ -9,7 +9,8 @@ Safety rules, all enforced here:
   recomputes the digest, so a flipped byte is a miss plus a warning, never a
   wrong result;
 - nothing is unpickled: :class:`_BytesOnlyDisk` refuses diskcache's pickle
-  mode for keys and values, so a planted pickle is rejected, not loaded;
+  mode for values, so a planted pickle is rejected, not loaded, and shows a
+  pickle-form key as :class:`UnreadableKey` (``gc --verify`` drops its row);
 - diskcache writes a value file first and commits its row after, inside an
   SQLite transaction (values under 1 KiB live in the row itself), so writes
   are atomic and several processes can share one directory.
@@ -17,6 +18,7 @@ Safety rules, all enforced here:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,11 +33,25 @@ from diskcache.core import MODE_PICKLE
 
 from ..config import DEFAULT_MAX_SIZE
 from ..errors import LowercacheError
+from .dbfile import (
+    DB_NAME,
+    Reader,
+    UnreadableKey,
+    aside_copies,
+    damaged,
+    disk_full,
+    move_aside,
+    no_space_left,
+    orphans,
+    referenced_files,
+    value_files,
+)
 from .hashing import digest
 
 log = logging.getLogger("lowercache")
 
 MAGIC = b"LCE1"
+_warned: set[tuple[str, str]] = set()  # (directory, fault) already reported by this process
 _DIGEST_LEN = 16
 
 
@@ -54,8 +70,13 @@ class _BytesOnlyDisk(diskcache.Disk):
 
     def get(self, key, raw):
         if not raw:
-            raise CorruptEntry("key is in pickle form; refusing to load it")
+            return UnreadableKey(bytes(key))  # listed as unreadable, never unpickled
         return super().get(key, raw)
+
+    def put(self, key):
+        if isinstance(key, UnreadableKey):
+            return sqlite3.Binary(key.data), False  # the row as stored, so it can be deleted
+        return super().put(key)
 
 
 class CorruptEntry(Exception):
@@ -96,8 +117,15 @@ class Entry:
 class Store:
     """A cache directory shared by any number of processes.
 
-    ``read_only`` stores serve hits but write nothing (ccache's read-only
-    mode); counters and run history are still kept so ``stats`` stays true.
+    ``read_only`` stores serve hits and write nothing at all: no entry,
+    counter, run record or access time (ccache's read-only touches no
+    backend). They read the index through an immutable connection, so a
+    read-only mount works and no byte of the directory changes.
+
+    Faults never fail a lowering (see docs/faults.md): a damaged index is
+    moved aside and started afresh; a directory that cannot take writes
+    (a full disk) turns writing off with one warning and keeps serving hits;
+    ``gc`` and ``clear`` can still free space on it.
     """
 
     last_tier = "local"  # which tier served the latest hit; a tiered store may say "remote"
@@ -105,25 +133,136 @@ class Store:
     def __init__(self, directory: str | os.PathLike, max_size: int = DEFAULT_MAX_SIZE, read_only: bool = False):
         self.directory = Path(directory).expanduser()
         self.read_only = read_only
-        _check_writable(self.directory)
+        self.max_size = max_size
+        self.unwritable = ""  # why a store that is not read-only writes nothing (a full disk); "" when it writes
+        self._healed: set[str] = set()
+        self._entries: diskcache.Cache | Reader | None = None
+        self._meta: diskcache.Cache | Reader | None = None
+        if not read_only:
+            self._check_writable()
+        self._entries = self._open("entries")
+        self._meta = self._open("meta")
+
+    @property
+    def writable(self) -> bool:
+        return not self.read_only and not self.unwritable
+
+    def close(self) -> None:
+        for db in (self._entries, self._meta):
+            if db is not None:
+                db.close()
+
+    # -- opening, healing, degrading --------------------------------------------
+
+    def _check_writable(self) -> None:
+        """Fail early, in one line, when the cache directory cannot be used; a full disk only turns writing off."""
         try:
-            self._entries = diskcache.Cache(
-                str(self.directory / "entries"),
-                disk=_BytesOnlyDisk,
-                size_limit=max_size,
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".probe-"):
+                pass
+        except OSError as e:
+            if disk_full(e):
+                self._stop_writing(e)
+                return
+            reason = e.strerror or str(e)
+            hint = "; set LOWERCACHE_READ_ONLY=1 to use it read-only" if self.directory.is_dir() else ""
+            raise LowercacheError(f"cache directory {self.directory} is not writable: {reason}{hint}") from None
+
+    def _open(self, name: str) -> diskcache.Cache | Reader:
+        """The index ``name`` (entries or meta): diskcache when writable, else a :class:`Reader`."""
+        path = self.directory / name
+        if self.writable:
+            try:
+                return self._diskcache(name)
+            except (sqlite3.Error, OSError) as e:
+                error = e
+            if self._heal(name, error):
+                try:
+                    return self._diskcache(name)
+                except (sqlite3.Error, OSError) as e:
+                    error = e
+            self._stop_writing(error)
+        return Reader(path, _BytesOnlyDisk(str(path)).fetch)
+
+    def _diskcache(self, name: str) -> diskcache.Cache:
+        if name == "entries":
+            settings = dict(
+                size_limit=self.max_size,
                 disk_min_file_size=1024,  # small entries (qparams, action records) stay in SQLite
                 eviction_policy="least-recently-used",
                 statistics=False,
             )
-            self._meta = diskcache.Cache(
-                str(self.directory / "meta"), disk=_BytesOnlyDisk, size_limit=2**40, disk_min_file_size=2**20
-            )
-        except (sqlite3.Error, OSError) as e:
-            raise LowercacheError(f"cannot open cache directory {self.directory}: {e}") from None
+        else:
+            settings = dict(size_limit=2**40, disk_min_file_size=2**20)
+        return diskcache.Cache(str(self.directory / name), disk=_BytesOnlyDisk, **settings)
 
-    def close(self) -> None:
-        self._entries.close()
-        self._meta.close()
+    def _reopen(self) -> None:
+        """Try writing again (after ``gc`` or ``clear`` freed space)."""
+        self.close()
+        self.unwritable = ""
+        self._entries = self._meta = None
+        self._entries = self._open("entries")
+        self._meta = self._open("meta")
+
+    def _warn(self, topic: str, message: str, *args: Any) -> None:
+        """One warning per fault per directory per process: not per entry, nor per store opened (the CLI opens two)."""
+        if (str(self.directory), topic) not in _warned:
+            _warned.add((str(self.directory), topic))
+            log.warning(message, *args)
+
+    def _heal(self, name: str, error: BaseException) -> bool:
+        """Move a damaged index aside and start an empty one; False when ``error`` is not damage."""
+        if not damaged(error) or name in self._healed:
+            return False
+        self._healed.add(name)
+        db = self.directory / name / DB_NAME
+        current = getattr(self, f"_{name}")
+        if current is not None:
+            current.close()
+        try:
+            aside = move_aside(db)
+        except OSError as e:
+            self._stop_writing(e)
+            return False
+        done = f"moved it to {aside.name}" if aside is not None else "another process already moved it aside"
+        self._warn(f"damaged {name}", "cache database %s is damaged (%s); %s and started an empty one; recomputing", db, error, done)
+        if current is not None:
+            setattr(self, f"_{name}", self._open(name))
+        return True
+
+    def _stop_writing(self, error: BaseException) -> None:
+        """Serve hits only from now on, through readers (diskcache's reads write access times)."""
+        full = disk_full(error) or no_space_left(self.directory)
+        hint = "; `lowercache gc --max-size SIZE` or `lowercache clear` frees space" if full else ""
+        self.unwritable = "disk full" if full else str(error)
+        self._warn("unwritable", "cache directory %s cannot be written (%s); storing nothing this run%s", self.directory, error, hint)
+        for name in ("entries", "meta"):
+            current = getattr(self, f"_{name}")
+            if isinstance(current, diskcache.Cache):
+                current.close()
+                path = self.directory / name
+                setattr(self, f"_{name}", Reader(path, _BytesOnlyDisk(str(path)).fetch))
+
+    def _failed(self, name: str, error: BaseException) -> bool:
+        """Handle an index error: heal damage, stop writing on a full disk. True when handled (and warned)."""
+        if damaged(error):
+            if self.writable and not self._heal(name, error):
+                self._stop_writing(error)  # damaged again after a heal: leave the file alone
+            self._warn(f"damaged {name}", "cache database %s is damaged (%s); not using it", self.directory / name / DB_NAME, error)
+            return True
+        if disk_full(error):
+            if not self.read_only:
+                self._stop_writing(error)
+            return True
+        return False
+
+    def _keys(self, name: str) -> list[str | UnreadableKey]:
+        """Every row key of an index; unreadable (pickle-form) keys as :class:`UnreadableKey`."""
+        try:
+            return list(getattr(self, f"_{name}").iterkeys())
+        except (OSError, sqlite3.Error) as e:
+            self._failed(name, e)
+            return []
 
     # -- entries -----------------------------------------------------------
 
@@ -140,6 +279,8 @@ class Store:
             blobs = {name: self._get_blob(d) for name, d in record["blobs"].items()}
             return Entry(meta=record["meta"], blobs=blobs, cost=float(record.get("cost", 0.0)))
         except (CorruptEntry, ValueError, KeyError, TypeError, OSError, sqlite3.Error) as e:
+            if isinstance(e, (OSError, sqlite3.Error)) and self._failed("entries", e):
+                return None
             log.warning("cache entry %s/%s is unusable (%s); recomputing", kind, key[:12], e)
             self._discard(action_key)
             return None
@@ -158,8 +299,8 @@ class Store:
         return payload
 
     def put(self, kind: str, key: str, entry: Entry) -> bool:
-        """Store ``entry`` under ``key``; False when read-only or the write failed."""
-        if self.read_only:
+        """Store ``entry`` under ``key``; False when read-only, unwritable or the write failed."""
+        if not self.writable:
             return False
         try:
             names = {}
@@ -172,7 +313,8 @@ class Store:
             self._entries.set(f"action/{kind}/{key}", frame(json.dumps(record, sort_keys=True).encode()))
             return True
         except (OSError, sqlite3.Error) as e:
-            log.warning("could not write cache entry %s/%s (%s)", kind, key[:12], e)
+            if not self._failed("entries", e):
+                self._warn("write", "could not write cache entry %s/%s (%s)", kind, key[:12], e)
             return False
 
     def _has_good_blob(self, blob_digest: str) -> bool:
@@ -183,26 +325,28 @@ class Store:
         except (CorruptEntry, OSError, sqlite3.Error):
             return False
 
-    def _discard(self, key: str) -> None:
-        if self.read_only:
+    def _discard(self, key: str | UnreadableKey) -> None:
+        if not self.writable:
             return
         try:
             self._entries.delete(key)
-        except (OSError, sqlite3.Error):
-            pass
+        except (OSError, sqlite3.Error) as e:
+            self._failed("entries", e)
 
     def actions(self) -> Iterator[tuple[str, str]]:
         """(kind, key) of every stored action entry."""
-        for k in list(self._entries.iterkeys()):
-            if k.startswith("action/"):
+        for k in self._keys("entries"):
+            if isinstance(k, str) and k.startswith("action/"):
                 _, kind, key = k.split("/", 2)
                 yield kind, key
 
     def verify_all(self) -> int:
-        """Check every entry; drop the bad ones. Returns how many were dropped."""
+        """Check every entry; drop the bad ones, and rows whose key cannot be read. Returns how many were dropped."""
         dropped = 0
-        for key in list(self._entries.iterkeys()):
+        for key in self._keys("entries"):
             try:
+                if isinstance(key, UnreadableKey):
+                    raise CorruptEntry("key is in pickle form")
                 payload = unframe(self._entries.get(key))
                 if key.startswith("blob/") and digest(payload) != key[len("blob/") :]:
                     raise CorruptEntry("blob holds other content")
@@ -217,6 +361,8 @@ class Store:
         self, counts: dict[str, dict[str, int]], seconds_saved: float = 0.0, remote_hits: dict[str, int] | None = None
     ) -> None:
         """Add outcome counts by kind, remote hits by kind, and time saved, in one transaction."""
+        if not self.writable:
+            return
         try:
             with self._meta.transact():
                 for kind, by_outcome in counts.items():
@@ -226,63 +372,144 @@ class Store:
                     self._meta.incr(f"count/{kind}/remote_hit", n)
                 if seconds_saved > 0:
                     self._meta.incr("saved_ms", int(seconds_saved * 1000))
-        except (OSError, sqlite3.Error):
-            pass
+        except (OSError, sqlite3.Error) as e:
+            self._failed("meta", e)
 
     def counters(self) -> dict[str, int]:
         out = {}
-        for key in self._meta.iterkeys():
-            if key.startswith("count/") or key == "saved_ms":
-                value = self._meta.get(key)
+        for key in self._keys("meta"):
+            if isinstance(key, str) and (key.startswith("count/") or key == "saved_ms"):
+                try:
+                    value = self._meta.get(key)
+                except (CorruptEntry, OSError, sqlite3.Error):
+                    continue
                 if isinstance(value, int):
                     out[key] = value
         return out
 
     def put_record(self, name: str, value: Any) -> None:
+        if not self.writable:
+            return
         try:
             self._meta.set(f"record/{name}", frame(json.dumps(value, sort_keys=True).encode()))
         except (OSError, sqlite3.Error) as e:
-            log.warning("could not write run record (%s)", e)
+            if not self._failed("meta", e):
+                self._warn("record", "could not write run record (%s)", e)
 
     def get_record(self, name: str) -> Any:
         try:
             raw = self._meta.get(f"record/{name}")
             return None if raw is None else json.loads(unframe(raw))
         except (CorruptEntry, ValueError, OSError, sqlite3.Error) as e:
-            log.warning("run record %s is unusable (%s)", name, e)
+            if not (isinstance(e, (OSError, sqlite3.Error)) and self._failed("meta", e)):
+                log.warning("run record %s is unusable (%s)", name, e)
             return None
 
     # -- housekeeping ----------------------------------------------------------
 
     def volume(self) -> int:
-        return self._entries.volume()
+        try:
+            return self._entries.volume()
+        except (OSError, sqlite3.Error) as e:
+            self._failed("entries", e)
+            return 0
 
     def entry_count(self) -> dict[str, int]:
         counts = {"actions": 0, "blobs": 0}
-        for key in self._entries.iterkeys():
-            counts["blobs" if key.startswith("blob/") else "actions"] += 1
+        for key in self._keys("entries"):
+            if isinstance(key, str):
+                counts["blobs" if key.startswith("blob/") else "actions"] += 1
         return counts
 
     def gc(self, max_size: int | None = None) -> int:
-        """Evict least-recently-used entries down to ``max_size``; returns bytes freed."""
-        before = self._entries.volume()
-        if max_size is not None:
-            self._entries.reset("size_limit", max_size)
-        self._entries.cull()
-        return before - self._entries.volume()
+        """Evict least-recently-used entries down to ``max_size`` (default: the store's); returns bytes freed.
+
+        On a full disk SQLite cannot record a deletion, so the value files of
+        the entries to evict go first; the index is then reopened and culled.
+        """
+        limit = self.max_size if max_size is None else max_size
+        start = self.volume()
+        files_freed = 0
+        if self.unwritable and not self.read_only:
+            files_freed = self._evict_files(limit)
+            self._reopen()
+        if self.writable:
+            try:
+                self._entries.reset("size_limit", limit)
+                self._entries.cull()
+            except (OSError, sqlite3.Error) as e:
+                self._failed("entries", e)
+        return max(start - self.volume(), files_freed)
+
+    def _evict_files(self, limit: int) -> int:
+        """Remove the value files of the least recently used entries over ``limit``; returns their bytes."""
+        excess = self.volume() - limit
+        freed = 0
+        try:
+            victims = self._entries.least_recent_files()
+        except (OSError, sqlite3.Error):
+            return 0
+        for filename, size in victims:
+            if freed >= excess:
+                break
+            if _remove_value_file(self.directory / "entries" / filename):
+                freed += size
+        return freed
+
+    def reclaim_orphans(self) -> tuple[int, int]:
+        """Remove value files no entry names (left by a deleted or damaged index); returns (files, bytes)."""
+        if not self.writable:
+            return 0, 0
+        directory = self.directory / "entries"
+        try:
+            found = orphans(directory, referenced_files(directory))
+        except (OSError, sqlite3.Error):
+            return 0, 0  # an index that cannot be read would make every file look orphaned
+        files = size = 0
+        for path in found:
+            with contextlib.suppress(FileNotFoundError):
+                n = path.stat().st_size
+                if _remove_value_file(path):
+                    files, size = files + 1, size + n
+        return files, size
 
     def clear(self) -> int:
-        removed = self._entries.clear()
-        self._meta.clear()
-        return removed
+        """Remove every entry, counter, run record and moved-aside database; returns the entries removed.
+
+        Value files go first: on a full disk that frees the room SQLite needs
+        to record the rest. An index that still cannot be written is removed.
+        """
+        if self.read_only:
+            return 0
+        files = 0
+        for path in list(value_files(self.directory / "entries")):
+            files += _remove_value_file(path)
+        for name in ("entries", "meta"):
+            for copy in aside_copies(self.directory / name):
+                copy.unlink(missing_ok=True)
+        if not self.writable:
+            self._reopen()
+        if not self.writable:
+            self.close()
+            for name in ("entries", "meta"):
+                for suffix in ("", "-wal", "-shm"):
+                    (self.directory / name / f"{DB_NAME}{suffix}").unlink(missing_ok=True)
+            self._reopen()
+        try:
+            removed = self._entries.clear()
+            self._meta.clear()
+        except (AttributeError, OSError, sqlite3.Error) as e:
+            self._failed("entries", e)
+            removed = 0
+        return max(removed, files)
 
 
-def _check_writable(directory: Path) -> None:
-    """Fail early, in one line, when the cache directory cannot be used."""
+def _remove_value_file(path: Path) -> bool:
+    """Unlink a value file and its emptied subdirectories, as diskcache does; False when it was gone."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-"):
-            pass
-    except OSError as e:
-        reason = e.strerror or str(e)
-        raise LowercacheError(f"cache directory {directory} is not writable: {reason}") from None
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    with contextlib.suppress(OSError):
+        os.removedirs(path.parent)
+    return True
