@@ -25,7 +25,7 @@ def main(url: str, model: str = "mobilenet_v2", target: str = "ethos-u55-128", r
     module, example = models.MODELS[model]()
     quiet = lambda *a: None  # noqa: E731
     with tempfile.TemporaryDirectory() as root:
-        lowercache.lower(module, example, target=target, settings=Settings(cache_dir=f"{root}/fill", remote=url), listener=quiet)
+        lowercache.lower(module, example, target=target, settings=Settings(cache_dir=f"{root}/fill", remote=url, remote_require_signed=False), listener=quiet)
         stock, remote, moved = [], [], []
         for i in range(repeat):
             start = time.perf_counter()
@@ -33,7 +33,7 @@ def main(url: str, model: str = "mobilenet_v2", target: str = "ethos-u55-128", r
                 reference = flow.run_stock(flow.export(module, example), resolve(target), example, [example])
             stock.append(time.perf_counter() - start)
             start = time.perf_counter()
-            got = lowercache.lower(module, example, target=target, settings=Settings(cache_dir=f"{root}/cold{i}", remote=url), listener=quiet)
+            got = lowercache.lower(module, example, target=target, settings=Settings(cache_dir=f"{root}/cold{i}", remote=url, remote_require_signed=False), listener=quiet)
             remote.append(time.perf_counter() - start)
             assert got.pte == reference, "remote hit differs from stock"
             moved.append(got.manifest["remote"]["bytes_read"])

@@ -42,9 +42,20 @@ def open_store(settings: Settings) -> Store | None:
         return local
     from .cache.remote import TieredStore, connect, hmac_key_from_env
 
+    mode = settings.remote_mode
+    if settings.read_only:  # read-only means every tier, as in ccache
+        if mode == "write-only":
+            return local  # a remote that may be neither read nor written
+        mode = "read-only"
     try:
         ttl = {"ttl_seconds": settings.remote_ttl} if settings.remote_ttl else {}
-        remote = connect(settings.remote, mode=settings.remote_mode, hmac_key=hmac_key_from_env(), **ttl)
+        remote = connect(
+            settings.remote,
+            mode=mode,
+            hmac_key=hmac_key_from_env(),
+            require_signed=settings.remote_require_signed,
+            **ttl,
+        )
     except LowercacheError:
         local.close()
         raise

@@ -353,7 +353,7 @@ def config(cache_dir: Optional[Path] = CacheDir) -> None:
     except LowercacheError as e:
         _fail(str(e), 2)
     out.print(f"config file  {config_path()}")
-    for name in ("cache_dir", "max_size", "disable", "read_only", "remote", "remote_mode", "remote_ttl", "speedups"):
+    for name in ("cache_dir", "max_size", "disable", "read_only", "remote", "remote_mode", "remote_ttl", "remote_require_signed", "speedups"):
         out.print(f"{name:<10}   {getattr(settings, name)}  ({settings.origin[name]})", markup=False, highlight=False)
 
 

@@ -4,11 +4,12 @@ Precedence, highest first (as in ccache and sccache):
 1. command-line flags or API arguments;
 2. environment variables ``LOWERCACHE_DIR``, ``LOWERCACHE_MAX_SIZE``,
    ``LOWERCACHE_DISABLE``, ``LOWERCACHE_READ_ONLY``, ``LOWERCACHE_REMOTE``,
-   ``LOWERCACHE_REMOTE_MODE``, ``LOWERCACHE_REMOTE_TTL``;
+   ``LOWERCACHE_REMOTE_MODE``, ``LOWERCACHE_REMOTE_TTL``,
+   ``LOWERCACHE_REMOTE_REQUIRE_SIGNED``;
 3. the config file: ``$LOWERCACHE_CONFIG``, else
    ``$XDG_CONFIG_HOME/lowercache/config.toml`` (``~/.config/...``), with keys
    ``cache_dir``, ``max_size``, ``disable``, ``read_only``, ``remote``,
-   ``remote_mode``, ``remote_ttl`` (Redis only).
+   ``remote_mode``, ``remote_ttl`` (Redis only), ``remote_require_signed``.
 
 The remote's signing secret, ``LOWERCACHE_HMAC_KEY``, is read from the
 environment only, never from a file lowercache reads or writes.
@@ -36,6 +37,7 @@ _ENV = {
     "remote": "LOWERCACHE_REMOTE",
     "remote_mode": "LOWERCACHE_REMOTE_MODE",
     "remote_ttl": "LOWERCACHE_REMOTE_TTL",
+    "remote_require_signed": "LOWERCACHE_REMOTE_REQUIRE_SIGNED",
     "speedups": "LOWERCACHE_SPEEDUPS",
 }
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -50,6 +52,8 @@ class Settings:
     remote: str | None = None  # redis://host:port/db or s3://bucket/prefix
     remote_mode: str = "read-write"  # read-only for untrusted jobs; write-only to refresh
     remote_ttl: int | None = None  # seconds a Redis entry lives (refreshed on every write)
+    # Without LOWERCACHE_HMAC_KEY the remote is off unless this is false: unsigned use is a choice.
+    remote_require_signed: bool = True
     speedups: str = "all"  # exact speed-ups to use: all, none, a,b or all,-a (lowercache.speedups.registry)
     origin: dict[str, str] = field(default_factory=dict)  # where each value came from
 
@@ -125,6 +129,7 @@ def load_settings(**flags: Any) -> Settings:
         remote=str(resolved["remote"]) if resolved.get("remote") else None,
         remote_mode=_remote_mode(resolved.get("remote_mode", "read-write")),
         remote_ttl=_seconds(resolved.get("remote_ttl")),
+        remote_require_signed=parse_bool(resolved.get("remote_require_signed", True), "remote_require_signed"),
         speedups=str(resolved.get("speedups", "all")),
         origin=origin,
     )

@@ -31,6 +31,7 @@ def command_env(settings: Settings) -> dict[str, str]:
     env["LOWERCACHE_DISABLE"] = "1" if settings.disable else "0"
     env["LOWERCACHE_READ_ONLY"] = "1" if settings.read_only else "0"
     env["LOWERCACHE_REMOTE_MODE"] = settings.remote_mode
+    env["LOWERCACHE_REMOTE_REQUIRE_SIGNED"] = "1" if settings.remote_require_signed else "0"
     env["LOWERCACHE_SPEEDUPS"] = settings.speedups
     if settings.remote:
         env["LOWERCACHE_REMOTE"] = settings.remote

@@ -83,6 +83,7 @@ def _isolated_config(tmp_path, monkeypatch):
         "LOWERCACHE_REMOTE",
         "LOWERCACHE_REMOTE_MODE",
         "LOWERCACHE_REMOTE_TTL",
+        "LOWERCACHE_REMOTE_REQUIRE_SIGNED",
         "LOWERCACHE_HMAC_KEY",
         "LOWERCACHE_S3_ENDPOINT",
         "LOWERCACHE_SPEEDUPS",

@@ -416,13 +416,14 @@ def test_tiered_store_with_a_dead_remote_uses_the_local_cache(tmp_path, caplog):
     assert len(remote_warnings(caplog, "is off")) == 1
 
 
-def test_remote_blob_with_other_content_is_a_miss(redis_url, tmp_path, caplog):
+def test_remote_blob_with_other_content_is_a_miss(redis_url, raw_redis, tmp_path, caplog):
     entry = make_entry()
     rm.TieredStore(Store(tmp_path / "a"), rm.connect(redis_url)).put("flow", "k1", entry)
     from lowercache.cache.hashing import digest
 
     # A writer without the signing key can still seal a wrong blob; the digest check catches it.
-    rm.connect(redis_url).put(f"blob/{digest(b'ok')}", b"not ok")
+    key = f"blob/{digest(b'ok')}"
+    raw_redis.set(f"lowercache/{key}", rm.seal(b"not ok", None, rm.digest_key(key)))
     reader = rm.TieredStore(Store(tmp_path / "b"), rm.connect(redis_url))
     with caplog.at_level(logging.WARNING, logger="lowercache"):
         assert reader.get("flow", "k1") is None

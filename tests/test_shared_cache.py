@@ -24,7 +24,7 @@ def flow_record(out):
 def test_second_machine_lowers_from_redis(tmp_path, redis_url):
     import redis
 
-    env = {"LOWERCACHE_REMOTE": redis_url}
+    env = {"LOWERCACHE_REMOTE": redis_url, "LOWERCACHE_HMAC_KEY": "team-secret"}
     first = cli("lower", TINY, "-t", "ethos-u55-128", "-o", tmp_path / "a", cache_dir=tmp_path / "cache-a", env=env)
     assert first.returncode == 0, first.stderr
     assert flow_record(tmp_path / "a")["outcome"] == "miss"
@@ -67,7 +67,8 @@ def test_wrongly_signed_remote_entries_are_refused_and_recomputed(tmp_path, redi
     assert (tmp_path / "b" / "model.pte").read_bytes() == stock_tiny("tosa-int")
 
 
-def test_redis_killed_mid_run(tmp_path, caplog):
+def test_redis_killed_mid_run(tmp_path, caplog, monkeypatch):
+    monkeypatch.setenv("LOWERCACHE_HMAC_KEY", "team-secret")
     server = RedisServer()
     killed = []
 
@@ -93,7 +94,8 @@ def test_redis_killed_mid_run(tmp_path, caplog):
     assert len(off) == 1
 
 
-def test_s3_round_trip(tmp_path, s3_url):
+def test_s3_round_trip(tmp_path, s3_url, monkeypatch):
+    monkeypatch.setenv("LOWERCACHE_HMAC_KEY", "team-secret")
     module, example = models.tiny_cnn()
     first = lowercache.lower(
         module, example, target="tosa-fp", settings=Settings(cache_dir=tmp_path / "a", remote=s3_url), listener=lambda *a: None
@@ -111,7 +113,7 @@ def test_unreachable_remote_is_a_warning_not_a_failure(tmp_path):
 
     result = cli(
         "lower", TINY, "-t", "tosa-fp", "-o", tmp_path / "out", cache_dir=tmp_path / "cache",
-        env={"LOWERCACHE_REMOTE": f"redis://127.0.0.1:{free_port()}/0"},
+        env={"LOWERCACHE_REMOTE": f"redis://127.0.0.1:{free_port()}/0", "LOWERCACHE_HMAC_KEY": "team-secret"},
     )
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("is off") == 1
@@ -131,6 +133,7 @@ def test_redis_ttl_from_settings(tmp_path, redis_url, monkeypatch):
 
     monkeypatch.setenv("LOWERCACHE_REMOTE", redis_url)
     monkeypatch.setenv("LOWERCACHE_REMOTE_TTL", "3600")
+    monkeypatch.setenv("LOWERCACHE_HMAC_KEY", "team-secret")
     from lowercache.api import open_store
     from lowercache.config import load_settings
     from lowercache.cache.store import Entry

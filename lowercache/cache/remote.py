@@ -46,6 +46,7 @@ log = logging.getLogger("lowercache")
 
 ENV_REMOTE = "LOWERCACHE_REMOTE"
 ENV_HMAC_KEY = "LOWERCACHE_HMAC_KEY"
+ENV_REQUIRE_SIGNED = "LOWERCACHE_REMOTE_REQUIRE_SIGNED"
 ENV_S3_ENDPOINT = "LOWERCACHE_S3_ENDPOINT"
 
 DEFAULT_PREFIX = "lowercache/"
@@ -87,7 +88,11 @@ class BadHeader(RefusedEntry):
 
 
 class BadSignature(RefusedEntry):
-    """Unsigned while a key is configured, or signed with another key, or altered."""
+    """Signed with another key, or altered after signing."""
+
+
+class Unsigned(BadSignature):
+    """Not signed, while a key is configured: written by a client without the key (or forged)."""
 
 
 class WrongKey(RefusedEntry):
@@ -165,7 +170,7 @@ def unseal(
         if hmac_key and not hmac.compare_digest(mac, hmac.new(hmac_key, header + body, hashlib.sha256).digest()):
             raise BadSignature("signature does not match (another LOWERCACHE_HMAC_KEY, or altered bytes)")
     elif hmac_key:
-        raise BadSignature("value is not signed but LOWERCACHE_HMAC_KEY is set")
+        raise Unsigned("value is not signed but LOWERCACHE_HMAC_KEY is set")
     if expected_key_digest is not None and bound.hex() != expected_key_digest:
         raise WrongKey("value was written for another key")
     if size > max_size:
@@ -218,6 +223,17 @@ class Remote(ABC):
     def put(self, key: str, data: bytes) -> None:
         """Store ``data`` under ``key``, replacing any old value."""
 
+    def add(self, key: str, data: bytes) -> bool:
+        """Store ``data`` under ``key`` unless a value is there; False when one was.
+
+        Backends override this with an atomic conditional write; this
+        fallback looks first, so two writers may still race.
+        """
+        if self.get(key) is not None:
+            return False
+        self.put(key, data)
+        return True
+
     def close(self) -> None:
         """Release connections. Safe to call more than once."""
 
@@ -265,6 +281,14 @@ class RedisRemote(Remote):
     def put(self, key: str, data: bytes) -> None:
         self._client.set(self.prefix + key, data, ex=self.ttl_seconds)
 
+    def add(self, key: str, data: bytes) -> bool:
+        """``SET NX``; a value already there gets its TTL renewed, as a write would."""
+        if self._client.set(self.prefix + key, data, ex=self.ttl_seconds, nx=True):
+            return True
+        if self.ttl_seconds is not None:
+            self._client.expire(self.prefix + key, self.ttl_seconds)
+        return False
+
     def close(self) -> None:
         self._client.close()
 
@@ -296,6 +320,7 @@ class S3Remote(Remote):
             self._client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
         except Exception as e:  # botocore raises many types for bad settings
             raise LowercacheError(f"cannot set up remote {self.name}: {e}") from None
+        self._conditional = True  # until the store says it has no conditional writes
 
     def get(self, key: str) -> bytes | None:
         from botocore.exceptions import ClientError
@@ -317,6 +342,30 @@ class S3Remote(Remote):
 
     def put(self, key: str, data: bytes) -> None:
         self._client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data)
+
+    def add(self, key: str, data: bytes) -> bool:
+        """A conditional write (``If-None-Match: *``); a HEAD first on stores without one."""
+        from botocore.exceptions import ClientError
+
+        if self._conditional:
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data, IfNoneMatch="*")
+                return True
+            except ClientError as e:
+                code = e.response.get("Error", {}).get("Code")
+                if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                    return False
+                if code not in ("NotImplemented", "501"):
+                    raise
+                self._conditional = False
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=self.prefix + key)
+            return False
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") not in ("NoSuchKey", "404", "NotFound"):
+                raise
+        self.put(key, data)
+        return True
 
     def close(self) -> None:
         self._client.close()
@@ -414,6 +463,11 @@ class RemoteTimeout(TimeoutError):
 
 _MAX_REFUSAL_WARNINGS = 10
 
+WRONG_KEY_MIN_REFUSALS = 3
+"""Signature mismatches before a client may conclude that its own key is wrong
+(and more mismatches than verified reads are needed too): one or two altered
+entries are tampering, most of them is another key."""
+
 
 class Guarded:
     """The only way lowercache talks to a remote: sealed, bounded, and fail-safe.
@@ -425,10 +479,22 @@ class Guarded:
     - The first fault (error, timeout, deadline) turns the remote off for the
       rest of the process and logs one warning; from then on calls return at
       once. A bad value is not a fault: it is refused and the remote stays on.
+    - ``require_signed`` without a key turns the remote off at its first use,
+      with one warning: nothing read from it could be checked. Without a key
+      and without ``require_signed``, the first value used unchecked is
+      reported once.
+    - A key others' entries keep failing (:data:`WRONG_KEY_MIN_REFUSALS`
+      signature mismatches, more than the entries it verified) is probably
+      wrong: the client stops writing, says so once, and reads on.
+    - Outside ``write-only`` mode a write never replaces a value this client
+      has not read, nor one whose signature did not match (both may be valid
+      under another key); it replaces values it verified or found damaged in
+      a way no key explains. ``write-only`` replaces everything (a refresh).
 
     Counters: ``hits``, ``misses``, ``writes``, ``bytes_read`` and
     ``bytes_written`` (wire bytes), ``errors`` (faults and refused values),
-    ``refused`` (refused values only).
+    ``refused`` (refused values only), ``mismatched`` (refused for a
+    signature that does not match), ``verified`` (hits whose signature was checked).
     """
 
     def __init__(
@@ -438,18 +504,25 @@ class Guarded:
         hmac_key: bytes | None = None,
         deadline: float = DEFAULT_DEADLINE,
         max_entry_size: int = MAX_ENTRY_SIZE,
+        require_signed: bool = False,
     ):
         _check_mode(mode)
         self.remote = remote
         self.mode = mode
         self.hmac_key = hmac_key or None
+        self.require_signed = require_signed
         self.deadline = deadline
         self.max_entry_size = max_entry_size
         self.off = False
         self.off_reason: str | None = None
+        self.key_probably_wrong = False
         self.hits = self.misses = self.writes = 0
         self.bytes_read = self.bytes_written = 0
         self.errors = self.refused = 0
+        self.mismatched = self.verified = 0
+        self._replaceable: set[str] = set()  # keys read this run whose value may be overwritten
+        self._foreign: set[str] = set()  # keys whose signature did not match: never overwritten
+        self._warned_unsigned = False
         self._lock = threading.Lock()
 
     @property
@@ -462,10 +535,11 @@ class Guarded:
 
     @property
     def can_write(self) -> bool:
-        return not self.off and self.mode != "read-only"
+        return not self.off and self.mode != "read-only" and not self.key_probably_wrong
 
     def get(self, key: str) -> bytes | None:
         """The data stored for ``key``, or None on a miss, a refused value, or a fault."""
+        self._check_keyed()
         if not self.can_read:
             return None
         try:
@@ -484,19 +558,41 @@ class Guarded:
         except RefusedEntry as e:
             self._refuse(key, e)
             return None
-        self._count(hits=1, bytes_read=len(blob))
+        with self._lock:
+            self._replaceable.add(key)
+            first_unchecked = self.hmac_key is None and not self._warned_unsigned
+            self._warned_unsigned = self._warned_unsigned or first_unchecked
+        if first_unchecked:
+            log.warning(
+                "using entries from remote %s unchecked: %s is not set, so whoever can write to the remote "
+                "can change what this build produces",
+                self.name,
+                ENV_HMAC_KEY,
+            )
+        self._count(hits=1, bytes_read=len(blob), verified=1 if self.hmac_key else 0)
         return data
 
     def put(self, key: str, data: bytes) -> bool:
-        """Seal and store ``data``; False when not written (mode, off, too large, fault)."""
+        """Seal and store ``data``; False when not stored (mode, off, too large, fault, another key's value).
+
+        True also when a value this client may not replace is already there.
+        """
+        self._check_keyed()
         if not self.can_write:
+            return False
+        if key in self._foreign:
+            log.debug("not writing %s to remote %s: it holds a value signed with another key", key, self.name)
             return False
         blob = seal(data, self.hmac_key, digest_key(key))
         if len(blob) > self.remote.max_value_size:
             log.debug("not writing %s to remote %s: %d bytes is over its limit", key, self.name, len(blob))
             return False
+        replace = self.mode == "write-only" or key in self._replaceable
         try:
-            self._call(f"put {key}", self.remote.put, key, blob)
+            if replace:
+                self._call(f"put {key}", self.remote.put, key, blob)
+            elif not self._call(f"add {key}", self.remote.add, key, blob):
+                return True  # a value is there already; not ours to replace
         except Exception as e:
             self._turn_off(e)
             return False
@@ -511,6 +607,8 @@ class Guarded:
             "off": self.off,
             "off_reason": self.off_reason,
             "signed": self.hmac_key is not None,
+            "require_signed": self.require_signed,
+            "key_probably_wrong": self.key_probably_wrong,
             "hits": self.hits,
             "misses": self.misses,
             "writes": self.writes,
@@ -518,6 +616,8 @@ class Guarded:
             "bytes_written": self.bytes_written,
             "errors": self.errors,
             "refused": self.refused,
+            "mismatched": self.mismatched,
+            "verified": self.verified,
         }
 
     def close(self) -> None:
@@ -552,8 +652,22 @@ class Guarded:
             raise outcome["error"]
         return outcome["value"]
 
+    def _check_keyed(self) -> None:
+        """Turn the remote off, at its first use, when signatures are required and there is no key.
+
+        At first use rather than at construction, so that opening a store
+        only to check the settings warns nothing.
+        """
+        if self.require_signed and self.hmac_key is None and not self.off:
+            self._switch_off(
+                f"signatures are required but {ENV_HMAC_KEY} is not set, so its entries cannot be checked "
+                f"(set the key, or {ENV_REQUIRE_SIGNED}=0 to use the remote unsigned)"
+            )
+
     def _turn_off(self, error: Exception) -> None:
-        reason = " ".join(f"{type(error).__name__}: {error}".split())[:300].rstrip(".")
+        self._switch_off(" ".join(f"{type(error).__name__}: {error}".split())[:300].rstrip("."))
+
+    def _switch_off(self, reason: str) -> None:
         with self._lock:
             self.errors += 1
             if self.off:
@@ -562,15 +676,37 @@ class Guarded:
         log.warning("remote %s is off: %s; continuing with the local cache", self.name, reason)
 
     def _refuse(self, key: str, error: RefusedEntry) -> None:
+        mismatch = isinstance(error, BadSignature) and not isinstance(error, Unsigned)
         with self._lock:
             self.errors += 1
             self.refused += 1
             self.misses += 1
             count = self.refused
+            if mismatch:
+                self.mismatched += 1
+                self._foreign.add(key)
+            else:
+                self._replaceable.add(key)  # damage no key explains: a recomputed value may heal it
+            suspect = (
+                mismatch
+                and not self.key_probably_wrong
+                and self.mismatched >= WRONG_KEY_MIN_REFUSALS
+                and self.mismatched > self.verified
+            )
+            self.key_probably_wrong = self.key_probably_wrong or suspect
         if count <= _MAX_REFUSAL_WARNINGS:
             log.warning("ignoring remote entry %s from %s: %s", key, self.name, error)
         if count == _MAX_REFUSAL_WARNINGS:
             log.warning("further refused entries from %s are counted but not reported", self.name)
+        if suspect:
+            log.warning(
+                "%s is probably wrong for remote %s: %d of %d signed entries read failed their signature check; "
+                "not writing to it for the rest of this run",
+                ENV_HMAC_KEY,
+                self.name,
+                self.mismatched,
+                self.mismatched + self.verified,
+            )
 
     def _count(self, **amounts: int) -> None:
         with self._lock:
@@ -583,16 +719,19 @@ def connect(
     mode: str = "read-write",
     hmac_key: bytes | None = None,
     deadline: float = DEFAULT_DEADLINE,
+    require_signed: bool = False,
     **options: Any,
 ) -> Guarded:
     """``Guarded(open_remote(url, **options), ...)``: the usual way to get a remote."""
     _check_mode(mode)
-    return Guarded(open_remote(url, **options), mode=mode, hmac_key=hmac_key, deadline=deadline)
+    return Guarded(open_remote(url, **options), mode=mode, hmac_key=hmac_key, deadline=deadline, require_signed=require_signed)
 
 
 # -- the tiered store ----------------------------------------------------------------
 
 _HEX32 = re.compile(r"[0-9a-f]{32}")
+SHARED_RECORDS = "memo/"
+"""Prefix of the records a :class:`TieredStore` shares through its remote."""
 
 
 class TieredStore:
@@ -609,8 +748,11 @@ class TieredStore:
     entries and local hits, which refreshes the remote's copies (their TTL,
     and their signature after a key change).
 
-    Anything else (counters, records, gc) is the local store's, reached
-    through attribute delegation so this is a drop-in for :class:`Store`.
+    Records named under ``memo/`` (small values derived from the toolchain,
+    like the compile-spec digest) are shared too, as ``record/<name>``, so
+    that a remote hit on an empty local cache needs no work to rebuild them.
+    Anything else (counters, other records, gc) is the local store's,
+    reached through attribute delegation so this is a drop-in for :class:`Store`.
     """
 
     def __init__(self, local: Store, remote: Guarded):
@@ -640,6 +782,28 @@ class TieredStore:
         stored = self.local.put(kind, key, entry)
         self._upload(kind, key, entry)
         return stored
+
+    def get_record(self, name: str) -> Any:
+        """A local record; a shared (``memo/``) one missing locally comes from the remote and is kept."""
+        value = self.local.get_record(name)
+        if value is not None or not name.startswith(SHARED_RECORDS):
+            return value
+        raw = self.remote.get(f"record/{name}")
+        if raw is None:
+            return None
+        try:
+            value = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            log.warning("ignoring remote record %s from %s: it is not JSON", name, self.remote.name)
+            return None
+        self.local.put_record(name, value)
+        return value
+
+    def put_record(self, name: str, value: Any) -> None:
+        """Keep a record locally; share a ``memo/`` one through the remote as well."""
+        self.local.put_record(name, value)
+        if name.startswith(SHARED_RECORDS) and self.remote.can_write:
+            self.remote.put(f"record/{name}", json.dumps(value, sort_keys=True).encode())
 
     def close(self) -> None:
         self.remote.close()

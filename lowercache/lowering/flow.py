@@ -12,6 +12,7 @@ unchanged model costs an export and a hash.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -79,11 +80,13 @@ def target_spec_digest(target: Target, store: Store | None) -> str:
 
     Building a compile spec imports the Arm backend (seconds); the spec is a
     pure function of the target name and the backend's sources, which the
-    toolchain digest covers, so a warm run need not import it.
+    toolchain digest covers, so a warm run need not import it. A tiered store
+    shares the memo through its remote, so a remote hit need not either; a
+    remembered value that is not a digest is ignored.
     """
     name = f"memo/compile_spec/{target.name}/{digest_json(toolchain_parts())}"
     remembered = store.get_record(name) if store is not None else None
-    if isinstance(remembered, str):
+    if isinstance(remembered, str) and re.fullmatch(r"[0-9a-f]{32}", remembered):
         return remembered
     value = arm.compile_spec_digest(target.compile_spec())
     if store is not None:
@@ -169,8 +172,11 @@ def lower_program(
     parts = stages.run("hash", lambda: flow_parts(program, target, example_inputs, calibration, session.store))
 
     def compute() -> Entry:
-        before = {k: len(session.outputs.get(k, [])) for k in ("tosa", "vela")}
-        pte = run_stock(program, target, example_inputs, calibration, stages, session, parts)
+        # Hooks only around the computation: installing them imports the Arm
+        # backend (seconds), which a hit does not need.
+        with arm.hooks(), activate(session):
+            before = {k: len(session.outputs.get(k, [])) for k in ("tosa", "vela")}
+            pte = run_stock(program, target, example_inputs, calibration, stages, session, parts)
         blobs = {"model.pte": bytes(pte)}
         for i, entry in enumerate(session.outputs.get("tosa", [])[before["tosa"] :]):
             blobs[f"partition_{i}.tosa"] = entry.blobs["tosa"]
@@ -186,8 +192,7 @@ def lower_program(
 
     retrace.reset_stats()
     fastcopy.reset_stats()
-    with arm.hooks(), activate(session):
-        entry = session.run("flow", target.name, parts, compute)
+    entry = session.run("flow", target.name, parts, compute)
     counts = retrace.stats()
     return Artifacts(
         files=dict(entry.blobs),
