@@ -4,8 +4,8 @@
   the cache; returns the artifacts.
 - :func:`cached`: a context manager that serves the Arm preprocess and Vela
   steps of unchanged stock ExecuTorch calls inside it from the cache.
-- :func:`write_artifacts`: write artifacts and manifest to a directory
-  atomically (all files or none).
+- :func:`write_artifacts`: write artifacts and manifest to a directory,
+  staged inside it and renamed into place (a failed write removes what it staged).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .cache import history
 from .config import Settings, load_settings
 from .errors import LowercacheError
 from .lowering.flow import Artifacts
+from .cache.hashing import digest
 from .cache.steps import Listener, Session, activate
 from .cache.store import Store
 from .lowering.targets import resolve
@@ -140,32 +141,84 @@ def check_output_dir(out_dir: str | os.PathLike) -> None:
 
 
 def write_artifacts(artifacts: Artifacts, out_dir: str | os.PathLike) -> list[Path]:
-    """Write every artifact and ``manifest.json`` into ``out_dir``, all or nothing.
+    """Write every artifact and ``manifest.json`` into ``out_dir``; a failed write removes what it staged.
 
-    Files go to a temporary directory beside ``out_dir`` first and are moved
-    in only once all of them are written.
+    Files are staged in a temporary directory inside ``out_dir`` and each is
+    renamed into place: a rename within one directory never crosses devices,
+    so a mount point (a Docker or CI volume) receives output, and the
+    parent's permissions do not matter. Concurrent writers each stage their
+    own files and replace whole files, so they all succeed with the same
+    bytes. Files of the previous lowering that this one does not write are
+    removed afterwards (see :func:`_stale_files`); the manifest goes last.
     """
     out = Path(out_dir)
+    files = dict(artifacts.files)
+    files["manifest.json"] = (json.dumps(artifacts.manifest, indent=2, sort_keys=True) + "\n").encode()
+    created = not out.is_dir()
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        out.mkdir(parents=True, exist_ok=True)
+        stale = _stale_files(out, files)
+        tmp = Path(tempfile.mkdtemp(prefix=".lowercache-tmp-", dir=out))
     except OSError as e:
+        _remove_if_empty(out, created)
         raise _unwritable(out, e.strerror or str(e)) from None
+    moved: list[tuple[Path, int]] = []
     try:
-        files = dict(artifacts.files)
-        files["manifest.json"] = (json.dumps(artifacts.manifest, indent=2, sort_keys=True) + "\n").encode()
         for name, data in files.items():
             (tmp / name).write_bytes(data)
-        if not out.exists():
-            tmp.rename(out)
-        else:
-            for name in files:
-                os.replace(tmp / name, out / name)
-        return [out / name for name in sorted(files)]
+        for name in sorted(files, key=lambda n: n == "manifest.json"):
+            os.replace(tmp / name, out / name)
+            moved.append((out / name, (out / name).stat().st_ino))
     except OSError as e:
-        raise _unwritable(out, e.strerror or str(e)) from None
-    finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if created:  # leave no partial directory, but keep a concurrent writer's files
+            for path, inode in moved:
+                with contextlib.suppress(OSError):
+                    if path.stat().st_ino == inode:
+                        path.unlink()
+        _remove_if_empty(out, created)
+        raise _unwritable(out, e.strerror or str(e)) from None
+    shutil.rmtree(tmp, ignore_errors=True)
+    for path in stale:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    return [out / name for name in sorted(files)]
+
+
+def _remove_if_empty(out: Path, created: bool) -> None:
+    """A failed first write leaves no directory (a concurrent writer's files keep it)."""
+    if created:
+        with contextlib.suppress(OSError):
+            out.rmdir()
+
+
+def _stale_files(out: Path, files: dict[str, bytes]) -> list[Path]:
+    """Files the previous lowering in ``out`` wrote and this one does not: a stale ``partition_1.tosa`` would pass for output.
+
+    Only files ``out/manifest.json`` lists, with plain names, that still hold
+    the bytes it records: a user's other files, or a listed file they have
+    changed since, are kept.
+    """
+    try:
+        previous = json.loads((out / "manifest.json").read_bytes())
+    except (OSError, ValueError):
+        return []
+    listed = previous.get("files") if isinstance(previous, dict) else None
+    if not isinstance(listed, dict):
+        return []
+    stale = []
+    for name, record in listed.items():
+        if name in files or name.startswith(".") or not isinstance(record, dict) or Path(name).name != name:
+            continue
+        path = out / name
+        try:
+            if path.is_symlink() or not path.is_file() or path.stat().st_size != record.get("size"):
+                continue
+            if digest(path.read_bytes()) == record.get("xxh3_128"):
+                stale.append(path)
+        except OSError:
+            continue
+    return stale
 
 
 @contextlib.contextmanager

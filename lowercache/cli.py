@@ -47,6 +47,32 @@ def _setup_logging() -> None:
 _EXECUTING = re.compile(r"While executing %(\w+)")
 
 
+def _no_traceback(record: logging.LogRecord) -> bool:
+    return not (record.exc_info or record.stack_info)
+
+
+@contextlib.contextmanager
+def _logged_tracebacks_hidden() -> Iterator[None]:
+    """Drop the tracebacks torch logs (12-19 lines) around a failure the CLI reports in one line; kept under LOWERCACHE_DEBUG.
+
+    torch gives many of its loggers their own handler, so the filter goes on every handler of every torch logger.
+    """
+    if os.environ.get("LOWERCACHE_DEBUG"):
+        yield
+        return
+    import torch  # noqa: F401  (creates torch's loggers and their handlers)
+
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.split(".")[0] in ("torch", "executorch")]
+    handlers = {h for lg in [logging.root, *loggers] for h in lg.handlers} | ({logging.lastResort} if logging.lastResort else set())
+    for h in handlers:
+        h.addFilter(_no_traceback)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(_no_traceback)
+
+
 def _fail(message: str, code: int) -> None:
     print(f"lowercache: error: {message}", file=sys.stderr)
     raise typer.Exit(code)
@@ -90,6 +116,7 @@ def _settings(cache_dir: Optional[Path], **flags):
 
 
 @app.command()
+@_logged_tracebacks_hidden()
 def lower(
     model: str = typer.Argument(..., help="path/to/file.py:factory (returns (nn.Module, example_inputs)) or a saved .pt2."),
     target: str = typer.Option(..., "--target", "-t", help="tosa-int, tosa-fp, ethos-u55-128, ethos-u85-256, ..."),
@@ -165,6 +192,7 @@ def _print_summary(records: list[dict], stages: dict[str, float]) -> None:
 
 
 @app.command()
+@_logged_tracebacks_hidden()
 def verify(
     model: str = typer.Argument(..., help="path/to/file.py:factory or a saved .pt2."),
     target: str = typer.Option(..., "--target", "-t"),

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import LowercacheError
+from .savedprogram import load_saved_program
 
 
 @dataclass
@@ -32,6 +33,14 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
+def _exit_status(e: SystemExit) -> str:
+    """``sys.exit``'s argument as the shell would see it: a code, or 1 and the message it prints."""
+    if e.code is None or isinstance(e.code, int):
+        return str(e.code or 0)
+    lines = str(e.code).strip().splitlines()
+    return f"1: {lines[0]}" if lines else "1"
+
+
 def load_model(spec: str) -> LoadedModel:
     """Load ``path/to/file.py:factory`` or a saved ExportedProgram ``.pt2``."""
     if spec.endswith(".pt2"):
@@ -47,6 +56,8 @@ def load_model(spec: str) -> LoadedModel:
         raise LowercacheError(f"{path} has no function {factory_name!r}")
     try:
         result = factory()
+    except SystemExit as e:
+        raise LowercacheError(f"factory {spec} exited with status {_exit_status(e)}") from None
     except Exception as e:
         raise LowercacheError(f"factory {spec} raised {_describe(e)}") from None
     if (
@@ -76,6 +87,9 @@ def _import_file(path: str) -> Any:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:
+        sys.modules.pop(name, None)
+        raise LowercacheError(f"importing {path} exited with status {_exit_status(e)}") from None
     except Exception as e:
         sys.modules.pop(name, None)
         raise LowercacheError(f"error importing {path}: {_describe(e)}") from None
@@ -85,10 +99,7 @@ def _import_file(path: str) -> Any:
 def _load_program(path: str) -> LoadedModel:
     if not os.path.isfile(path):
         raise LowercacheError(f"saved program not found: {path}")
-    try:
-        program = torch.export.load(path)
-    except Exception as e:
-        raise LowercacheError(f"cannot load saved program {path}: {_describe(e)}") from None
+    program = load_saved_program(path)
     example = getattr(program, "example_inputs", None)
     if not example:
         raise LowercacheError(f"saved program {path} has no example inputs; save it with torch.export.save after export")
