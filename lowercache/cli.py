@@ -409,9 +409,34 @@ def speedups() -> None:
     out.print(f"{sum(s == 'on' for s in states.values())} of {len(states)} on; set LOWERCACHE_SPEEDUPS=all,-NAME to turn one off", markup=False, highlight=False)
 
 
+_verbose = False
+# Commands that import torch: its log handler must exist before third-party noise can be held back.
+_TORCH_COMMANDS = {"lower", "verify", "bench", "speedups"}
+
+
+@app.callback()
+def _options(
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show the third-party warnings lowercache holds back."),
+) -> None:
+    global _verbose
+    _verbose = verbose
+
+
 def main(argv: Optional[List[str]] = None) -> None:
+    from . import quiet
+
     _setup_logging()
-    app(args=argv, prog_name="lowercache")
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in args if not a.startswith("-")), None)
+    code: object = 0
+    with quiet.captured(import_torch=command in _TORCH_COMMANDS) as noise:
+        try:
+            app(args=args, prog_name="lowercache")
+        except SystemExit as e:
+            code = e.code
+    quiet.print_held_back(noise, _verbose, failed=code not in (0, None))
+    sys.exit(code)
+
 
 
 if __name__ == "__main__":
