@@ -15,7 +15,7 @@ import time
 
 STOCK = """
 import contextlib, io, time
-from lowercache import flow, loading
+from lowercache.lowering import flow, loading
 from lowercache.lowering.targets import resolve
 m = loading.load_model({model!r})
 start = time.perf_counter()

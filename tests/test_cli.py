@@ -223,7 +223,7 @@ def test_concurrent_processes_share_one_cache(tmp_path, cache_dir):
     script.write_text(
         textwrap.dedent(
             """
-            from lowercache import models
+            from lowercache.bench import models
             def tiny_cnn():
                 return models.tiny_cnn()
             def transformer_block():

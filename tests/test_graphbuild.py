@@ -38,7 +38,7 @@ class OpZoo(torch.nn.Module):
 def _torch_decode(entry, monkeypatch):
     """The program as torch's deserializer alone rebuilds it."""
     with monkeypatch.context() as m:
-        m.setattr(quantize, "_rebuild_fast", _unsupported)
+        m.setattr(programstore, "_rebuild_fast", _unsupported)
         m.setattr(programstore._fast_tensor_meta, "active", contextlib.nullcontext)
         return programstore.decode(entry)
 

@@ -88,7 +88,7 @@ def test_renaming_a_local_variable_keeps_the_key():
 
 def test_key_is_independent_of_pythonhashseed():
     code = (
-        "from lowercache import flow, models; from lowercache.cache.steps import step_key;"
+        "from lowercache.lowering import flow; from lowercache.bench import models; from lowercache.cache.steps import step_key;"
         "from lowercache.lowering.targets import resolve;"
         "m, e = models.tiny_cnn(); p = flow.flow_parts(flow.export(m, e), resolve('tosa-int'), e, [e]);"
         "print(step_key('flow', p))"

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(
     from executorch.backends.arm.quantizer import EthosUQuantizer, get_symmetric_quantization_config
     from executorch.exir import to_edge_transform_and_lower
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-    from lowercache import models
+    from lowercache.bench import models
 
     module, example = models.tiny_cnn()
     ep = torch.export.export(module, example)
