@@ -302,6 +302,15 @@ def test_memo_record_is_shared_checked_and_kept(tmp_path, redis_url, raw_redis, 
     assert other.remote.refused == 1
 
 
+def test_write_only_refresh_re_signs_memo_records(tmp_path, redis_url):
+    name = "memo/compile_spec/tosa-fp/" + "0" * 32
+    rm.TieredStore(Store(tmp_path / "a"), rm.connect(redis_url, hmac_key=b"old")).put_record(name, "f" * 32)
+    refresh = rm.TieredStore(Store(tmp_path / "a"), rm.connect(redis_url, hmac_key=b"new", mode="write-only"))
+    assert refresh.get_record(name) == "f" * 32 and refresh.remote.writes == 1
+    reader = rm.TieredStore(Store(tmp_path / "b"), rm.connect(redis_url, hmac_key=b"new"))
+    assert reader.get_record(name) == "f" * 32
+
+
 def test_memo_value_that_is_not_a_digest_is_recomputed(tmp_path):
     from lowercache.lowering import arm, flow
     from lowercache.lowering.targets import resolve

@@ -786,7 +786,11 @@ class TieredStore:
     def get_record(self, name: str) -> Any:
         """A local record; a shared (``memo/``) one missing locally comes from the remote and is kept."""
         value = self.local.get_record(name)
-        if value is not None or not name.startswith(SHARED_RECORDS):
+        if not name.startswith(SHARED_RECORDS):
+            return value
+        if value is not None:
+            if self.remote.mode == "write-only":  # a refresh re-signs memos as it does entries
+                self.remote.put(f"record/{name}", json.dumps(value, sort_keys=True).encode())
             return value
         raw = self.remote.get(f"record/{name}")
         if raw is None:
