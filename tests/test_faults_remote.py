@@ -171,6 +171,31 @@ def test_wrong_key_does_not_overwrite_entries_read_or_unread(any_url):
     assert reader.get(KEY) == b"data" and reader.get("blob/" + "0" * 32) == b"blob"
 
 
+class DictRemote(rm.Remote):
+    """A backend with only get and put: the base class's look-first ``add`` serves it."""
+
+    name = "dict://"
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+
+    def get(self, key):
+        return self.values.get(key)
+
+    def put(self, key, data):
+        self.values[key] = data
+
+
+def test_backend_without_conditional_writes_is_not_overwritten_either():
+    backend = DictRemote()
+    assert rm.Guarded(backend, hmac_key=b"A").put(KEY, b"data")
+    stored = dict(backend.values)
+    wrong = rm.Guarded(backend, hmac_key=b"B")
+    assert wrong.put(KEY, b"other") and wrong.writes == 0
+    assert backend.values == stored
+    assert wrong.put("blob/" + "1" * 32, b"new") and wrong.writes == 1
+
+
 def test_wrong_key_stops_writing_after_most_reads_fail(redis_url, caplog):
     good = rm.connect(redis_url, hmac_key=b"A")
     for i in range(3):

@@ -9,7 +9,10 @@ here is built around two rules:
   ``LOWERCACHE_HMAC_KEY`` set, signed with HMAC-SHA256. :func:`unseal` refuses
   anything that fails a check, and caps the decompressed size so a small
   value cannot expand into gigabytes. Values are bytes and JSON only; nothing
-  read from a remote is unpickled or executed.
+  read from a remote is unpickled or executed. Without a key a remote is
+  used only when signatures are not required (``LOWERCACHE_REMOTE_REQUIRE_SIGNED=0``),
+  and a client never overwrites a value it has not read or that another key
+  signed, so one misconfigured client cannot spoil what others read.
 - **A remote can fail.** :class:`Guarded` puts a deadline on every call; the
   first fault turns the remote off for the rest of the process with one
   warning, and the build goes on with the local cache alone.
