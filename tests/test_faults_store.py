@@ -139,6 +139,50 @@ def test_damage_met_by_many_processes_is_moved_aside_once(tmp_path):
     fresh.close()
 
 
+WORKER = textwrap.dedent(
+    """
+    import sys, time
+    from lowercache.cache.store import Entry, Store
+
+    while time.time() < float(sys.argv[2]):  # start together
+        time.sleep(0.01)
+    store = Store(sys.argv[1])
+    me = sys.argv[3]
+    assert store.get("k", "shared") is None or store.get("k", "shared").blobs == {"x": b"same" * 500}
+    store.put("k", "shared", Entry(blobs={"x": b"same" * 500}))
+    store.put("k", me, Entry(blobs={"x": me.encode() * 500}))
+    got = store.get("k", me)
+    print("stored" if got is not None and got.blobs == {"x": me.encode() * 500} else "missed")
+    store.close()
+    """
+)
+
+
+def test_processes_meeting_the_same_damage_at_once_all_go_on(tmp_path):
+    import time
+
+    store = Store(tmp_path / "cache")
+    store.put("k", "shared", Entry(blobs={"x": b"same" * 500}))
+    store.close()
+    flip_head(entries_db(tmp_path / "cache"))
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    start = str(time.time() + 4)
+    procs = [
+        subprocess.Popen([sys.executable, script, tmp_path / "cache", start, f"w{i}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(4)
+    ]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [r[1] for r in results]
+    assert all(out.strip() == "stored" for out, _ in results), results
+    assert all(len(err.strip().splitlines()) <= 1 for _, err in results), results
+    moved = [p for p in dbfile.aside_copies(tmp_path / "cache" / "entries") if not p.name.endswith(("-wal", "-shm"))]
+    assert len(moved) == 1
+    store = Store(tmp_path / "cache")
+    assert all(store.get("k", f"w{i}") is not None for i in range(4))
+    store.close()
+
+
 @pytest.mark.parametrize("damage", [flip_head, truncate_half], ids=["flipped-entries", "truncated-meta"])
 def test_clear_and_gc_verify_work_on_a_damaged_directory(seeded_cache, damage):
     cache, _ = seeded_cache
