@@ -170,7 +170,6 @@ class Store:
 
     def _open(self, name: str) -> diskcache.Cache | Reader:
         """The index ``name`` (entries or meta): diskcache when writable, else a :class:`Reader`."""
-        path = self.directory / name
         if self.writable:
             try:
                 return self._diskcache(name)
@@ -182,6 +181,10 @@ class Store:
                 except (sqlite3.Error, OSError) as e:
                     error = e
             self._stop_writing(error)
+        return self._reader(name)
+
+    def _reader(self, name: str) -> Reader:
+        path = self.directory / name
         return Reader(path, _BytesOnlyDisk(str(path)).fetch)
 
     def _diskcache(self, name: str) -> diskcache.Cache:
@@ -240,8 +243,7 @@ class Store:
             current = getattr(self, f"_{name}")
             if isinstance(current, diskcache.Cache):
                 current.close()
-                path = self.directory / name
-                setattr(self, f"_{name}", Reader(path, _BytesOnlyDisk(str(path)).fetch))
+                setattr(self, f"_{name}", self._reader(name))
 
     def _failed(self, name: str, error: BaseException) -> bool:
         """Handle an index error: heal damage, stop writing on a full disk. True when handled (and warned)."""
