@@ -79,9 +79,9 @@ def _pickled_weight(entries, marker):
     entries[f"data/weights/{first['path_name']}"] = pickle.dumps(_RunsCommand(marker))
 
 
-def _constant(entries, marker, path_name, use_pickle):
+def _constant(entries, marker, path_name):
     meta = json.loads(entries["data/weights/model_weights_config.json"])["config"]["fc.bias"]["tensor_meta"]
-    config = {"config": {"hostile": {"path_name": path_name, "is_param": False, "use_pickle": use_pickle, "tensor_meta": meta}}}
+    config = {"config": {"hostile": {"path_name": path_name, "is_param": False, "use_pickle": True, "tensor_meta": meta}}}
     entries["data/constants/model_constants_config.json"] = json.dumps(config).encode()
     entries[f"data/constants/{path_name}"] = pickle.dumps(_RunsCommand(marker))
 
@@ -127,9 +127,9 @@ def _legacy_weights(entries, marker):
 # (craft, reason in the error, whether stock torch.export.load runs the command on it)
 HOSTILE = {
     "pickled_weight": (_pickled_weight, "weight 'conv1.weight' is stored as a pickle", True),
-    "pickled_constant": (lambda e, m: _constant(e, m, "tensor_0", True), "constant 'hostile' is stored as a pickle", True),
-    "opaque_object": (lambda e, m: _constant(e, m, "opaque_obj_0", False), "is a opaque_obj_ object", True),
-    "custom_object": (lambda e, m: _constant(e, m, "custom_obj_0", False), "is a custom_obj_ object", False),
+    "pickled_constant": (lambda e, m: _constant(e, m, "tensor_0"), "constant 'hostile' is stored as a pickle", True),
+    "opaque_object": (lambda e, m: _constant(e, m, "opaque_obj_0"), "is a opaque_obj_ object", True),
+    "custom_object": (lambda e, m: _constant(e, m, "custom_obj_0"), "is a custom_obj_ object", False),
     "pickled_example_inputs": (_pickled_example_inputs, "example inputs need a full unpickle", True),
     "sympy_text": (_sympy_text, "symbolic shape expressions", True),
     "os_system_node": (_os_system_node, "a node calls 'torch.os.system'", False),
@@ -158,6 +158,16 @@ def test_hostile_pt2_is_refused_in_one_line_and_runs_nothing(case, saved_tiny, t
     assert not out.exists()
     if cache_dir.is_dir():
         assert Store(cache_dir).entry_count() == {"actions": 0, "blobs": 0}
+
+
+def test_built_program_calling_a_non_operator_is_refused(saved_tiny):
+    """The check after building, for a target the text check would let through: it must not reach a run."""
+    from lowercache.lowering import savedprogram
+
+    program = savedprogram.load_saved_program(str(saved_tiny))
+    next(n for n in program.graph.nodes if n.op == "call_function").target = os.system
+    with pytest.raises(savedprogram.Refused, match="calls <built-in function system>"):
+        savedprogram._check_nodes(program)
 
 
 def test_saved_program_loads_as_torch_loads_it(saved_tiny):

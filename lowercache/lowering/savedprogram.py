@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import operator
 import re
 from typing import Any
 
@@ -36,11 +37,14 @@ class Refused(Exception):
     """The archive holds something that loading would unpickle or run."""
 
 
-def _symbolic_targets() -> frozenset[str]:
+def _symbolic_functions() -> frozenset[Any]:
     from torch._export.serde import serialize
 
-    names = {f"{f.__module__}.{f.__name__}" for f in serialize._SYM_OPS}
-    return frozenset(names | {"_operator.getitem"})
+    return frozenset(serialize._SYM_OPS | {operator.getitem})
+
+
+def _symbolic_targets() -> frozenset[str]:
+    return frozenset(f"{f.__module__}.{f.__name__}" for f in _symbolic_functions())
 
 
 def load_saved_program(path: str) -> torch.export.ExportedProgram:
@@ -91,17 +95,33 @@ def _read(data: bytes) -> torch.export.ExportedProgram:
     serialized = _bytes_to_dataclass(schema.ExportedProgram, program_bytes)
     state_dict = package._load_state_dict(reader, MODEL)
     constants = package._load_constants(reader, MODEL)
-    return ExportedProgramDeserializer(None).deserialize(serialized, state_dict, constants, example_inputs)
+    program = ExportedProgramDeserializer(None).deserialize(serialized, state_dict, constants, example_inputs)
+    _check_nodes(program)
+    return program
+
+
+def _check_nodes(program: torch.export.ExportedProgram) -> None:
+    """After building, before anything runs the graph: every call is a torch operator (the target check on the text, made exact)."""
+    operators = (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)
+    symbolic = _symbolic_functions()
+    for module in program.graph_module.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op in ("call_method", "call_module") or (
+                node.op == "call_function" and not (isinstance(node.target, operators) or node.target in symbolic)
+            ):
+                raise Refused(f"node {node.name} calls {node.target!r}, which is not a torch operator")
 
 
 def _check_payloads(package: Any, reader: Any, config_file: str, kind: str, raw_prefixes: tuple[str, ...]) -> None:
     """Every weight or constant must be raw tensor bytes: torch unpickles the rest."""
     config = package._load_payload_config(reader, config_file)
     for fqn, meta in config.config.items():
-        if meta.use_pickle:
-            raise Refused(f"{kind} {fqn!r} is stored as a pickle (use_pickle), which lowercache never unpickles")
         if not meta.path_name.startswith(raw_prefixes):
             raise Refused(f"{kind} {fqn!r} is a {meta.path_name.rstrip('0123456789')} object, which torch loads with pickle")
+        if meta.use_pickle:
+            raise Refused(f"{kind} {fqn!r} is stored as a pickle (use_pickle), which lowercache never unpickles")
 
 
 def _check_graph(doc: Any) -> None:
