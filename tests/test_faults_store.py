@@ -353,6 +353,18 @@ def test_a_really_full_disk_lowers_uncached_and_gc_and_clear_work(seeded, tmp_pa
         assert clear.returncode == 0 and "removed" in clear.stdout, clear.stderr
 
 
+def test_a_lowering_that_fills_a_really_small_disk_warns_once(seeded, tmp_path):
+    """The index cannot even be created whole: the run still lowers the clean bytes, with one warning."""
+    with _tmpfs(tmp_path / "tiny", "120k") as disk:
+        result = cli("lower", TINY, "-t", TARGET, "-o", tmp_path / "out", cache_dir=disk / "cache")
+        assert result.returncode == 0, result.stderr
+        assert (tmp_path / "out" / "model.pte").read_bytes() == seeded[1]
+        assert len(warnings_of(result)) == 1 and "cannot be written" in result.stderr, result.stderr
+        for command in (("gc",), ("clear",)):
+            done = cli(*command, cache_dir=disk / "cache")
+            assert done.returncode == 0, done.stderr
+
+
 # -- read-only touches nothing ----------------------------------------------------------------
 
 

@@ -180,7 +180,14 @@ class Reader:
             self._con = _live_reader(db) or sqlite3.connect(f"{db.resolve().as_uri()}?immutable=1", uri=True, check_same_thread=False)
 
     def _rows(self, query: str, args: tuple = ()) -> list[tuple]:
-        return [] if self._con is None else self._con.execute(query, args).fetchall()
+        if self._con is None:
+            return []
+        try:
+            return self._con.execute(query, args).fetchall()
+        except sqlite3.OperationalError as e:
+            if "no such table" in str(e):  # created by a writer that ran out of space (or is still creating it)
+                return []
+            raise
 
     def get(self, key: str, default: Any = None) -> Any:
         rows = self._rows("SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1", (key,))
