@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,3 +107,22 @@ def _env():
     import os
 
     return dict(os.environ)
+
+
+def test_keys_cover_lowercaches_own_producing_code():
+    """A change to the code of a room that produces results changes every key's toolchain part; the CLI's does not."""
+
+    package = Path(toolchain.__file__).resolve().parent.parent
+    before = toolchain.lowercache_digest()
+    assert toolchain.toolchain_parts()["lowercache_src"] == before
+    probe = package / "speedups" / "_key_probe_for_test.py"
+    try:
+        probe.write_text('"""A step\'s code changed."""\n')
+        toolchain.lowercache_digest.cache_clear()
+        changed = toolchain.lowercache_digest()
+    finally:
+        probe.unlink()
+        toolchain.lowercache_digest.cache_clear()
+    assert changed != before
+    assert toolchain.lowercache_digest() == before
+    assert "cli.py" not in {p.name for room in toolchain._PRODUCING_ROOMS for p in (package / room).rglob("*.py")}

@@ -117,7 +117,7 @@ def vela_parts(tosa: bytes, args: list[str], verbose: bool, placements: Any) -> 
         "verbose": str(bool(verbose)),
         "block_placements": digest_json(dict(placements or {})),
         "vela": toolchain_parts()["vela"],
-        "lowercache_schema": toolchain_parts()["lowercache_schema"],
+        "lowercache_src": toolchain_parts()["lowercache_src"],
     }
 
 
