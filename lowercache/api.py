@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -149,7 +150,9 @@ def write_artifacts(artifacts: Artifacts, out_dir: str | os.PathLike) -> list[Pa
     parent's permissions do not matter. Concurrent writers each stage their
     own files and replace whole files, so they all succeed with the same
     bytes. Files of the previous lowering that this one does not write are
-    removed afterwards (see :func:`_stale_files`); the manifest goes last.
+    removed (see :func:`_stale_files`) just before the new manifest, which
+    goes last: a run killed in between leaves them still listed, for the
+    next run to remove.
     """
     out = Path(out_dir)
     files = dict(artifacts.files)
@@ -158,7 +161,8 @@ def write_artifacts(artifacts: Artifacts, out_dir: str | os.PathLike) -> list[Pa
     try:
         out.mkdir(parents=True, exist_ok=True)
         stale = _stale_files(out, files)
-        tmp = Path(tempfile.mkdtemp(prefix=".lowercache-tmp-", dir=out))
+        _remove_abandoned_staging(out)
+        tmp = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out))
     except OSError as e:
         _remove_if_empty(out, created)
         raise _unwritable(out, e.strerror or str(e)) from None
@@ -167,6 +171,10 @@ def write_artifacts(artifacts: Artifacts, out_dir: str | os.PathLike) -> list[Pa
         for name, data in files.items():
             (tmp / name).write_bytes(data)
         for name in sorted(files, key=lambda n: n == "manifest.json"):
+            if name == "manifest.json":
+                for path in stale:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
             os.replace(tmp / name, out / name)
             moved.append((out / name, (out / name).stat().st_ino))
     except OSError as e:
@@ -179,10 +187,20 @@ def write_artifacts(artifacts: Artifacts, out_dir: str | os.PathLike) -> list[Pa
         _remove_if_empty(out, created)
         raise _unwritable(out, e.strerror or str(e)) from None
     shutil.rmtree(tmp, ignore_errors=True)
-    for path in stale:
-        with contextlib.suppress(OSError):
-            path.unlink()
     return [out / name for name in sorted(files)]
+
+
+STAGING_PREFIX = ".lowercache-tmp-"
+ABANDONED_AFTER_S = 3600  # far longer than writing a few files takes: a staging folder this old lost its writer
+
+
+def _remove_abandoned_staging(out: Path) -> None:
+    """Staging folders a killed run left in ``out``; a live writer's folder is minutes old at most."""
+    now = time.time()
+    for path in out.glob(f"{STAGING_PREFIX}*"):
+        with contextlib.suppress(OSError):
+            if path.is_dir() and not path.is_symlink() and now - path.stat().st_mtime > ABANDONED_AFTER_S:
+                shutil.rmtree(path)
 
 
 def _remove_if_empty(out: Path, created: bool) -> None:

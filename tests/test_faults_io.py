@@ -364,6 +364,17 @@ def test_manifest_cannot_name_files_outside_the_directory(tmp_path):
     assert victim.read_bytes() == b"keep"
 
 
+def test_staging_left_by_a_killed_run_is_removed_later(tmp_path):
+    out = tmp_path / "out"
+    abandoned, live = out / ".lowercache-tmp-killed", out / ".lowercache-tmp-live"
+    for folder in (abandoned, live):
+        folder.mkdir(parents=True)
+        (folder / "model.pte").write_bytes(b"half")
+    os.utime(abandoned, (0, 0))
+    api.write_artifacts(_artifacts({"model.pte": b"pte"}), out)
+    assert not abandoned.exists() and (live / "model.pte").read_bytes() == b"half"
+
+
 def test_reused_directory_after_ethos_u_holds_only_the_new_lowering(tmp_path, cache_dir):
     out = tmp_path / "out"
     assert cli("lower", TINY, "-t", "ethos-u55-128", "-o", out, cache_dir=cache_dir).returncode == 0

@@ -28,8 +28,8 @@ from ..errors import LowercacheError
 
 MODEL = "model"  # the program torch.export.save writes and torch.export.load returns
 
-# node targets torch resolves without reaching arbitrary callables: operator overloads and
-# higher-order operators under torch.ops (no dunder steps), and the symbolic-int helpers
+# node targets as text: under torch.ops (no dunder steps) or a symbolic-int helper; the walk can
+# still reach a plain method (torch.ops.loaded_libraries.add), so _check_nodes checks what was built
 _OP_TARGET = re.compile(r"torch\.ops(\.(?!__)\w+){2,3}")
 
 
