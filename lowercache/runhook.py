@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.abc
+import logging
 import os
 import sys
 from typing import Any
@@ -40,15 +41,39 @@ def command_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+_ARM = "executorch.backends.arm"
+
+
+def _is_arm(name: str) -> bool:
+    return name == _ARM or name.startswith(_ARM + ".")
+
+
+def _arm_initializing(finished: str) -> bool:
+    """Whether an Arm module other than ``finished`` is still executing (imported half way)."""
+    return any(
+        name != finished and _is_arm(name) and getattr(getattr(module, "__spec__", None), "_initializing", False)
+        for name, module in list(sys.modules.items())
+    )
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Calls back once a watched module has finished executing."""
+    """Calls back once a watched module, and the Arm import it was part of, has finished executing.
+
+    A hook module can finish while the Arm module that imported it is still
+    executing (a script that imports ``tosa.partitioner`` first imports
+    ``tosa.backend`` half way through it); installing then would import the
+    half-made partitioner and fail the script. So every Arm module is
+    followed while a watched one is outstanding, and the callback waits
+    until no Arm module is half imported.
+    """
 
     def __init__(self, watched: tuple[str, ...], callback: Any):
         self.watched = set(watched)
+        self.pending: list[str] = []
         self.callback = callback
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in self.watched:
+        if not (self.watched or self.pending) or not _is_arm(fullname):
             return None
         for finder in sys.meta_path:
             if finder is self:
@@ -57,15 +82,27 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             if spec is not None and spec.loader is not None:
                 loader = spec.loader
                 original_exec = loader.exec_module
-                callback = self.callback
 
                 def exec_module(module, _original=original_exec):
                     _original(module)
-                    callback(module.__name__)
+                    self._finished(module.__name__)
 
                 loader.exec_module = exec_module
                 return spec
         return None
+
+    def _finished(self, name: str) -> None:
+        if name in self.watched:
+            self.watched.discard(name)
+            self.pending.append(name)
+        if self.pending and not _arm_initializing(name):
+            ready, self.pending = self.pending, []
+            for module_name in ready:
+                try:
+                    self.callback(module_name)
+                except Exception as e:  # never fail the script's import because of the cache
+                    logging.getLogger("lowercache").warning("caching is off for this process (%s)", e)
+                    return
 
 
 _session: list[Any] = []
