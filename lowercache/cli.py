@@ -438,6 +438,5 @@ def main(argv: Optional[List[str]] = None) -> None:
     sys.exit(code)
 
 
-
 if __name__ == "__main__":
     main(sys.argv[1:])
