@@ -81,7 +81,7 @@ def encode_or_note(program: torch.export.ExportedProgram, spec_digest: str, stor
     try:
         return encode(program, spec_digest)
     except FormatError as err:
-        log.info("lowercache: quantized program not stored (%s)", err)
+        log.info("quantized program not stored (%s)", err)
         return Entry(meta={"stored": False, "reason": str(err)})
 
 
@@ -155,7 +155,7 @@ def decode(entry: Entry, doc: dict[str, Any] | None = None) -> torch.export.Expo
             try:
                 return _rebuild_fast(doc, groups["state_dict"], groups["constants"], args)
             except graphbuild.Unsupported as err:
-                log.debug("lowercache: stored graph rebuilt by torch's deserializer (%s)", err)
+                log.debug("stored graph rebuilt by torch's deserializer (%s)", err)
             deserializer = serde.ExportedProgramDeserializer()
             return deserializer.deserialize(_schema(doc), groups["state_dict"], groups["constants"], (args, {}))
 

@@ -109,7 +109,7 @@ def quantize(
     except Exception as err:  # a stored program that does not rebuild is a miss, never a crash
         stored = entry.meta.get("stored", True)
         if stored:
-            log.warning("lowercache: warning: cached quantized program unusable (%s); recomputing", err)
+            log.warning("cached quantized program unusable (%s); recomputing", err)
         fresh = target.compile_spec()
         result = run_stock(program, target, fresh, example_inputs, calibration)
         if stored and storing:

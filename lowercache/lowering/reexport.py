@@ -346,7 +346,7 @@ def export(
     except Exception as err:  # a template that does not fill is a miss, never a crash
         usable_format = template.meta.get("format") == REEXPORT_VERSION
         if usable_format:
-            log.warning("lowercache: warning: cached re-export template unusable (%s); exporting", err)
+            log.warning("cached re-export template unusable (%s); exporting", err)
         fresh = compute()
         if usable_format:
             session.replace("reexport", parts, fresh)

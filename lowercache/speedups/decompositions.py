@@ -478,7 +478,7 @@ def _stored_templates(candidates: list, table: Any) -> tuple[dict, dict | None]:
         try:
             template = decompreplay.decode(entry.meta.get("template"), len(c.all_input_nodes))
         except decompreplay.Refused as why:
-            log.warning("lowercache: stored decomposition of %s is unusable (%s); tracing", c.name, why)
+            log.warning("stored decomposition of %s is unusable (%s); tracing", c.name, why)
             return keys, None
         if not decompreplay.applicable(template, c):
             return keys, None
@@ -542,7 +542,7 @@ def localize(program: torch.export.ExportedProgram, table: Any, original: Callab
             try:
                 planned[c], value_of[c] = decompreplay.values(c, templates[c], input_values)
             except decompreplay.Refused as why:
-                log.warning("lowercache: stored decomposition of %s does not apply (%s); tracing in full", c.name, why)
+                log.warning("stored decomposition of %s does not apply (%s); tracing in full", c.name, why)
                 raise Unsupported(f"template of {c.name}: {why}") from None
         replacement: dict[torch.fx.Node, torch.fx.Node] = {}
         for c in candidates:
@@ -768,7 +768,7 @@ def _run_decompositions(self: torch.export.ExportedProgram, decomp_table: Any = 
             localize(self, decomp_table, original)
             result = self
     except Unsupported as why:
-        log.debug("lowercache: run_decompositions in full (%s)", why)
+        log.debug("run_decompositions in full (%s)", why)
         _count("full")
         return original(self, decomp_table, *args, **kwargs)
     _count("localized")
