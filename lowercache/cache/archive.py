@@ -20,7 +20,7 @@ import tarfile
 from pathlib import Path
 
 from ..errors import LowercacheError
-from .hashing import digest
+from .digests import digest
 from .store import Entry, Store
 
 log = logging.getLogger("lowercache")

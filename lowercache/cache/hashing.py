@@ -13,13 +13,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import json
 import math
 import types
 from typing import Any, Iterable, Mapping
 
 import torch
 import xxhash
+
+from .digests import canonical_json, digest, digest_json
 
 # Node metadata that never reaches an output byte (see the anatomy notes).
 # Everything else in ``node.meta`` is part of the key.
@@ -42,20 +43,6 @@ IGNORED_META = frozenset(
 
 class Unhashable(TypeError):
     """A value has no canonical form; the step that needs it runs uncached."""
-
-
-def digest(data: bytes | bytearray | memoryview) -> str:
-    """xxh3-128 of raw bytes, as 32 hex characters."""
-    return xxhash.xxh3_128_hexdigest(data)
-
-
-def digest_json(value: Any) -> str:
-    """Digest of a JSON-able value in canonical form (sorted keys, no spaces)."""
-    return digest(canonical_json(value).encode())
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

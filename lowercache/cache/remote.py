@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 import zstandard
 
 from ..errors import LowercacheError
-from .hashing import digest
+from .digests import digest
 from .store import CorruptEntry, Entry, Store
 
 log = logging.getLogger("lowercache")

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
-from .hashing import digest_json
+from .digests import digest_json
 from .store import Entry, Store
 
 log = logging.getLogger("lowercache")

@@ -46,7 +46,7 @@ from .dbfile import (
     referenced_files,
     value_files,
 )
-from .hashing import digest
+from .digests import digest
 
 log = logging.getLogger("lowercache")
 

@@ -1,0 +1,22 @@
+"""Digests of bytes and JSON, without torch: the store, the remote and direct mode use them before torch is imported."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import xxhash
+
+
+def digest(data: bytes | bytearray | memoryview) -> str:
+    """xxh3-128 of raw bytes, as 32 hex characters."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def digest_json(value: Any) -> str:
+    """Digest of a JSON-able value in canonical form (sorted keys, no spaces)."""
+    return digest(canonical_json(value).encode())
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)

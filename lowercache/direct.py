@@ -1,0 +1,1 @@
+"""Direct mode (placeholder while it is written)."""
