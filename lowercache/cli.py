@@ -380,9 +380,12 @@ def config(cache_dir: Optional[Path] = CacheDir) -> None:
         settings = _settings(cache_dir)
     except LowercacheError as e:
         _fail(str(e), 2)
-    out.print(f"config file  {config_path()}")
-    for name in ("cache_dir", "max_size", "disable", "read_only", "remote", "remote_mode", "remote_ttl", "remote_require_signed", "speedups"):
-        out.print(f"{name:<10}   {getattr(settings, name)}  ({settings.origin[name]})", markup=False, highlight=False)
+    from .config import describe
+
+    rows = [("config file", str(config_path()), "")] + describe(settings)
+    width = max(len(name) for name, _, _ in rows)
+    for name, value, origin in rows:
+        out.print(f"{name:<{width}}  {value}" + (f"  ({origin})" if origin else ""), markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()

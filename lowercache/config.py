@@ -149,3 +149,26 @@ def _remote_mode(value: str) -> str:
     if value not in modes:
         raise LowercacheError(f"bad remote mode {value!r}; use one of {', '.join(modes)}")
     return value
+
+def describe(settings: Settings) -> list[tuple[str, str, str]]:
+    """``(name, value, origin)`` for every setting, values as a person reads them (sizes in binary units)."""
+    rows = []
+    for name in _ENV:
+        value = getattr(settings, name)
+        if name == "max_size":
+            shown = format_size(value)
+        elif value is None or value == "":
+            shown = "-"
+        else:
+            shown = str(value).lower() if isinstance(value, bool) else str(value)
+        rows.append((name, shown, settings.origin.get(name, "default")))
+    return rows
+
+
+def format_size(size: int) -> str:
+    """Bytes as ``5G``, ``512M``, ``1.5G``: the form ``parse_size`` reads back."""
+    for unit in ("T", "G", "M", "K"):
+        scale = _UNITS[unit.lower()]
+        if size >= scale:
+            return f"{size / scale:.1f}".removesuffix(".0") + unit
+    return str(size)

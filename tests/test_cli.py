@@ -280,3 +280,23 @@ def test_a_model_stock_cannot_lower_gives_the_root_cause(tmp_path, cache_dir):
         assert lines[0].endswith("(while executing node aten_avg_pool2d_default)")
         assert "Traceback" not in result.stderr
         assert not out.exists()
+
+
+def test_config_is_aligned_and_readable(tmp_path):
+    result = cli("config", cache_dir=tmp_path / "cache", env={"LOWERCACHE_MAX_SIZE": "1536M"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    values = {line.split()[0]: line for line in lines}
+    assert "1.5G" in values["max_size"] and "env LOWERCACHE_MAX_SIZE" in values["max_size"]
+    starts = {len(line) - len(line[len(line.split()[0]):].lstrip()) for line in lines if not line.startswith("config file")}
+    assert len(starts) == 1  # every value starts in the same column
+    assert "None" not in result.stdout
+
+
+def test_output_directory_gets_the_users_normal_permissions(tmp_path):
+    result = cli("lower", TINY, "-t", "tosa-fp", "-o", tmp_path / "out", cache_dir=tmp_path / "cache")
+    assert result.returncode == 0, result.stderr
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
+    assert (tmp_path / "out" / "model.pte").stat().st_mode & 0o777 == 0o666 & ~umask

@@ -129,7 +129,7 @@ def test_config_shows_the_setting(tmp_path):
     result = cli("config", cache_dir=tmp_path / "cache", env={"LOWERCACHE_REMOTE_REQUIRE_SIGNED": "no"})
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if line.startswith("remote_require_signed"))
-    assert "False" in line and "env LOWERCACHE_REMOTE_REQUIRE_SIGNED" in line
+    assert "false" in line and "env LOWERCACHE_REMOTE_REQUIRE_SIGNED" in line
     assert load_settings(cache_dir=tmp_path).remote_require_signed is True
     bad = cli("config", cache_dir=tmp_path / "cache", env={"LOWERCACHE_REMOTE_REQUIRE_SIGNED": "maybe"})
     assert bad.returncode == 2 and "remote_require_signed" in bad.stderr
