@@ -26,13 +26,27 @@ from .errors import LowercacheError
 app = typer.Typer(
     help="Incremental, caching lowering of PyTorch models to Arm targets (TOSA, Ethos-U).",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
 )
 err = Console(stderr=True)
 out = Console()
 
 CacheDir = typer.Option(None, "--cache-dir", help=r"Cache directory \[env: LOWERCACHE_DIR].")
+def _complete_target(incomplete: str) -> list[str]:
+    """Shell completion for --target (no torch import: the names are plain data)."""
+    from .lowering.targets import TARGETS
+
+    return [t for t in TARGETS if t.startswith(incomplete)]
+
+
+TargetOption = typer.Option(
+    ...,
+    "--target",
+    "-t",
+    help="tosa-int, tosa-fp, ethos-u55-32/64/128/256, ethos-u65-256/512, ethos-u85-128/256/512/1024/2048.",
+    autocompletion=_complete_target,
+)
 RemoteUrl = typer.Option(
     None, "--remote", help=r"Shared cache: redis://host:port/db or s3://bucket/prefix \[env: LOWERCACHE_REMOTE]."
 )
@@ -119,7 +133,7 @@ def _settings(cache_dir: Optional[Path], **flags):
 @_logged_tracebacks_hidden()
 def lower(
     model: str = typer.Argument(..., help="path/to/file.py:factory (returns (nn.Module, example_inputs)) or a saved .pt2."),
-    target: str = typer.Option(..., "--target", "-t", help="tosa-int, tosa-fp, ethos-u55-128, ethos-u85-256, ..."),
+    target: str = TargetOption,
     out_dir: Path = typer.Option(..., "--out", "-o", help="Directory that receives model.pte, TOSA, Vela output, manifest.json."),
     cache_dir: Optional[Path] = CacheDir,
     no_cache: bool = typer.Option(False, "--no-cache", help="Lower without reading or writing the cache."),
@@ -195,7 +209,7 @@ def _print_summary(records: list[dict], stages: dict[str, float]) -> None:
 @_logged_tracebacks_hidden()
 def verify(
     model: str = typer.Argument(..., help="path/to/file.py:factory or a saved .pt2."),
-    target: str = typer.Option(..., "--target", "-t"),
+    target: str = TargetOption,
     cache_dir: Optional[Path] = CacheDir,
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration file, as for lower (.pt or .npz)."),
     remote: Optional[str] = RemoteUrl,
@@ -257,7 +271,7 @@ def stats(cache_dir: Optional[Path] = CacheDir) -> None:
 @app.command()
 def explain(
     model: str = typer.Argument(..., help="The MODEL as given to `lowercache lower`."),
-    target: str = typer.Option(..., "--target", "-t"),
+    target: str = TargetOption,
     passes: bool = typer.Option(False, "--passes", help="List every Arm pass of the latest run that ran passes."),
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
