@@ -5,11 +5,15 @@ Precedence, highest first (as in ccache and sccache):
 2. environment variables ``LOWERCACHE_DIR``, ``LOWERCACHE_MAX_SIZE``,
    ``LOWERCACHE_DISABLE``, ``LOWERCACHE_READ_ONLY``, ``LOWERCACHE_REMOTE``,
    ``LOWERCACHE_REMOTE_MODE``, ``LOWERCACHE_REMOTE_TTL``,
-   ``LOWERCACHE_REMOTE_REQUIRE_SIGNED``;
+   ``LOWERCACHE_REMOTE_REQUIRE_SIGNED``, ``LOWERCACHE_SPEEDUPS``, and the
+   warm server's ``LOWERCACHE_SERVER``, ``LOWERCACHE_SERVER_IDLE_TIMEOUT``,
+   ``LOWERCACHE_SERVER_JOBS``, ``LOWERCACHE_SERVER_TIMEOUT``;
 3. the config file: ``$LOWERCACHE_CONFIG``, else
    ``$XDG_CONFIG_HOME/lowercache/config.toml`` (``~/.config/...``), with keys
    ``cache_dir``, ``max_size``, ``disable``, ``read_only``, ``remote``,
-   ``remote_mode``, ``remote_ttl`` (Redis only), ``remote_require_signed``.
+   ``remote_mode``, ``remote_ttl`` (Redis only), ``remote_require_signed``,
+   ``speedups``, ``server``, ``server_idle_timeout``, ``server_jobs``,
+   ``server_timeout``.
 
 The remote's signing secret, ``LOWERCACHE_HMAC_KEY``, is read from the
 environment only, never from a file lowercache reads or writes.
@@ -39,6 +43,10 @@ _ENV = {
     "remote_ttl": "LOWERCACHE_REMOTE_TTL",
     "remote_require_signed": "LOWERCACHE_REMOTE_REQUIRE_SIGNED",
     "speedups": "LOWERCACHE_SPEEDUPS",
+    "server": "LOWERCACHE_SERVER",
+    "server_idle_timeout": "LOWERCACHE_SERVER_IDLE_TIMEOUT",
+    "server_jobs": "LOWERCACHE_SERVER_JOBS",
+    "server_timeout": "LOWERCACHE_SERVER_TIMEOUT",
 }
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -55,6 +63,11 @@ class Settings:
     # Without LOWERCACHE_HMAC_KEY the remote is off unless this is false: unsigned use is a choice.
     remote_require_signed: bool = True
     speedups: str = "all"  # exact speed-ups to use: all, none, a,b or all,-a (lowercache.speedups.registry)
+    # The warm server (lowercache.server): lower and verify go through it unless this is false.
+    server: bool = True
+    server_idle_timeout: int = 600  # seconds without a request before the server exits
+    server_jobs: int = 0  # requests lowered at once, the rest queued; 0: the core count
+    server_timeout: int = 3600  # seconds one request may run before its process is killed; 0: no limit
     origin: dict[str, str] = field(default_factory=dict)  # where each value came from
 
 
@@ -131,6 +144,10 @@ def load_settings(**flags: Any) -> Settings:
         remote_ttl=_seconds(resolved.get("remote_ttl")),
         remote_require_signed=parse_bool(resolved.get("remote_require_signed", True), "remote_require_signed"),
         speedups=str(resolved.get("speedups", "all")),
+        server=parse_bool(resolved.get("server", True), "server"),
+        server_idle_timeout=_whole(resolved.get("server_idle_timeout", 600), "server_idle_timeout"),
+        server_jobs=_whole(resolved.get("server_jobs", 0), "server_jobs") or os.cpu_count() or 1,
+        server_timeout=_whole(resolved.get("server_timeout", 3600), "server_timeout"),
         origin=origin,
     )
 
@@ -144,11 +161,22 @@ def _seconds(value: Any) -> int | None:
         raise LowercacheError(f"bad remote TTL {value!r}; use a whole number of seconds") from None
 
 
+def _whole(value: Any, name: str) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = -1
+    if number < 0:
+        raise LowercacheError(f"bad value {value!r} for {name}; use a whole number, 0 or more")
+    return number
+
+
 def _remote_mode(value: str) -> str:
     modes = ("read-write", "read-only", "write-only")
     if value not in modes:
         raise LowercacheError(f"bad remote mode {value!r}; use one of {', '.join(modes)}")
     return value
+
 
 def describe(settings: Settings) -> list[tuple[str, str, str]]:
     """``(name, value, origin)`` for every setting, values as a person reads them (sizes in binary units)."""

@@ -90,6 +90,7 @@ def _isolated_config(tmp_path, monkeypatch):
     ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("LOWERCACHE_CONFIG", str(tmp_path / "no-config.toml"))
+    monkeypatch.setenv("LOWERCACHE_SERVER", "0")  # each test runs in its own processes; tests/test_server.py starts servers
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
     logging.getLogger("lowercache").propagate = True
 

@@ -1,0 +1,320 @@
+"""The client of the warm lowering server (:mod:`lowercache.server`): imports no torch.
+
+A new ``lowercache lower`` process spends seconds importing torch and
+ExecuTorch's Arm backend before the cache is even asked. The client sends the
+command line instead to a server that has them imported and warmed up, which
+runs it in a child forked for the request, and relays the child's output and
+exit code. The first client that needs a server starts one (as sccache does);
+a server whose identity (versions, lowercache's sources, python, server
+settings) differs from the client's is replaced, not reused. When no server
+can be reached, or it dies mid-request, the client says so in one warning
+line and the command runs in this process.
+
+Safety: a Unix socket in a directory only its owner can enter, JSON lines
+both ways (never pickle), and each side checks the other's uid (SO_PEERCRED).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from .config import Settings, load_settings
+from .errors import LowercacheError
+
+# Commands that import torch, so a warm server pays; the rest are cheap and stay in the client.
+SERVED = ("lower", "verify")
+SOCKET_NAME = "server.sock"
+MAX_LINE = 64 * 2**20  # a reply frame bigger than this is a broken server, not output
+START_TIMEOUT = 300.0  # imports and warm-up take 10-20 s on a loaded machine
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class ServerUnavailable(Exception):
+    """No server can be reached or started; the command runs in this process."""
+
+
+class ServerLost(Exception):
+    """The server went away during a request."""
+
+
+def warn(message: str) -> None:
+    """One warning line, as lowercache's logger prints them."""
+    print(f"lowercache: warning: {message}", file=sys.stderr, flush=True)
+
+
+def socket_dir() -> Path:
+    """``$XDG_RUNTIME_DIR/lowercache``, else ``<tmp>/lowercache-<uid>``: per user, never shared."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return Path(runtime) / "lowercache"
+    return Path(tempfile.gettempdir()) / f"lowercache-{os.getuid()}"
+
+
+def private_dir() -> Path:
+    """The socket directory, created 0700; refused unless it is a real directory of ours that nobody else can enter."""
+    path = socket_dir()
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise ServerUnavailable(f"cannot use {path}: {e.strerror or e}") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ServerUnavailable(
+            f"{path} is not a directory only you can enter (owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)})"
+        )
+    sock = path / SOCKET_NAME
+    if len(os.fsencode(sock)) > 107:
+        raise ServerUnavailable(f"socket path {sock} is too long for a Unix socket")
+    return path
+
+
+def package_digest() -> str:
+    """Digest of every lowercache source file: a server running other code (the CLI or the server included) is stale."""
+    from .cache.toolchain import source_digest
+
+    return source_digest(_PACKAGE_DIR)
+
+
+def identity(settings: Settings) -> dict[str, Any]:
+    """What a server must share with its client to answer it as a new process would; found without importing torch."""
+    from .cache.toolchain import version
+
+    return {
+        "lowercache": version("lowercache"),
+        "lowercache_src": package_digest(),
+        "torch": version("torch"),
+        "executorch": version("executorch"),
+        "python": sys.executable,
+        "idle_timeout": settings.server_idle_timeout,
+        "jobs": settings.server_jobs,
+    }
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (SO_PEERCRED: pid, uid, gid)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendall(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+
+
+def frames(sock: socket.socket) -> Iterator[dict[str, Any]]:
+    """JSON objects, one a line, until the other end closes."""
+    buffer = b""
+    while True:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            return
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            message = json.loads(line)
+            if not isinstance(message, dict):
+                raise ServerLost("a reply that is not a JSON object")
+            yield message
+        if len(buffer) > MAX_LINE:
+            raise ServerLost("a reply line over the size limit")
+
+
+def _connect(path: Path, timeout: float | None) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(os.fspath(path))
+        if peer_uid(sock) != os.getuid():
+            raise ServerUnavailable(f"the server at {path} belongs to another user")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def ask(message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any] | None:
+    """One request, one reply; None when no server answers."""
+    path = private_dir() / SOCKET_NAME
+    try:
+        sock = _connect(path, timeout)
+    except OSError:
+        return None
+    with sock:
+        try:
+            send(sock, message)
+            return next(frames(sock), None)
+        except (OSError, ValueError, ServerLost):
+            return None
+
+
+@contextlib.contextmanager
+def _start_lock(directory: Path, timeout: float) -> Iterator[None]:
+    """One client at a time starts or replaces the server."""
+    with open(directory / "start.lock", "a") as f:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ServerUnavailable("timed out waiting for another client starting the server") from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def ensure_server(settings: Settings) -> dict[str, Any]:
+    """A running server with the client's identity: the one there, or a new one (replacing a stale one). Its hello reply."""
+    want = identity(settings)
+    directory = private_dir()
+    hello = ask({"op": "hello"})
+    if hello is not None and hello.get("identity") == want:
+        return hello
+    with _start_lock(directory, START_TIMEOUT):
+        hello = ask({"op": "hello"})
+        if hello is not None and hello.get("identity") == want:
+            return hello
+        if hello is not None:
+            stop_server()
+        return _spawn(directory, want)
+
+
+def _spawn(directory: Path, want: dict[str, Any]) -> dict[str, Any]:
+    """Start ``lowercache.server`` detached, with this lowercache on its path; wait until it answers."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    log = directory / "server.log"
+    code = f"import sys; sys.path.insert(0, {os.path.dirname(_PACKAGE_DIR)!r}); from lowercache.server import main; main()"
+    with open(log, "w") as f:
+        process = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=f, stderr=f, cwd="/", env=env, start_new_session=True
+        )
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        hello = ask({"op": "hello"})
+        if hello is not None and hello.get("pid") == process.pid:
+            if hello.get("identity") != want:
+                raise ServerUnavailable("the server started with another identity (lowercache changed during start-up?)")
+            return hello
+        status = process.poll()
+        if status is not None:
+            raise ServerUnavailable(f"the server exited during start-up with status {status}; see {log}")
+        time.sleep(0.1)
+    process.kill()
+    raise ServerUnavailable(f"the server did not start within {START_TIMEOUT:.0f} s; see {log}")
+
+
+def stop_server(timeout: float = 30.0) -> dict[str, Any] | None:
+    """Ask the server to stop (it finishes accepted requests) and wait for it to exit; its reply, or None if none ran."""
+    reply = ask({"op": "stop"})
+    if reply is not None and isinstance(reply.get("pid"), int):
+        reply["exited"] = _wait_gone(reply["pid"], timeout)
+    return reply
+
+
+def _terminal() -> dict[str, Any]:
+    """What the child needs to print as this process would: encodings, terminal kind and size."""
+    ttys = [sys.stdout.isatty(), sys.stderr.isatty()]
+    size = shutil.get_terminal_size((0, 0)) if any(ttys) else os.terminal_size((0, 0))
+    return {
+        "tty": ttys,
+        "columns": size.columns,
+        "lines": size.lines,
+        "encoding": [sys.stdout.encoding, sys.stderr.encoding],
+        "errors": [sys.stdout.errors, sys.stderr.errors],
+    }
+
+
+def _relay(sock: socket.socket) -> int:
+    """Write the child's output where this process would have, and return its exit code."""
+    streams = {1: sys.stdout, 2: sys.stderr}
+    for frame in frames(sock):
+        if "b64" in frame:
+            stream = streams.get(frame.get("fd"), sys.stderr)
+            data = base64.b64decode(frame["b64"])
+            raw = getattr(stream, "buffer", None)
+            if raw is None:  # a stream replaced by text-only (a test's capture)
+                stream.write(data.decode(stream.encoding or "utf-8", "replace"))
+            else:
+                stream.flush()
+                raw.write(data)
+                raw.flush()
+        elif "exit" in frame:
+            if frame.get("error"):
+                print(f"lowercache: error: {frame['error']}", file=sys.stderr, flush=True)
+            return int(frame["exit"])
+        elif "stale" in frame:
+            raise ServerUnavailable("stale")
+    raise ServerLost("the server closed the connection")
+
+
+def run_through_server(args: list[str]) -> int | None:
+    """Run the command line in a child of the warm server; its exit code, or None to run it in this process."""
+    if "--no-server" in args[: args.index("--") if "--" in args else len(args)]:
+        return None
+    try:
+        settings = load_settings()
+    except LowercacheError:
+        return None  # the in-process path reports a bad setting in its one line
+    if not settings.server:
+        return None
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        return None
+    request = {
+        "op": "run",
+        "argv": args,
+        "cwd": cwd,
+        "env": dict(os.environ),
+        "path": list(sys.path),
+        "timeout": settings.server_timeout,
+        **_terminal(),
+    }
+    for attempt in range(2):
+        try:
+            hello = ensure_server(settings)
+            request["identity"] = hello["identity"]
+            sock = _connect(private_dir() / SOCKET_NAME, 10.0)
+        except Exception as e:  # noqa: BLE001  (whatever keeps the server away, the command still runs)
+            warn(f"no lowering server ({e}); running in this process")
+            return None
+        with sock:
+            try:
+                send(sock, request)
+                sock.settimeout(None)
+                return _relay(sock)
+            except ServerUnavailable:
+                continue  # replaced between hello and request: once more
+            except (ServerLost, OSError, ValueError) as e:
+                warn(f"the lowering server stopped during the request ({e}); running in this process")
+                return None
+    warn("the lowering server kept being replaced; running in this process")
+    return None

@@ -1,0 +1,534 @@
+"""The warm lowering server: torch, ExecuTorch's Arm backend, the quantizer and Vela imported and warmed up once.
+
+Started by the first client that needs it (:mod:`lowercache.client`), or by
+``lowercache server start``. Each request runs in a child forked from the
+warm process: the child takes the client's working directory, environment,
+``sys.path`` and terminal, runs the CLI exactly as a new process would
+(:func:`lowercache.cli.run_in_process`), and its stdout and stderr are
+relayed to the client as JSON frames. The server never imports user code, so
+every child imports the model file (and the modules it imports) fresh. A
+child that crashes, hangs past the request timeout or is killed for memory
+takes only its request with it.
+
+One thread, one selector: forking from a process whose other threads may
+hold locks can hang the child, and torch's intra-op pool is kept at one
+thread in the server for the same reason (each child gets the client's
+thread count back).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import ctypes
+import errno
+import gc
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from typing import Any
+
+from . import client
+from .config import load_settings
+
+_PR_SET_PDEATHSIG = 1
+
+
+class _Request:
+    """One client connection: its request, and the child running it."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.inbox = b""
+        self.outbox = bytearray()
+        self.message: dict[str, Any] | None = None
+        self.pid = 0
+        self.pidfd = -1
+        self.pipes: dict[int, int] = {}  # read end -> the client's fd it carries (1 or 2)
+        self.deadline: float | None = None
+        self.timed_out = False
+        self.close_when_sent = False
+        self.gone = False
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this child when the server dies, so a fallback never races an orphan."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _signal_error(status: int) -> str:
+    number = -status
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
+    why = " (out of memory?)" if number == signal.SIGKILL else ""
+    return f"the lowering process was killed by {name}{why}; the server is still up"
+
+
+class Server:
+    """The accept loop, the children and the queue."""
+
+    def __init__(self, listener: socket.socket, identity: dict[str, Any], threads: int, idle_timeout: float, jobs: int) -> None:
+        self.listener = listener
+        self.path = listener.getsockname()
+        self.inode = os.stat(self.path).st_ino
+        self.identity = identity
+        self.threads = threads
+        self.idle_timeout = idle_timeout
+        self.jobs = max(1, jobs)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(listener, selectors.EVENT_READ, None)
+        self.requests: dict[int, _Request] = {}  # by the connection's fd
+        self.queue: collections.deque[_Request] = collections.deque()
+        self.running: dict[int, _Request] = {}  # by pid
+        self.started = time.time()
+        self.last_active = time.monotonic()
+        self.served = 0
+        self.failed = 0
+        self.stopping = False
+        self.listening = True
+
+    # the loop
+
+    def serve(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        signal.signal(signal.SIGINT, lambda *_: self.stop())
+        while True:
+            for key, mask in self.selector.select(self._wait()):
+                if key.fileobj is self.listener:
+                    self._accept()
+                else:
+                    kind, request = key.data
+                    if kind == "conn":
+                        self._on_conn(request, mask)
+                    elif kind == "pipe":
+                        self._on_pipe(request, key.fd)
+                    else:
+                        self._reap(request)
+            self._housekeeping()
+            if self.stopping and not self.running and not self.queue:
+                break
+        self.selector.close()
+
+    def _wait(self) -> float:
+        if self.running and any(r.pidfd < 0 for r in self.running.values()):
+            return 0.02  # no pidfd on this kernel: poll the children
+        deadlines = [r.deadline - time.monotonic() for r in self.running.values() if r.deadline is not None]
+        return max(0.0, min([1.0, *deadlines]))
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        for request in list(self.running.values()):
+            if request.pidfd < 0:
+                self._reap(request)
+            if request.deadline is not None and now > request.deadline and not request.timed_out:
+                request.timed_out = True
+                self._kill(request)
+        self._start_queued()
+        if self.listening and not self.running and not self.queue and now - self.last_active > self.idle_timeout:
+            self.stop()
+        if self.listening:
+            try:
+                moved = os.stat(self.path).st_ino != self.inode
+            except OSError:
+                moved = True
+            if moved:  # the socket was removed or taken over: nobody can reach this server any more
+                self.stop(unlink=False)
+
+    def stop(self, unlink: bool = True) -> None:
+        """Accept nothing more, free the socket path at once, finish what was accepted, then exit."""
+        self.stopping = True
+        if not self.listening:
+            return
+        self.listening = False
+        self.selector.unregister(self.listener)
+        if unlink:
+            try:
+                if os.stat(self.path).st_ino == self.inode:
+                    os.unlink(self.path)
+            except OSError:
+                pass
+        self.listener.close()
+
+    # connections
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        if client.peer_uid(conn) != os.getuid():
+            conn.close()  # another user's process: no reply at all
+            return
+        conn.setblocking(False)
+        request = _Request(conn)
+        self.requests[conn.fileno()] = request
+        self.selector.register(conn, selectors.EVENT_READ, ("conn", request))
+
+    def _on_conn(self, request: _Request, mask: int) -> None:
+        if mask & selectors.EVENT_WRITE:
+            self._flush(request)
+        if mask & selectors.EVENT_READ and not request.gone:
+            try:
+                chunk = request.conn.recv(1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._client_gone(request)
+                return
+            if request.message is not None:
+                return  # nothing more is expected; a running request only watches for the client leaving
+            request.inbox += chunk
+            if b"\n" in request.inbox:
+                self._handle(request, request.inbox.split(b"\n", 1)[0])
+            elif len(request.inbox) > client.MAX_LINE:
+                self._close(request)
+
+    def _handle(self, request: _Request, line: bytes) -> None:
+        try:
+            message = json.loads(line)
+            op = message.get("op")
+        except (ValueError, AttributeError):
+            self._reply(request, {"error": "a request that is not a JSON object"})
+            return
+        request.message = message
+        if op == "hello":
+            self._reply(request, {"pid": os.getpid(), "identity": self.identity})
+        elif op == "status":
+            self._reply(request, self.status())
+        elif op == "stop":
+            self._reply(request, {"pid": os.getpid(), "stopping": True, "running": len(self.running), "queued": len(self.queue)})
+            self.stop()
+        elif op == "run":
+            if message.get("identity") != self.identity or self.stopping:
+                self._reply(request, {"stale": True})
+                return
+            self.last_active = time.monotonic()
+            self.queue.append(request)
+            self._start_queued()
+        else:
+            self._reply(request, {"error": f"unknown request {op!r}"})
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "identity": self.identity,
+            "uptime": time.time() - self.started,
+            "requests": self.served,
+            "failed": self.failed,
+            "running": len(self.running),
+            "queued": len(self.queue),
+            "jobs": self.jobs,
+            "rss": _rss_bytes(),
+            "idle_timeout": self.idle_timeout,
+            "idle": time.monotonic() - self.last_active if not self.running else 0.0,
+            "socket": self.path,
+        }
+
+    def _send(self, request: _Request, message: dict[str, Any]) -> None:
+        if request.gone:
+            return
+        request.outbox += json.dumps(message, separators=(",", ":")).encode() + b"\n"
+        self._flush(request)
+
+    def _reply(self, request: _Request, message: dict[str, Any]) -> None:
+        request.close_when_sent = True
+        self._send(request, message)
+
+    def _flush(self, request: _Request) -> None:
+        try:
+            while request.outbox:
+                sent = request.conn.send(request.outbox)
+                del request.outbox[:sent]
+        except BlockingIOError:
+            pass
+        except OSError:
+            self._client_gone(request)
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if request.outbox else 0)
+        self.selector.modify(request.conn, events, ("conn", request))
+        if not request.outbox and request.close_when_sent:
+            self._close(request)
+
+    def _client_gone(self, request: _Request) -> None:
+        """The client left (Ctrl-C, killed): its queued request is dropped, its running child killed."""
+        request.gone = True
+        if request in self.queue:
+            self.queue.remove(request)
+        if request.pid:
+            self._kill(request)
+        self._close(request)
+
+    def _close(self, request: _Request) -> None:
+        fd = request.conn.fileno()
+        if fd >= 0 and self.requests.pop(fd, None) is not None:
+            self.selector.unregister(request.conn)
+            request.conn.close()
+
+    # children
+
+    def _start_queued(self) -> None:
+        while self.queue and len(self.running) < self.jobs:
+            self._fork(self.queue.popleft())
+
+    def _fork(self, request: _Request) -> None:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        parent = os.getpid()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                own = [self.listener.fileno(), self.selector.fileno(), out_r, err_r]
+                own += [r.conn.fileno() for r in self.requests.values()]
+                own += [fd for r in self.running.values() for fd in (*r.pipes, r.pidfd)]
+                code = _child(request.message or {}, parent, out_w, err_w, [fd for fd in own if fd >= 0], self.threads)
+            finally:
+                os._exit(code)
+        os.close(out_w)
+        os.close(err_w)
+        request.pid = pid
+        request.pipes = {out_r: 1, err_r: 2}
+        timeout = request.message.get("timeout") if request.message else None
+        request.deadline = time.monotonic() + timeout if isinstance(timeout, (int, float)) and timeout > 0 else None
+        self.running[pid] = request
+        for fd in request.pipes:
+            os.set_blocking(fd, False)
+            self.selector.register(fd, selectors.EVENT_READ, ("pipe", request))
+        try:
+            request.pidfd = os.pidfd_open(pid)
+            self.selector.register(request.pidfd, selectors.EVENT_READ, ("pid", request))
+        except (AttributeError, OSError):
+            request.pidfd = -1
+
+    def _on_pipe(self, request: _Request, fd: int) -> None:
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self._send(request, {"fd": request.pipes[fd], "b64": base64.b64encode(data).decode()})
+        else:
+            self._close_pipe(request, fd)
+
+    def _drain(self, request: _Request, fd: int) -> None:
+        """Read what is in the pipe now, then close it (a process the request left behind may hold it open)."""
+        while True:
+            try:
+                data = os.read(fd, 1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            self._send(request, {"fd": request.pipes[fd], "b64": base64.b64encode(data).decode()})
+        self._close_pipe(request, fd)
+
+    def _close_pipe(self, request: _Request, fd: int) -> None:
+        if request.pipes.pop(fd, None) is not None:
+            self.selector.unregister(fd)
+            os.close(fd)
+
+    def _kill(self, request: _Request) -> None:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(request.pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def _reap(self, request: _Request) -> None:
+        try:
+            pid, status = os.waitpid(request.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = request.pid, 0
+        if pid == 0:
+            return
+        try:
+            os.killpg(request.pid, signal.SIGKILL)  # whatever the request started and left behind
+        except OSError:
+            pass
+        for fd in list(request.pipes):  # the child is gone: all it wrote is in the pipe
+            self._drain(request, fd)
+        if request.pidfd >= 0:
+            self.selector.unregister(request.pidfd)
+            os.close(request.pidfd)
+            request.pidfd = -1
+        del self.running[request.pid]
+        self.served += 1
+        self.last_active = time.monotonic()
+        code = os.waitstatus_to_exitcode(status)
+        if request.timed_out:
+            reply = {"exit": 1, "error": f"the lowering took longer than the request timeout ({request.message.get('timeout')} s, LOWERCACHE_SERVER_TIMEOUT) and was stopped"}
+        elif code < 0:
+            reply = {"exit": 1, "error": _signal_error(code)}
+        else:
+            reply = {"exit": code}
+        if reply["exit"]:
+            self.failed += 1
+        self._reply(request, reply)
+        self._start_queued()
+
+
+def _child(message: dict[str, Any], parent: int, out_w: int, err_w: int, inherited: list[int], threads: int) -> int:
+    """In the forked child: become the client's process, run the CLI, return its exit code. Never returns into the server."""
+    os.setpgid(0, 0)
+    _die_with_parent(parent)
+    for number in (signal.SIGTERM, signal.SIGCHLD):
+        signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for fd in inherited:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    for fd in (devnull, out_w, err_w):
+        os.close(fd)
+    ttys = message.get("tty") or [False, False]
+    encodings = message.get("encoding") or ["utf-8", "utf-8"]
+    errors = message.get("errors") or ["strict", "backslashreplace"]
+    sys.stdout = open(1, "w", encoding=encodings[0], errors=errors[0], buffering=1 if ttys[0] else -1, closefd=False)
+    sys.stderr = open(2, "w", encoding=encodings[1], errors=errors[1], buffering=1, closefd=False)
+    try:
+        _become_client(message, threads)
+        from . import cli
+
+        code: object = cli.run_in_process(list(message.get("argv") or []))
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:
+            pass
+    return code or 0
+
+
+def _become_client(message: dict[str, Any], threads: int) -> None:
+    """The client's working directory, environment, import path, terminal and thread count."""
+    import torch
+
+    os.chdir(message["cwd"])
+    env = message.get("env") or {}
+    os.environ.clear()
+    os.environ.update({str(k): str(v) for k, v in env.items()})
+    ttys = message.get("tty") or [False, False]
+    if message.get("columns") and "COLUMNS" not in env:
+        os.environ["COLUMNS"] = str(message["columns"])
+        os.environ["LINES"] = str(message.get("lines") or 24)
+    if all(ttys):  # rich asks isatty of its stream, a pipe here; these say what the client's streams are
+        os.environ.setdefault("TTY_COMPATIBLE", "1")
+        os.environ.setdefault("TTY_INTERACTIVE", "1")
+    sys.path[:] = [str(p) for p in message.get("path") or sys.path]
+    sys.argv = ["lowercache", *map(str, message.get("argv") or [])]
+    wanted = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(wanted) if wanted.isdigit() and int(wanted) > 0 else threads)
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("500")  # under memory pressure the kernel takes a request, not the server
+    except OSError:
+        pass
+    # warnings the warm-up raised would count as already shown; a new process shows them again
+    warnings.onceregistry.clear()
+    warnings._filters_mutated()
+
+
+def _warm_up() -> int:
+    """Import the stack single-threaded and lower a tiny model into a throwaway cache; torch's default thread count."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a fork after the intra-op pool ran can hang the child
+    import rich.console  # noqa: F401
+    import rich.progress  # noqa: F401
+    import rich.table  # noqa: F401
+    import typer  # noqa: F401
+
+    from . import api, quiet, verify  # noqa: F401
+    from .bench import models
+    from .lowering import loading  # noqa: F401
+
+    with quiet.captured(import_torch=True), tempfile.TemporaryDirectory(prefix="lowercache-warmup-") as scratch:
+        module, example = models.tiny_cnn()
+        settings = load_settings(cache_dir=scratch, disable=False, read_only=False, remote="")
+        api.lower(module, example, target="ethos-u55-128", settings=settings)
+    return threads
+
+
+def _listen(path: str) -> socket.socket:
+    """Bind the socket; a file left by a dead server is replaced, a live server is not."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        raise SystemExit(f"lowercache server: another server answers at {path}")
+    except OSError as e:
+        if e.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+            raise
+    finally:
+        probe.close()
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    os.chmod(path, 0o600)
+    listener.listen(64)
+    listener.setblocking(False)
+    return listener
+
+
+def main() -> None:
+    """``python -m lowercache.server``: warm up, then serve until stopped or idle."""
+    settings = load_settings()
+    identity = client.identity(settings)  # before the imports: a source edited meanwhile makes this server stale
+    directory = client.private_dir()
+    threads = _warm_up()
+    gc.collect()
+    gc.freeze()  # children share the warm heap instead of copying pages the collector would touch
+    listener = _listen(os.fspath(directory / client.SOCKET_NAME))
+    print(f"lowercache server {os.getpid()} listening at {listener.getsockname()}", file=sys.stderr, flush=True)
+    Server(listener, identity, threads, settings.server_idle_timeout, settings.server_jobs).serve()
+
+
+if __name__ == "__main__":
+    main()
