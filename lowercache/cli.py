@@ -9,13 +9,14 @@ A failure inside ExecuTorch itself prints one line and exits 1; set
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Any, Iterator, List, Optional
 
 import typer
 from rich.console import Console
@@ -140,9 +141,9 @@ def lower(
     calibration: Optional[Path] = typer.Option(None, "--calibration", help=".pt file with a list of input tuples (torch.load weights_only), or .npz with one array per input, samples on axis 0."),
     per_tensor: bool = typer.Option(False, "--per-tensor", help="Quantize weights per tensor instead of per channel."),
     remote: Optional[str] = RemoteUrl,
+    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary of the run on stdout."),
 ) -> None:
     """Lower MODEL for a target, serving unchanged work from the cache."""
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from . import api
     from .lowering import loading
@@ -159,13 +160,7 @@ def lower(
         if calibration is not None:
             samples = loading.load_calibration(str(calibration))
             loading.check_calibration(samples, loaded.example_inputs, str(calibration))
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True) as progress:
-            task = progress.add_task("loading", total=None)
-
-            def listener(phase, record, label):
-                if phase in ("stage", "start"):
-                    progress.update(task, description=label)
-
+        with _progress() as listener:
             artifacts = api.lower(
                 loaded.program if loaded.program is not None else loaded.module,
                 loaded.example_inputs,
@@ -182,7 +177,50 @@ def lower(
     except Exception as e:  # a failure inside torch.export or ExecuTorch
         _fail_lowering(e)
     _print_summary(artifacts.records, artifacts.stages)
-    out.print(f"wrote {len(written)} files to {out_dir}")
+    if as_json:
+        print(json.dumps(_run_summary(artifacts, written, out_dir), indent=2, sort_keys=True))
+    else:
+        out.print(f"wrote {len(written)} files to {out_dir}")
+
+
+@contextlib.contextmanager
+def _progress() -> Iterator[Any]:
+    """A listener showing the running stage: a spinner on a terminal, plain lines in a CI log."""
+    if not err.is_terminal:
+        def plain(phase: str, record: Any, label: str) -> None:
+            if phase == "stage":
+                print(f"lowercache: {label}", file=sys.stderr, flush=True)
+
+        yield plain
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True) as progress:
+        task = progress.add_task("loading", total=None)
+
+        def live(phase: str, record: Any, label: str) -> None:
+            if phase in ("stage", "start"):
+                progress.update(task, description=label)
+
+        yield live
+
+
+def _run_summary(artifacts: Any, written: list[Path], out_dir: Path) -> dict[str, Any]:
+    """What ``--json`` prints: the outcome, step counts, time and files of one lowering."""
+    from .cache.steps import outcome_counts
+
+    flow = next((r for r in artifacts.records if r["kind"] == "flow"), None)
+    manifest = artifacts.manifest
+    return {
+        "model": manifest.get("model"),
+        "target": manifest.get("target"),
+        "out": str(out_dir),
+        "flow": flow["outcome"] if flow else None,
+        "step_counts": outcome_counts(artifacts.records),
+        "seconds": round(sum(artifacts.stages.values()), 4),
+        "saved_seconds": round(sum(r["saved"] for r in artifacts.records if r["outcome"] == "hit"), 4),
+        "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
+    }
 
 
 def _print_summary(records: list[dict], stages: dict[str, float]) -> None:

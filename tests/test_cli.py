@@ -300,3 +300,18 @@ def test_output_directory_gets_the_users_normal_permissions(tmp_path):
     os.umask(umask)
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
     assert (tmp_path / "out" / "model.pte").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_json_summary_and_plain_progress_lines_in_a_log(tmp_path):
+    """Not a terminal (a CI log): the stages as plain lines on stderr; --json: one JSON document on stdout."""
+    runs = []
+    for _ in range(2):
+        result = cli("lower", TINY, "-t", "tosa-int", "-o", tmp_path / "out", "--json", cache_dir=tmp_path / "cache")
+        assert result.returncode == 0, result.stderr
+        runs.append((json.loads(result.stdout), result.stderr))
+    (cold, cold_err), (warm, _) = runs
+    assert cold["flow"] == "miss" and warm["flow"] == "hit"
+    assert cold["target"] == "tosa-int" and cold["step_counts"]["flow"] == {"miss": 1}
+    assert warm["files"]["model.pte"]["size"] == (tmp_path / "out" / "model.pte").stat().st_size
+    assert warm["saved_seconds"] > 0
+    assert "lowercache: export" in cold_err.splitlines()
