@@ -43,6 +43,7 @@ _ENV = {
     "remote_ttl": "LOWERCACHE_REMOTE_TTL",
     "remote_require_signed": "LOWERCACHE_REMOTE_REQUIRE_SIGNED",
     "speedups": "LOWERCACHE_SPEEDUPS",
+    "direct": "LOWERCACHE_DIRECT",
     "server": "LOWERCACHE_SERVER",
     "server_idle_timeout": "LOWERCACHE_SERVER_IDLE_TIMEOUT",
     "server_jobs": "LOWERCACHE_SERVER_JOBS",
@@ -63,6 +64,7 @@ class Settings:
     # Without LOWERCACHE_HMAC_KEY the remote is off unless this is false: unsigned use is a choice.
     remote_require_signed: bool = True
     speedups: str = "all"  # exact speed-ups to use: all, none, a,b or all,-a (lowercache.speedups.registry)
+    direct: bool = True  # answer an unchanged `lower` from its direct-mode record, without torch (lowercache.direct)
     # The warm server (lowercache.server): lower and verify go through it unless this is false.
     server: bool = True
     server_idle_timeout: int = 600  # seconds without a request before the server exits
@@ -144,6 +146,7 @@ def load_settings(**flags: Any) -> Settings:
         remote_ttl=_seconds(resolved.get("remote_ttl")),
         remote_require_signed=parse_bool(resolved.get("remote_require_signed", True), "remote_require_signed"),
         speedups=str(resolved.get("speedups", "all")),
+        direct=parse_bool(resolved.get("direct", True), "direct"),
         server=parse_bool(resolved.get("server", True), "server"),
         server_idle_timeout=_whole(resolved.get("server_idle_timeout", 600), "server_idle_timeout"),
         server_jobs=_whole(resolved.get("server_jobs", 0), "server_jobs") or os.cpu_count() or 1,
