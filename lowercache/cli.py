@@ -34,6 +34,8 @@ err = Console(stderr=True)
 out = Console()
 
 CacheDir = typer.Option(None, "--cache-dir", help=r"Cache directory \[env: LOWERCACHE_DIR].")
+
+
 def _complete_target(incomplete: str) -> list[str]:
     """Shell completion for --target (no torch import: the names are plain data)."""
     from .lowering.targets import TARGETS
@@ -51,6 +53,8 @@ TargetOption = typer.Option(
 RemoteUrl = typer.Option(
     None, "--remote", help=r"Shared cache: redis://host:port/db or s3://bucket/prefix \[env: LOWERCACHE_REMOTE]."
 )
+# Read by main() before the command runs (lowercache.client); declared so the command accepts it.
+NoServer = typer.Option(False, "--no-server", help=r"Run in this process, not through the warm server \[env: LOWERCACHE_SERVER=0].")
 
 
 def _setup_logging() -> None:
@@ -141,6 +145,7 @@ def lower(
     calibration: Optional[Path] = typer.Option(None, "--calibration", help=".pt file with a list of input tuples (torch.load weights_only), or .npz with one array per input, samples on axis 0."),
     per_tensor: bool = typer.Option(False, "--per-tensor", help="Quantize weights per tensor instead of per channel."),
     remote: Optional[str] = RemoteUrl,
+    no_server: bool = NoServer,
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary of the run on stdout."),
 ) -> None:
     """Lower MODEL for a target, serving unchanged work from the cache."""
@@ -251,6 +256,7 @@ def verify(
     cache_dir: Optional[Path] = CacheDir,
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration file, as for lower (.pt or .npz)."),
     remote: Optional[str] = RemoteUrl,
+    no_server: bool = NoServer,
 ) -> None:
     """Lower with and without the cache (and in a fresh cache); fail on any byte difference."""
     from .lowering import loading
@@ -464,6 +470,71 @@ def speedups() -> None:
     out.print(f"{sum(s == 'on' for s in states.values())} of {len(states)} on; set LOWERCACHE_SPEEDUPS=all,-NAME to turn one off", markup=False, highlight=False)
 
 
+server_app = typer.Typer(
+    help="The warm lowering server: lower and verify run in a process with torch already imported (docs/server.md).",
+    no_args_is_help=True,
+)
+app.add_typer(server_app, name="server")
+
+
+@server_app.command("start")
+def server_start() -> None:
+    """Start the server, or replace one whose versions, sources or settings differ from this client's."""
+    from . import client
+
+    try:
+        hello = client.ensure_server(_settings(None))
+    except LowercacheError as e:
+        _fail(str(e), 2)
+    except client.ServerUnavailable as e:
+        _fail(f"cannot start the server: {e}", 1)
+    out.print(f"server running (pid {hello['pid']})", markup=False, highlight=False)
+
+
+@server_app.command("stop")
+def server_stop() -> None:
+    """Stop the server once the requests it accepted are done."""
+    from . import client
+
+    try:
+        reply = client.stop_server()
+    except client.ServerUnavailable as e:
+        _fail(str(e), 2)
+    if reply is None:
+        out.print("no server running")
+    elif reply.get("exited"):
+        out.print(f"server stopped (pid {reply['pid']})", markup=False, highlight=False)
+    else:
+        out.print(f"server stopping (pid {reply['pid']}): finishing {reply['running'] + reply['queued']} requests", markup=False, highlight=False)
+
+
+@server_app.command("status")
+def server_status() -> None:
+    """Version, pid, uptime, requests served, memory; exit 1 when no server runs."""
+    from . import client
+
+    try:
+        reply = client.ask({"op": "status"})
+        current = reply is not None and reply.get("identity") == client.identity(_settings(None))
+    except (LowercacheError, client.ServerUnavailable) as e:
+        _fail(str(e), 2)
+    if reply is None:
+        out.print(f"no server running (socket directory {client.socket_dir()})", markup=False, highlight=False)
+        raise typer.Exit(1)
+    who = reply["identity"]
+    rows = [
+        ("server", f"pid {reply['pid']}, lowercache {who['lowercache']}, torch {who['torch']}, executorch {who['executorch']}"),
+        ("state", "current" if current else "stale: the next request replaces it (versions, sources or settings differ)"),
+        ("uptime", f"{reply['uptime']:.1f} s"),
+        ("requests", f"{reply['requests']} served ({reply['failed']} failed), {reply['running']} running, {reply['queued']} queued, at most {reply['jobs']} at once"),
+        ("memory", f"{reply['rss'] / 2**20:.1f} MiB resident (the server; each request's process adds its own)"),
+        ("idle exit", f"after {reply['idle_timeout']} s without a request"),
+        ("socket", reply["socket"]),
+    ]
+    for name, value in rows:
+        out.print(f"{name:<10} {value}", markup=False, highlight=False, soft_wrap=True)
+
+
 _verbose = False
 # Commands that import torch: its log handler must exist before third-party noise can be held back.
 _TORCH_COMMANDS = {"lower", "verify", "bench", "speedups"}
@@ -478,10 +549,23 @@ def _options(
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in args if not a.startswith("-")), None)
+    # Direct mode (issue #26) answers an unchanged lowering above this line; then the warm server (docs/server.md).
+    from .client import SERVED, run_through_server
+
+    if command in SERVED:
+        served = run_through_server(args)
+        if served is not None:
+            sys.exit(served)
+    sys.exit(run_in_process(args))
+
+
+def run_in_process(args: List[str]) -> object:
+    """Run the command line in this process and return its exit code; a server's child runs this too."""
     from . import quiet
 
     _setup_logging()
-    args = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in args if not a.startswith("-")), None)
     code: object = 0
     with quiet.captured(import_torch=command in _TORCH_COMMANDS) as noise:
@@ -490,7 +574,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         except SystemExit as e:
             code = e.code
     quiet.print_held_back(noise, _verbose, failed=code not in (0, None))
-    sys.exit(code)
+    return code
 
 
 if __name__ == "__main__":

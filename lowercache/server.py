@@ -219,7 +219,8 @@ class Server:
             self._reply(request, {"error": "a request that is not a JSON object"})
             return
         request.message = message
-        if op == "hello":
+        if op == "hello":  # a client about to send a request: counts as activity
+            self.last_active = time.monotonic()
             self._reply(request, {"pid": os.getpid(), "identity": self.identity})
         elif op == "status":
             self._reply(request, self.status())
