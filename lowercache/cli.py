@@ -147,20 +147,22 @@ def lower(
     remote: Optional[str] = RemoteUrl,
     no_server: bool = NoServer,
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary of the run on stdout."),
+    no_direct: bool = typer.Option(False, "--no-direct", help=r"Do not answer from a direct-mode record (docs/direct-mode.md) \[env: LOWERCACHE_DIRECT=0]."),
 ) -> None:
     """Lower MODEL for a target, serving unchanged work from the cache."""
 
-    from . import api
+    from . import api, direct
     from .lowering import loading
     from .lowering.targets import resolve
 
     try:
-        settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote)
+        settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote, direct=False if no_direct else None)
         resolve(target)
         api.check_output_dir(out_dir)
         if not settings.disable:
             api.open_store(settings).close()  # fail early on an unusable cache directory
-        loaded = loading.load_model(model)
+        recorder = direct.start(model, target, out_dir, per_tensor, calibration, settings)  # what the factory reads
+        loaded = direct.recorded(recorder, loading.load_model, model)
         samples = None
         if calibration is not None:
             samples = loading.load_calibration(str(calibration))
@@ -173,9 +175,10 @@ def lower(
                 calibration=samples,
                 per_channel=not per_tensor,
                 name=loaded.name,
-                listener=listener,
+                listener=direct.listening(recorder, listener),
                 settings=settings,
             )
+        direct.finish(recorder, artifacts.records, artifacts.manifest)
         written = api.write_artifacts(artifacts, out_dir)
     except LowercacheError as e:
         _fail(str(e), 2)
@@ -320,6 +323,7 @@ def explain(
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Say which named key parts changed for the last miss of MODEL on a target."""
+    from . import direct
     from .cache import history
     from .lowering.targets import resolve
 
@@ -330,6 +334,8 @@ def explain(
         _fail(str(e), 2)
     with _local_store(cache_dir) as store:
         for line in history.explain(store, name, resolved.name):
+            typer.echo(line)
+        for line in direct.explain(store, model, resolved.name):
             typer.echo(line)
         if passes:
             for line in history.explain_passes(store, name, resolved.name):
@@ -515,16 +521,17 @@ def server_status() -> None:
 
     try:
         reply = client.ask({"op": "status"})
-        current = reply is not None and reply.get("identity") == client.identity(_settings(None))
+        mine = client.identity(_settings(None))
     except (LowercacheError, client.ServerUnavailable) as e:
         _fail(str(e), 2)
     if reply is None:
         out.print(f"no server running (socket directory {client.socket_dir()})", markup=False, highlight=False)
         raise typer.Exit(1)
     who = reply["identity"]
+    differ = sorted(k for k in {*who, *mine} if who.get(k) != mine.get(k))
     rows = [
         ("server", f"pid {reply['pid']}, lowercache {who['lowercache']}, torch {who['torch']}, executorch {who['executorch']}"),
-        ("state", "current" if current else "stale: the next request replaces it (versions, sources or settings differ)"),
+        ("state", f"stale: the next request replaces it ({', '.join(differ)} differ)" if differ else "current"),
         ("uptime", f"{reply['uptime']:.1f} s"),
         ("requests", f"{reply['requests']} served ({reply['failed']} failed), {reply['running']} running, {reply['queued']} queued, at most {reply['jobs']} at once"),
         ("memory", f"{reply['rss'] / 2**20:.1f} MiB resident (the server; each request's process adds its own)"),
@@ -551,7 +558,13 @@ def _options(
 def main(argv: Optional[List[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in args if not a.startswith("-")), None)
-    # Direct mode (issue #26) answers an unchanged lowering above this line; then the warm server (docs/server.md).
+    if command == "lower":  # direct mode: an unchanged lowering answered from its record, without torch (docs/direct-mode.md)
+        from .direct import serve
+
+        served = serve(args)
+        if served is not None:
+            sys.exit(served)
+    # then the warm server (docs/server.md)
     from .client import SERVED, run_through_server
 
     if command in SERVED:
