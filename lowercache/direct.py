@@ -1,1 +1,871 @@
-"""Direct mode (placeholder while it is written)."""
+"""Direct mode: answer an unchanged ``lowercache lower`` without importing torch or running the model factory.
+
+As ccache's direct mode skips the preprocessor, a normal ``lower`` run
+records what its model factory (and the export that runs the model's
+``forward``) read: the model file and every module outside the standard
+library and site-packages, files opened (an audit hook sees them), files
+looked at, directories listed, module names looked up, environment
+variables read; plus the interpreter, the machine, the toolchain identity,
+the settings that shape the result, and the flow key the run produced. A
+later run whose recorded inputs all hash the same writes the flow entry
+for that key, from the store, without importing torch.
+
+A record is not used when it cannot be trusted: the factory did something
+no record can capture (a network connection, a subprocess, a write, a
+chdir), or the first re-run with identical inputs produced another flow
+key (an unseeded random generator, the time): such a record is untrusted
+for good. Every record waits for that first re-run before it is used. See
+docs/direct-mode.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+from .cache.digests import digest, digest_json
+from .cache.store import Entry
+from .cache.toolchain import lowercache_digest, toolchain_parts
+from .config import Settings, load_settings
+from .errors import LowercacheError
+from .lowering.targets import resolve
+from .output import check_output_dir, write_files
+
+KIND = "direct"
+T = TypeVar("T")
+RECORD_VERSION = 1
+# A file changed less than this before its stat was recorded may change again
+# without changing its timestamps (coarse file-system clocks): it is hashed.
+RACY_NS = 2_000_000_000
+# Variables native code reads at start-up (threads, CPU kernels, hash seed): recorded for every factory.
+NATIVE_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "ATEN_CPU_CAPABILITY", "PYTHONHASHSEED")
+_SYSTEM_DIRS = ("/proc/", "/sys/", "/dev/")
+
+# Audit events after which no record can say what the factory read.
+_UNRECORDABLE = {
+    **dict.fromkeys(
+        ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo", "socket.gethostbyname",
+         "socket.gethostbyname_ex", "socket.gethostbyaddr", "socket.getnameinfo", "urllib.Request", "http.client.connect",
+         "ftplib.connect", "smtplib.connect", "imaplib.open", "poplib.connect", "nntplib.connect", "webbrowser.open"),
+        "used the network",
+    ),
+    **dict.fromkeys(
+        ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.spawn"),
+        "ran a process",
+    ),
+    "os.chdir": "changed the working directory",
+    "sqlite3.connect": "opened an SQLite database",
+}
+# Audit events that change files: a direct hit would not make the change. Paths in __pycache__ (bytecode) are the import system's.
+_WRITES = ("os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.truncate", "os.chmod", "os.chown", "os.link", "os.symlink",
+           "os.utime", "shutil.rmtree", "shutil.move")
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+
+
+# -- where paths are: relative to the project root where they can be -----------------------------
+
+
+def project_root(cwd: str) -> str:
+    """The git work tree holding ``cwd``, else ``cwd``: records name files relative to it, so a copy elsewhere hits."""
+    probe = cwd
+    while True:
+        if os.path.exists(os.path.join(probe, ".git")):
+            return probe
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return cwd
+        probe = parent
+
+
+def _site_dirs() -> dict[str, str]:
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return {name: os.path.normpath(paths[name]) for name in ("purelib", "platlib")}
+
+
+def _stdlib_dirs() -> tuple[str, ...]:
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return tuple(os.path.normpath(paths[name]) for name in ("stdlib", "platstdlib"))
+
+
+class Places:
+    """Turns absolute paths into portable references (``["root", rel]``, ``["purelib", rel]``, ``["abs", path]``) and back."""
+
+    def __init__(self, root: str):
+        self.anchors = {"root": os.path.normpath(root), **_site_dirs()}
+
+    def ref(self, path: str) -> list[str]:
+        path = os.path.normpath(path)
+        for name, base in self.anchors.items():
+            if path == base or path.startswith(base + os.sep):
+                return [name, os.path.relpath(path, base)]
+        return ["abs", path]
+
+    def path(self, ref: Any) -> str:
+        if not (isinstance(ref, list) and len(ref) == 2 and all(isinstance(p, str) for p in ref)):
+            raise ValueError("bad path reference")
+        anchor, rel = ref
+        if anchor == "abs":
+            return rel
+        if anchor not in self.anchors or os.path.isabs(rel):
+            raise ValueError("bad path reference")
+        return os.path.normpath(os.path.join(self.anchors[anchor], rel))
+
+
+# -- what a path holds -------------------------------------------------------------------------------
+
+
+def _stat_key(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def _file_digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return digest(f.read())
+
+
+def _listing_digest(path: str) -> str:
+    return digest_json(sorted(os.listdir(path)))
+
+
+def path_state(path: str, listing: bool = False) -> dict[str, Any]:
+    """What ``path`` is (file with its content digest, directory, missing), with its stat for a later fast check."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return {"kind": "missing"}
+    if stat.S_ISDIR(st.st_mode):
+        state: dict[str, Any] = {"kind": "dir"}
+        if listing:
+            state["digest"] = _listing_digest(path)
+    elif stat.S_ISREG(st.st_mode):
+        state = {"kind": "file", "digest": _file_digest(path)}
+    else:
+        return {"kind": "other"}
+    state["stat"] = _stat_key(st)
+    return state
+
+
+def same_state(path: str, recorded: dict[str, Any], recorded_ns: int, listing: bool = False) -> bool:
+    """True when ``path`` holds what ``recorded`` says; the content is hashed unless the stat proves it unchanged.
+
+    The stat proves it only when size, mtime, ctime, inode and device are all
+    equal and the mtime and ctime were older than the record by more than
+    :data:`RACY_NS` (git's racy-clean rule): ctime cannot be set back by a user.
+    """
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return recorded.get("kind") == "missing"
+    except OSError:
+        return False
+    kind = "dir" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else "other"
+    if kind != recorded.get("kind") or kind == "other":
+        return False
+    if kind == "dir" and not listing:
+        return True
+    old = recorded.get("stat")
+    if old == _stat_key(st) and max(st.st_mtime_ns, st.st_ctime_ns) < recorded_ns - RACY_NS:
+        return True
+    try:
+        now = _listing_digest(path) if kind == "dir" else _file_digest(path)
+    except OSError:
+        return False
+    return now == recorded.get("digest")
+
+
+def _cpu_digest() -> str:
+    """The CPU's feature flags: torch picks its kernels (and so some float results) by them."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            for line in f:
+                if line.startswith((b"flags", b"Features")):
+                    return digest(b" ".join(sorted(line.split(b":", 1)[1].split())))
+    except OSError:
+        pass
+    return ""
+
+
+def _env_digest(value: str | None) -> str | None:
+    """Values are kept as digests: an environment holds secrets, and records travel to the remote."""
+    return None if value is None else digest(value.encode("utf-8", "surrogateescape"))
+
+
+def identity(settings: Settings) -> dict[str, Any]:
+    """What the result depends on besides the factory's inputs: interpreter, machine, toolchain, settings."""
+    return {
+        "python": sys.version,
+        "cache_tag": sys.implementation.cache_tag,
+        "machine": os.uname().machine,
+        "cpu": _cpu_digest(),
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "toolchain": toolchain_parts(),
+        "lowercache": lowercache_digest(),
+        "speedups": settings.speedups,
+        "native_env": {name: _env_digest(os.environ.get(name)) for name in NATIVE_ENV},
+    }
+
+
+# -- the request: which record answers it ------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    """A ``lower`` command as given: what names its record."""
+
+    model: str
+    target: str
+    out_dir: str
+    per_tensor: bool = False
+    calibration: str | None = None
+    cache_dir: str | None = None
+    no_cache: bool = False
+    remote: str | None = None
+    no_direct: bool = False
+    as_json: bool = False
+    cwd: str = field(default_factory=os.getcwd)
+
+    @property
+    def root(self) -> str:
+        return project_root(self.cwd)
+
+    def key(self) -> str:
+        """The record's key: the model and calibration as given, the working directory relative to the project root, target, flags."""
+        return digest_json(
+            {
+                "version": RECORD_VERSION,
+                "model": self.model,
+                "cwd": os.path.relpath(self.cwd, self.root),
+                "target": self.target,
+                "per_tensor": self.per_tensor,
+                "calibration": self.calibration,
+            }
+        )
+
+    def history_name(self) -> str:
+        """The name ``lower`` records run history under (as ``cli._model_name``)."""
+        if self.model.endswith(".pt2"):
+            return os.path.abspath(self.model)
+        path, _, factory = self.model.rpartition(":")
+        return f"{os.path.abspath(path)}:{factory}"
+
+    def settings(self) -> Settings:
+        return load_settings(
+            cache_dir=Path(self.cache_dir) if self.cache_dir else None,
+            disable=True if self.no_cache else None,
+            remote=self.remote,
+            direct=False if self.no_direct else None,
+        )
+
+
+_VALUE_OPTIONS = {"--target": "target", "-t": "target", "--out": "out_dir", "-o": "out_dir", "--cache-dir": "cache_dir",
+                  "--calibration": "calibration", "--remote": "remote"}
+_FLAG_OPTIONS = {"--no-cache": "no_cache", "--per-tensor": "per_tensor", "--no-direct": "no_direct", "--json": "as_json",
+                 "--no-server": None}
+
+
+def parse_lower(args: list[str]) -> Request | None:
+    """A plain ``lower`` command line, or None for anything else (which the full CLI then handles, errors included)."""
+    args = list(args)
+    while args and args[0] in ("-v", "--verbose"):
+        args.pop(0)
+    if not args or args[0] != "lower":
+        return None
+    values: dict[str, Any] = {}
+    positional: list[str] = []
+    rest = iter(args[1:])
+    for arg in rest:
+        name, eq, inline = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if name in _VALUE_OPTIONS:
+            value = inline if eq else next(rest, None)
+            field_name = _VALUE_OPTIONS[name]
+            if value is None or field_name in values:
+                return None
+            values[field_name] = value
+        elif name in _FLAG_OPTIONS and not eq:
+            if _FLAG_OPTIONS[name] is not None:
+                values[_FLAG_OPTIONS[name]] = True
+        elif arg.startswith("-"):
+            return None
+        else:
+            positional.append(arg)
+    if len(positional) != 1 or "target" not in values or "out_dir" not in values:
+        return None
+    return Request(model=positional[0], **values)
+
+
+# -- recording ---------------------------------------------------------------------------------------
+
+
+_active: list["Recorder"] = []
+_hooked = False
+# The environment as the process started (taken by serve() before anything else runs): torch sets
+# variables of its own at import, and a record must compare what the user's environment held.
+_initial_env: dict[str, str] | None = None
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if _active and not _active[-1].paused:
+        _active[-1].event(event, args)
+
+
+def _abspath(path: Any) -> str | None:
+    if isinstance(path, int) or path is None:
+        return None
+    try:
+        return os.path.abspath(os.fsdecode(os.fspath(path)))
+    except TypeError:
+        return None
+
+
+class Recorder:
+    """Collects what the factory reads while it is imported and run, and while its model is exported.
+
+    ``paused`` while lowercache's own stages run: their reads are the toolchain's, covered by its identity.
+    """
+
+    def __init__(self, request: Request, settings: Settings):
+        self.request = request
+        self.settings = settings
+        self.places = Places(request.root)
+        self.covered = tuple(d + os.sep for d in (*_stdlib_dirs(), *self.places.anchors.values()) if d != self.places.anchors["root"])
+        package = os.path.dirname(os.path.abspath(__file__))
+        self.covered += tuple(os.path.join(package, room) + os.sep for room in ("cache", "lowering", "speedups"))
+        self.paused = True
+        self.paths: set[str] = set()
+        self.listings: set[str] = set()
+        self.lookups: set[str] = set()
+        self.env: dict[str, str | None] = {}
+        self.env_listed = False
+        self.unrecordable: list[str] = []
+        self.written: set[str] = set()
+        import tempfile
+
+        self.scratch = (os.path.realpath(tempfile.gettempdir()) + os.sep, os.path.abspath(tempfile.gettempdir()) + os.sep)
+        self.syspath = [self.places.ref(os.path.abspath(p or ".")) for p in sys.path]
+        self.started_ns = time.time_ns()
+        self._threads = {t.name for t in threading.enumerate()}
+        self.initial_env = dict(_initial_env if _initial_env is not None else os.environ)
+        self.stdlib = tuple(d + os.sep for d in _stdlib_dirs())
+
+    def _user(self, path: str) -> bool:
+        return not path.startswith(self.covered) and not path.startswith(_SYSTEM_DIRS) and "__pycache__" not in path
+
+    def refuse(self, why: str) -> None:
+        if why not in self.unrecordable:
+            self.unrecordable.append(why)
+
+    def event(self, event: str, args: tuple[Any, ...]) -> None:
+        if event == "open":
+            path = _abspath(args[0])
+            if path is None:
+                if isinstance(args[0], int) and args[0] > 2:
+                    self.refuse("opened a file descriptor")
+                return
+            flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+            mode = args[1] if isinstance(args[1], str) else ""
+            if flags & _WRITE_FLAGS or any(c in mode for c in "wax+"):
+                self.wrote(path)
+            elif self._user(path):
+                self.paths.add(path)
+        elif event in ("os.listdir", "os.scandir"):
+            if sys._getframe(1).f_code.co_filename.startswith("<frozen importlib"):
+                return  # the import system's directory scans: module lookups are recorded by name
+            path = _abspath(args[0] if args and args[0] is not None else ".")
+            if path is None:
+                self.refuse("listed a directory by descriptor")
+            elif self._user(path):
+                self.listings.add(path)
+        elif event == "import":
+            self.lookups.add(args[0])
+        elif event in _UNRECORDABLE:
+            self.refuse(_UNRECORDABLE[event])
+        elif event in _WRITES:
+            for path in [_abspath(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]:
+                self.wrote(path or "?")
+        elif event == "ctypes.dlopen" and isinstance(args[0], str) and os.sep in args[0]:
+            path = os.path.abspath(args[0])
+            if self._user(path):
+                self.paths.add(path)
+
+    def wrote(self, path: str) -> None:
+        """A file the window changed is no input; outside scratch space (temporary files, bytecode) it is a side effect a hit would skip."""
+        self.written.add(path)
+        scratch = path.startswith(self.scratch) or "__pycache__" in path or path == os.devnull
+        if not scratch:
+            self.refuse(f"wrote {path}")
+
+    def looked_at(self, path: Any) -> None:
+        """``os.stat`` and friends: whether a file exists can decide what the factory does."""
+        found = _abspath(path)
+        if found is not None and self._user(found):
+            self.paths.add(found)
+
+    def read_env(self, key: Any) -> None:
+        """The variable's value as the process started: a value set since is derived from it and from recorded code."""
+        name = os.fsdecode(key) if isinstance(key, (str, bytes)) else repr(key)
+        self.env[name] = _env_digest(self.initial_env.get(name))
+
+    def listed_env(self, frame: Any) -> None:
+        """The environment was listed: a new variable can then change what the factory does. Installed libraries'
+        listings (networkx looks for its own prefix) are left to the toolchain identity; the values they read are recorded."""
+        while frame is not None and (frame.f_code.co_filename.startswith(("<frozen", *self.stdlib))):
+            frame = frame.f_back
+        if frame is None or self._user(os.path.abspath(frame.f_code.co_filename)):
+            self.env_listed = True
+
+    def stage(self, label: str) -> None:
+        """The flow's stage listener: record while the model is exported (its ``forward`` runs), not during lowering."""
+        if label == "export":
+            self.paused = False
+        else:
+            self.pause()
+
+    def pause(self) -> None:
+        """Stop listening; a thread the window started and left running could read more, unseen."""
+        if not self.paused:
+            self.paused = True
+            started = {t.name for t in threading.enumerate()} - self._threads
+            if started:
+                self.refuse(f"left a thread running ({sorted(started)[0]})")
+
+    def close(self) -> None:
+        """Stop recording for good (after the export stage)."""
+        self.pause()
+        if self in _active:
+            _active.remove(self)
+
+    def add_file(self, path: str) -> None:
+        self.paths.add(os.path.abspath(path))
+
+    def inputs(self) -> dict[str, Any]:
+        """The recorded inputs, hashed now (outside the window)."""
+        files = self.paths - self.written
+        for module in list(sys.modules.values()):
+            origin = getattr(module, "__file__", None)
+            if isinstance(origin, str) and self._user(os.path.abspath(origin)):
+                files.add(os.path.abspath(origin))
+        states = []
+        for path in sorted(files):
+            state = path_state(path)
+            if state["kind"] == "other":
+                self.refuse(f"read {path}, which is not a regular file")
+            elif state["kind"] == "file" and max(state["stat"][1:3]) >= self.started_ns - RACY_NS // 40:
+                self.refuse(f"read {path} while it was changing")
+            states.append([self.places.ref(path), state])
+        listings = [[self.places.ref(p), path_state(p, listing=True)] for p in sorted(self.listings)]
+        for name, base in self.places.anchors.items():
+            if name != "root" and os.path.isdir(base):
+                listings.append([[name, "."], path_state(base, listing=True)])
+        env = dict(self.env)
+        if self.env_listed:
+            env.update({name: _env_digest(value) for name, value in self.initial_env.items()})
+            env["<listed>"] = digest_json(sorted(self.initial_env))
+        return {
+            "files": states,
+            "listings": listings,
+            "lookups": self._lookups(),
+            "syspath": self.syspath,
+            "env": env,
+        }
+
+    def _lookups(self) -> list[list[Any]]:
+        """For each module name looked up: what the user's search directories hold under that name (a new file may shadow it)."""
+        found = []
+        for name in sorted(self.lookups):
+            parent, _, last = name.rpartition(".")
+            if parent:
+                dirs = list(getattr(sys.modules.get(parent), "__path__", None) or [])
+            else:
+                dirs = [os.path.abspath(p or ".") for p in sys.path]
+            for d in dirs:
+                if not isinstance(d, str) or not self._user(os.path.abspath(d) + os.sep):
+                    continue
+                found.append([self.places.ref(os.path.abspath(d)), last, _matching(d, last)])
+        return found
+
+
+def _matching(directory: str, name: str) -> list[str]:
+    try:
+        return sorted(e for e in os.listdir(directory) if e == name or e.startswith(name + "."))
+    except OSError:
+        return ["<unreadable>"]
+
+
+# Where a listing of the environment reads every value: ItemsView/ValuesView.__iter__, _Environ.copy.
+_LISTING_FRAMES = {("<frozen _collections_abc>", "__iter__"), ("<frozen os>", "copy")}
+
+
+def _current() -> Recorder | None:
+    return _active[-1] if _active and not _active[-1].paused else None
+
+
+def _install() -> None:
+    """Once per process: the audit hook (which cannot be removed), and watchers on ``os.environ`` and ``os.stat``.
+
+    All three are idle unless a recorder is active and not paused. Every read
+    of ``os.environ`` (``os.getenv``, ``in``, ``.get``) goes through
+    ``__getitem__``; listing it (``__iter__``, ``__len__``) records the whole
+    environment. ``os.path.exists`` and friends call ``os.stat``: a file the
+    factory only looked for is an input too. The import system uses
+    ``posix.stat`` directly and is not seen (module lookups are recorded by name).
+    """
+    global _hooked
+    if _hooked:
+        return
+    _hooked = True
+    sys.addaudithook(_audit)
+    cls = type(os.environ)
+    getitem, iterate, length = cls.__getitem__, cls.__iter__, cls.__len__
+
+    def watched_getitem(self: Any, key: Any) -> Any:
+        if (recorder := _current()) is not None:
+            caller = sys._getframe(1).f_code
+            if (caller.co_filename, caller.co_name) in _LISTING_FRAMES:  # items(), values(), copy(): part of a listing
+                recorder.listed_env(sys._getframe(2))
+            else:
+                recorder.read_env(key)
+        return getitem(self, key)
+
+    def listed() -> None:
+        if (recorder := _current()) is not None:
+            recorder.listed_env(sys._getframe(2))
+
+    def watched_iter(self: Any) -> Iterator[Any]:
+        listed()
+        return iterate(self)
+
+    def watched_len(self: Any) -> int:
+        listed()
+        return length(self)
+
+    cls.__getitem__, cls.__iter__, cls.__len__ = watched_getitem, watched_iter, watched_len
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def watched(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if (recorder := _current()) is not None:
+                recorder.looked_at(path)
+            return fn(path, *args, **kwargs)
+
+        return watched
+
+    for name in ("stat", "lstat", "access"):
+        setattr(os, name, wrap(getattr(os, name)))
+
+
+def start(model: str, target: str, out_dir: Any, per_tensor: bool, calibration: Any, settings: Settings) -> Recorder | None:
+    """A (paused) recorder for this ``lower`` run, or None when direct mode is off or nothing could be stored."""
+    if not settings.direct or settings.disable or settings.read_only:
+        return None
+    _install()
+    request = Request(model=model, target=target, out_dir=str(out_dir), per_tensor=per_tensor,
+                      calibration=str(calibration) if calibration is not None else None)
+    recorder = Recorder(request, settings)
+    _active[:] = [recorder]  # one lowering at a time; a failed run's recorder is dropped
+    if calibration is not None:
+        recorder.add_file(str(calibration))
+    return recorder
+
+
+def recorded(recorder: Recorder | None, load: Callable[[str], T], model: str) -> T:
+    """``load(model)`` (import the model file, run its factory) with the recorder listening."""
+    if recorder is None:
+        return load(model)
+    recorder.paused = False
+    try:
+        return load(model)
+    finally:
+        recorder.pause()
+
+
+def listening(recorder: Recorder | None, listener: Callable[[str, Any, str], None]) -> Callable[[str, Any, str], None]:
+    """The flow's listener, also telling the recorder which stage runs (only the export is recorded)."""
+    if recorder is None:
+        return listener
+
+    def both(phase: str, record: Any, label: str) -> None:
+        if phase == "stage":
+            recorder.stage(label)
+        listener(phase, record, label)
+
+    return both
+
+
+def finish(recorder: Recorder | None, records: list[dict[str, Any]], manifest: dict[str, Any]) -> None:
+    """Store the record of a finished run; ``manifest["direct"]`` says what became of it."""
+    if recorder is None:
+        return
+    recorder.close()
+    flow = next((r for r in records if r.get("kind") == "flow"), None)
+    if flow is None or flow.get("outcome") not in ("hit", "miss"):
+        manifest["direct"] = {"record": "none", "reason": "the flow step was not cached"}
+        return
+    from .cache.tiers import open_store
+
+    try:
+        store = open_store(recorder.settings)
+    except LowercacheError:
+        return
+    try:
+        _store_record(recorder, store, flow, manifest)
+    finally:
+        store.close()
+
+
+def _store_record(recorder: Recorder, store: Any, flow: dict[str, Any], manifest: dict[str, Any]) -> None:
+    request = recorder.request
+    inputs = recorder.inputs()
+    ident = identity(recorder.settings)
+    record = {
+        "version": RECORD_VERSION,
+        "request": {"model": request.model, "target": request.target, "per_tensor": request.per_tensor, "calibration": request.calibration},
+        "identity": ident,
+        "inputs": inputs,
+        "fingerprint": _fingerprint(ident, inputs),
+        "recorded_ns": time.time_ns(),
+        "flow": {"name": flow["name"], "key": flow["key"]},
+        "manifest": {k: v for k, v in manifest.items() if k in _KEPT_MANIFEST},
+    }
+    key = request.key()
+    old = _load(store, key)
+    record["status"], record["reason"] = _verdict(old, record, recorder.unrecordable)
+    store.put(KIND, key, Entry(meta=record))
+    manifest["direct"] = {"record": record["status"], "reason": record["reason"]}
+    _set_status(store, request, "record", record["status"], record["reason"])
+
+
+def _fingerprint(ident: dict[str, Any], inputs: dict[str, Any]) -> str:
+    """The recorded inputs' contents (not their stats): equal fingerprints are identical inputs."""
+    def content(states: list[list[Any]]) -> list[Any]:
+        return [[ref, state.get("kind"), state.get("digest")] for ref, state in states]
+
+    return digest_json({**{k: v for k, v in inputs.items() if k not in ("files", "listings")}, "identity": ident,
+                        "files": content(inputs["files"]), "listings": content(inputs["listings"])})
+
+
+def _verdict(old: dict[str, Any] | None, record: dict[str, Any], unrecordable: list[str]) -> tuple[str, str]:
+    """``untrusted`` (never used), ``unconfirmed`` (waits for a re-run with the same inputs) or ``confirmed`` (used)."""
+    if old is not None and old.get("status") == "untrusted" and old.get("for_good"):
+        record["for_good"] = True
+        return "untrusted", old.get("reason", "untrusted")
+    if unrecordable:
+        return "untrusted", f"the factory {unrecordable[0]}"
+    if old is None or old.get("fingerprint") != record["fingerprint"]:
+        return "unconfirmed", "recorded; used once a re-run with the same inputs gives the same flow key"
+    if old.get("flow", {}).get("key") != record["flow"]["key"]:
+        record["for_good"] = True
+        return "untrusted", (
+            "identical inputs lowered differently (another flow key): the factory reads something direct mode "
+            "cannot see, such as an unseeded random generator or the time"
+        )
+    return "confirmed", "a re-run with the same inputs gave the same flow key"
+
+
+_KEPT_MANIFEST = ("model", "target", "quantization", "toolchain", "speedups", "key_parts")
+
+
+# -- answering ---------------------------------------------------------------------------------------
+
+
+def _load(store: Any, key: str) -> dict[str, Any] | None:
+    entry = store.get(KIND, key)
+    if entry is None or entry.blobs or not isinstance(entry.meta, dict) or entry.meta.get("version") != RECORD_VERSION:
+        return None
+    return entry.meta
+
+
+def _status_name(request: Request, which: str) -> str:
+    return f"direct/{which}/{request.target.strip().lower()}/{request.history_name()}"
+
+
+def _set_status(store: Any, request: Request, which: str, outcome: str, reason: str) -> None:
+    """``which``: ``lookup`` (what the latest run's lookup found) or ``record`` (what the latest record became)."""
+    if getattr(store, "writable", False):
+        store.put_record(_status_name(request, which), {"time": time.time(), "outcome": outcome, "reason": reason})
+
+
+def _changed(record: dict[str, Any], request: Request, settings: Settings) -> str | None:
+    """What differs between the record and now, or None when every recorded input is the same."""
+    places = Places(request.root)
+    if record.get("identity") != identity(settings):
+        now = identity(settings)
+        parts = sorted(k for k in set(now) | set(record.get("identity") or {}) if now.get(k) != (record.get("identity") or {}).get(k))
+        return f"the {', '.join(parts)} changed"
+    inputs = record["inputs"]
+    if inputs["syspath"] != [places.ref(os.path.abspath(p or ".")) for p in sys.path]:
+        return "the module search path changed"
+    for name, value in inputs["env"].items():
+        if name == "<listed>":
+            if value != digest_json(sorted(os.environ)):
+                return "the environment's variables changed (the factory listed them)"
+        elif _env_digest(os.environ.get(name)) != value:
+            return f"environment variable {name} changed"
+    recorded_ns = record["recorded_ns"]
+    for ref, state in inputs["files"]:
+        path = places.path(ref)
+        if not same_state(path, state, recorded_ns):
+            return f"{os.path.relpath(path, request.cwd) if ref[0] == 'root' else path} changed"
+    for ref, state in inputs["listings"]:
+        if not same_state(places.path(ref), state, recorded_ns, listing=True):
+            return f"directory {places.path(ref)} changed"
+    for ref, name, entries in inputs["lookups"]:
+        if _matching(places.path(ref), name) != entries:
+            return f"what module {name} resolves to changed"
+    return None
+
+
+def _check_shape(record: dict[str, Any]) -> None:
+    """A record read from a store is checked field by field before any of it is used."""
+    inputs = record.get("inputs")
+    flow = record.get("flow")
+    if not (
+        isinstance(inputs, dict)
+        and isinstance(flow, dict)
+        and isinstance(flow.get("key"), str)
+        and isinstance(record.get("recorded_ns"), int)
+        and isinstance(record.get("manifest"), dict)
+        and all(isinstance(inputs.get(k), list) for k in ("files", "listings", "lookups", "syspath"))
+        and isinstance(inputs.get("env"), dict)
+        and all(isinstance(s, list) and len(s) == 2 and isinstance(s[1], dict) for s in inputs["files"] + inputs["listings"])
+        and all(isinstance(s, list) and len(s) == 3 and isinstance(s[1], str) and isinstance(s[2], list) for s in inputs["lookups"])
+    ):
+        raise ValueError("the record is malformed")
+
+
+def serve(args: list[str]) -> int | None:
+    """Answer ``lowercache lower`` from a direct record: the exit code, or None to run the normal path.
+
+    Runs before anything imports torch. Any doubt (no record, a changed
+    input, an untrusted record, a missing or corrupt entry, a bad record) is
+    None: the normal path then lowers, and records afresh.
+    """
+    global _initial_env
+    _initial_env = dict(os.environ)
+    request = parse_lower(args)
+    if request is None:
+        return None
+    started = time.perf_counter()
+    from .errors import show_warnings_in_one_line
+
+    show_warnings_in_one_line()
+    try:
+        settings = request.settings()
+        if not settings.direct or settings.disable:
+            return None
+        resolve(request.target)
+        check_output_dir(request.out_dir)
+        from .cache.tiers import open_store
+
+        store = open_store(settings)
+    except LowercacheError:
+        return None  # the normal path reports it, in its words
+    try:
+        return _answer(request, settings, store, started)
+    finally:
+        store.close()
+
+
+def _answer(request: Request, settings: Settings, store: Any, started: float) -> int | None:
+    record = _load(store, request.key())
+    if record is None:
+        return None
+    try:
+        _check_shape(record)
+        why = None
+        if record.get("status") != "confirmed":
+            why = f"the record is {record.get('status')}: {record.get('reason')}"
+        else:
+            why = _changed(record, request, settings)
+    except (ValueError, KeyError, TypeError) as e:
+        why = f"the record is unusable ({e})"
+    if why is not None:
+        _set_status(store, request, "lookup", "not used", why)
+        return None
+    flow = store.get("flow", record["flow"]["key"])
+    if flow is None:
+        _set_status(store, request, "lookup", "not used", "its flow entry is missing or corrupt")
+        return None
+    tier = store.last_tier
+    seconds = time.perf_counter() - started
+    manifest = _manifest(record, flow, tier, seconds)
+    remote = getattr(store, "remote", None)
+    if remote is not None:
+        manifest["remote"] = remote.stats()
+    try:
+        written = write_files(flow.blobs, manifest, request.out_dir)
+    except LowercacheError as e:
+        print(f"lowercache: error: {e}", file=sys.stderr)
+        return 2
+    _set_status(store, request, "lookup", "hit", f"served from the record (flow entry {record['flow']['key'][:12]}, {tier} tier)")
+    _count(store, request, record, flow, seconds)
+    _report(request, manifest, written, seconds)
+    return 0
+
+
+def _manifest(record: dict[str, Any], flow: Entry, tier: str, seconds: float) -> dict[str, Any]:
+    step = {"kind": "flow", "name": record["flow"]["name"], "outcome": "hit", "key": record["flow"]["key"],
+            "parts": record["manifest"].get("key_parts", {}), "seconds": round(seconds, 4), "saved": round(max(flow.cost - seconds, 0.0), 4),
+            "output": flow.digest(), "note": "direct", "tier": tier, "nodes": {}}
+    return {
+        **record["manifest"],
+        "stages": {"direct": round(seconds, 4)},
+        "steps": [step],
+        "step_counts": {"flow": {"hit": 1}},
+        "nodes": {},
+        "passes": [],
+        "files": {name: {"size": len(data), "xxh3_128": digest(data)} for name, data in sorted(flow.blobs.items())},
+        "direct": {"outcome": "hit", "torch_imported": "torch" in sys.modules},
+    }
+
+
+def _count(store: Any, request: Request, record: dict[str, Any], flow: Entry, seconds: float) -> None:
+    """Counters and run history, as a flow hit of the normal path would leave them."""
+    from .cache import history
+
+    store.add_counts({"flow": {"hit": 1}, "direct": {"hit": 1}}, max(flow.cost - seconds, 0.0))
+    step = {"kind": "flow", "name": record["flow"]["name"], "outcome": "hit", "key": record["flow"]["key"],
+            "parts": record["manifest"].get("key_parts", {}), "seconds": seconds}
+    history.record_run(store, request.history_name(), record["flow"]["name"], [step])
+
+
+def _report(request: Request, manifest: dict[str, Any], written: list[Path], seconds: float) -> None:
+    print(f"lowercache: direct mode: served from the record, no factory run ({seconds:.2f}s)", file=sys.stderr)
+    if request.as_json:
+        summary = {
+            "model": manifest.get("model"),
+            "target": manifest.get("target"),
+            "out": request.out_dir,
+            "flow": "hit",
+            "direct": "hit",
+            "step_counts": manifest["step_counts"],
+            "seconds": round(seconds, 4),
+            "saved_seconds": manifest["steps"][0]["saved"],
+            "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
+        }
+        print(json.dumps(summary, indent=2, sort_keys=True))
+    else:
+        print(f"wrote {len(written)} files to {request.out_dir}")
+
+
+# -- explain -----------------------------------------------------------------------------------------
+
+
+def explain(store: Any, model: str, target: str) -> list[str]:
+    """What direct mode did with the latest ``lower`` of MODEL on a target, and why."""
+    request = Request(model=model, target=target, out_dir="")
+    lines = []
+    for which, label in (("lookup", "latest lookup"), ("record", "latest record")):
+        status = store.get_record(_status_name(request, which))
+        if isinstance(status, dict):
+            lines.append(f"direct mode, {label}: {status.get('outcome')}: {status.get('reason')}")
+    return lines or ["direct mode: no record of this model yet"]
