@@ -108,7 +108,7 @@ def test_decode_runs_without_cyclic_collections_and_restores_the_collector(monke
         paused = decode_counting()
         assert gc.isenabled()
         with monkeypatch.context() as m:
-            m.setattr(quantize, "_no_cyclic_gc", contextlib.nullcontext)
+            m.setattr(programstore, "_no_cyclic_gc", contextlib.nullcontext)
             unpaused = decode_counting()
         assert paused < 10 < 100 < unpaused  # only the few allocations outside the pause collect
         gc.disable()
@@ -222,7 +222,7 @@ def test_fast_tensor_meta_builds_the_values_torch_does(monkeypatch):
     target = resolve("ethos-u55-128")
     program = quantize.run_stock(torch.export.export(module, example), target, target.compile_spec(), example, [example])
     entry = programstore.encode(program, "spec")
-    monkeypatch.setattr(quantize, "_rebuild_fast", _graphbuild_unsupported)  # torch builds the graph
+    monkeypatch.setattr(programstore, "_rebuild_fast", _graphbuild_unsupported)  # torch builds the graph
     fast = programstore.decode(entry)
     monkeypatch.setattr(programstore._fast_tensor_meta, "active", contextlib.nullcontext)
     stock = programstore.decode(entry)

@@ -154,7 +154,7 @@ def test_unusable_template_exports_with_a_warning_and_is_replaced(cache_dir, cap
     assert any("re-export template unusable" in r.getMessage() for r in caplog.records)
     # The fresh template replaced the bad one: a run that misses the flow and the stage fills it.
     monkeypatch.setattr(flow, "FLOW_VERSION", flow.FLOW_VERSION + "+test")
-    monkeypatch.setattr(quantize, "QUANTIZE_VERSION", programstore.FORMAT + "+test")
+    monkeypatch.setattr(quantize, "QUANTIZE_VERSION", quantize.QUANTIZE_VERSION + "+test")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="lowercache"):
         third = lowercache.lower(edited, example, target="ethos-u55-128", cache_dir=cache_dir)
