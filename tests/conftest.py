@@ -162,3 +162,31 @@ def s3_url(moto_endpoint, s3_env, monkeypatch):
     """A fresh prefix in the shared bucket, reached through LOWERCACHE_S3_ENDPOINT."""
     monkeypatch.setenv("LOWERCACHE_S3_ENDPOINT", moto_endpoint)
     return f"s3://{BUCKET}/test-{uuid.uuid4().hex[:8]}"
+
+
+# The fast developer loop (docs/development.md): `python -m pytest -m quick` runs these, a subset that
+# touches every room in a few minutes; CI runs everything.
+QUICK = (
+    "tests/test_layout.py",
+    "tests/test_docs.py",
+    "tests/test_store.py",
+    "tests/test_keys.py",
+    "tests/test_patching.py",
+    "tests/test_quiet.py::test_capture_holds_third_party_and_passes_lowercache_and_errors",
+    "tests/test_speedups.py::test_selection_grammar",
+    "tests/test_speedups.py::test_every_switchable_module_is_registered_and_ordered",
+    "tests/test_speedups.py::test_pins_match_the_installed_sources",
+    "tests/test_speedups.py::test_a_speedup_whose_source_differs_switches_itself_off",
+    "tests/test_identity.py::test_cold_and_warm_match_stock[tiny_cnn-tosa-int]",
+    "tests/test_identity.py::test_cold_and_warm_match_stock[transformer_block-tosa-fp]",
+    "tests/test_identity.py::test_edits_miss_and_match_stock",
+    "tests/test_cli.py::test_bad_input_gives_one_line_and_leaves_nothing",
+    "tests/test_faults_store.py::test_flipped_head_of_the_entries_index_heals_and_the_lowering_recomputes",
+    "tests/test_faults_remote.py::test_forged_entry_is_not_served_without_a_key",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(QUICK):
+            item.add_marker(pytest.mark.quick)
