@@ -2,17 +2,17 @@
 
 CI systems whose cache action stores one tarball handle one file better than
 thousands of small remote entries. The archive is a plain tar: for every
-action a JSON record ``action/<kind>/<key>.json`` naming its blobs, and every
+action its record ``action/<kind>/<key>.json`` (the JSON every tier stores,
+:class:`~lowercache.cache.records.ActionRecord`) naming its blobs, and every
 blob as ``blob/<digest>``. Import checks everything before storing it: a
-record must parse and be filed under its own key, and each blob must hash to
-its name. Nothing is unpickled; anything that fails a check is skipped with a
-warning.
+record must pass the one strict reader every tier uses, filed under its own
+key, and each blob must hash to its name. Nothing is unpickled; anything that
+fails a check is skipped with a warning.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import re
@@ -21,7 +21,8 @@ from pathlib import Path
 
 from ..errors import LowercacheError
 from .digests import digest
-from .store import Entry, Store
+from .records import ActionRecord, CorruptEntry, parse
+from .store import Store
 
 log = logging.getLogger("lowercache")
 
@@ -41,15 +42,12 @@ def export_entries(store: Store, path: str | os.PathLike) -> tuple[int, int]:
                 entry = store.get(kind, key)
                 if entry is None:
                     continue
-                names = {}
-                for name, data in entry.blobs.items():
-                    blob_digest = digest(data)
-                    names[name] = blob_digest
+                record = ActionRecord.of(kind, key, entry)  # read back by the store's strict reader: cannot fail
+                for name, blob_digest in record.blobs.items():
                     if blob_digest not in written:
-                        _add(tar, f"blob/{blob_digest}", data)
+                        _add(tar, f"blob/{blob_digest}", entry.blobs[name])
                         written.add(blob_digest)
-                record = {"kind": kind, "key": key, "meta": entry.meta, "blobs": names, "cost": entry.cost}
-                _add(tar, f"action/{kind}/{key}.json", json.dumps(record, sort_keys=True).encode())
+                _add(tar, f"action/{kind}/{key}.json", record.to_bytes())
                 actions += 1
         os.replace(tmp, target)
     except OSError as e:
@@ -71,7 +69,7 @@ def import_entries(store: Store, path: str | os.PathLike) -> int:
     except (OSError, tarfile.TarError) as e:
         raise LowercacheError(f"cannot read archive {path}: {e}") from None
     blobs: dict[str, bytes] = {}
-    records: list[dict] = []
+    records: list[ActionRecord] = []
     with tar:
         for member in tar:
             if not member.isfile():
@@ -84,22 +82,14 @@ def import_entries(store: Store, path: str | os.PathLike) -> int:
                     log.warning("archive blob %s holds other content; skipped", m.group(1)[:12])
             elif (m := _ACTION.fullmatch(member.name)) is not None:
                 try:
-                    record = json.loads(data)
-                    if (record["kind"], record["key"]) != (m.group(1), m.group(2)):
-                        raise ValueError("filed under the wrong key")
-                    records.append(record)
-                except (ValueError, KeyError, TypeError) as e:
+                    records.append(parse(data, m.group(1), m.group(2)))
+                except CorruptEntry as e:
                     log.warning("archive record %s is unusable (%s); skipped", member.name, e)
     stored = 0
     for record in records:
-        try:
-            entry = Entry(
-                meta=dict(record["meta"]),
-                blobs={name: blobs[d] for name, d in record["blobs"].items()},
-                cost=float(record.get("cost", 0.0)),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError):
-            log.warning("archive record %s/%s lacks a blob; skipped", record["kind"], record["key"][:12])
+        missing = [d for d in record.blobs.values() if d not in blobs]
+        if missing:
+            log.warning("archive record %s/%s lacks a blob; skipped", record.kind, record.key[:12])
             continue
-        stored += store.put(record["kind"], record["key"], entry)
+        stored += store.put(record.kind, record.key, record.entry({name: blobs[d] for name, d in record.blobs.items()}))
     return stored

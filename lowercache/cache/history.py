@@ -21,17 +21,23 @@ def _record_name(model: str, target: str) -> str:
 
 
 def record_run(store: Store, model: str, target: str, steps: list[dict[str, Any]]) -> None:
-    runs = store.get_record(_record_name(model, target)) or []
-    runs.append(
-        {
-            "time": time.time(),
-            "steps": [{k: s[k] for k in ("kind", "name", "outcome", "key", "parts")} for s in listed(steps)],
-            "passes": [
-                [s["name"], s["outcome"], round(s["seconds"], 4), s.get("nodes", {})] for s in steps if s["kind"] == "pass"
-            ],
-        }
-    )
-    store.put_record(_record_name(model, target), runs[-KEEP_RUNS:])
+    """Append this run to the (model, target) history, keeping the last :data:`KEEP_RUNS`.
+
+    One read-modify-write in a store transaction: runs of one model that
+    finish at the same time in several processes are all kept.
+    """
+    run = {
+        "time": time.time(),
+        "steps": [{k: s[k] for k in ("kind", "name", "outcome", "key", "parts")} for s in listed(steps)],
+        "passes": [
+            [s["name"], s["outcome"], round(s["seconds"], 4), s.get("nodes", {})] for s in steps if s["kind"] == "pass"
+        ],
+    }
+
+    def append(runs: Any) -> list[dict[str, Any]]:
+        return ((runs if isinstance(runs, list) else []) + [run])[-KEEP_RUNS:]
+
+    store.update_record(_record_name(model, target), append)
 
 
 def explain(store: Store, model: str, target: str) -> list[str]:

@@ -30,7 +30,6 @@ import hmac
 import inspect
 import json
 import logging
-import math
 import os
 import re
 import struct
@@ -43,7 +42,8 @@ import zstandard
 
 from ..errors import LowercacheError
 from .digests import digest
-from .store import CorruptEntry, Entry, Store
+from .records import ActionRecord, CorruptEntry, Entry, parse
+from .store import Store
 
 log = logging.getLogger("lowercache")
 
@@ -602,6 +602,14 @@ class Guarded:
         self._count(writes=1, bytes_written=len(blob))
         return True
 
+    def refuse(self, key: str, error: CorruptEntry) -> None:
+        """Count a value that unsealed but whose content failed a check above the seal (a malformed
+        record) as refused rather than a hit: one warning, a miss, and replaceable by a recomputed value."""
+        with self._lock:
+            self.hits -= 1
+            self.verified -= 1 if self.hmac_key else 0
+        self._refuse(key, error if isinstance(error, RefusedEntry) else RefusedEntry(str(error)))
+
     def stats(self) -> dict[str, Any]:
         """Counters and state, for ``lowercache stats`` and run records."""
         return {
@@ -732,7 +740,6 @@ def connect(
 
 # -- the tiered store ----------------------------------------------------------------
 
-_HEX32 = re.compile(r"[0-9a-f]{32}")
 SHARED_RECORDS = "memo/"
 """Prefix of the records a :class:`TieredStore` shares through its remote."""
 
@@ -740,11 +747,11 @@ SHARED_RECORDS = "memo/"
 class TieredStore:
     """A local :class:`Store` first, then a guarded remote; remote hits are written back.
 
-    On the remote, an action ``action/<kind>/<key>`` is a JSON record naming
-    its blobs by digest and each blob is ``blob/<digest>``, all sealed, so
-    equal outputs are shared as they are locally. The local entry format is
-    the store's own business; only :meth:`Store.get` and :meth:`Store.put` are
-    used.
+    On the remote, an action ``action/<kind>/<key>`` is the same JSON record
+    as in the local store (:class:`~lowercache.cache.records.ActionRecord`,
+    read by the one strict :func:`~lowercache.cache.records.parse`) and each
+    blob is ``blob/<digest>``, all sealed, so equal outputs are shared as they
+    are locally. Locally only :meth:`Store.get` and :meth:`Store.put` are used.
 
     Modes (of the remote): ``read-only`` serves remote hits and never
     uploads. ``write-only`` never reads the remote and uploads both new
@@ -821,12 +828,12 @@ class TieredStore:
         if raw is None:
             return None
         try:
-            record = _parse_record(raw, kind, key)
-        except ValueError as e:
-            log.warning("ignoring remote entry %s/%s from %s: %s", kind, key[:12], self.remote.name, e)
+            record = parse(raw, kind, key)
+        except CorruptEntry as e:
+            self.remote.refuse(f"action/{kind}/{key}", e)
             return None
         blobs = {}
-        for name, blob_digest in record["blobs"].items():
+        for name, blob_digest in record.blobs.items():
             data = self.remote.get(f"blob/{blob_digest}")
             if data is None:
                 log.debug("remote entry %s/%s lacks blob %s", kind, key[:12], blob_digest[:12])
@@ -835,43 +842,19 @@ class TieredStore:
                 log.warning("ignoring remote blob %s from %s: it holds other content", blob_digest[:12], self.remote.name)
                 return None
             blobs[name] = data
-        return Entry(meta=record["meta"], blobs=blobs, cost=record["cost"])
+        return record.entry(blobs)
 
     def _upload(self, kind: str, key: str, entry: Entry) -> None:
         """Blobs first, then the record, so a reader never sees a record without its blobs."""
         if not self.remote.can_write:
             return
-        names = {}
-        for name, data in entry.blobs.items():
-            blob_digest = digest(data)
-            names[name] = blob_digest
+        try:
+            record = ActionRecord.of(kind, key, entry)
+        except CorruptEntry:
+            return  # the local store has said why it is not stored
+        for name, blob_digest in record.blobs.items():
             if blob_digest not in self._uploaded:
-                if not self.remote.put(f"blob/{blob_digest}", data):
+                if not self.remote.put(f"blob/{blob_digest}", entry.blobs[name]):
                     return
                 self._uploaded.add(blob_digest)
-        record = {"kind": kind, "key": key, "meta": entry.meta, "blobs": names, "cost": entry.cost}
-        self.remote.put(f"action/{kind}/{key}", json.dumps(record, sort_keys=True).encode())
-
-
-def _parse_record(raw: bytes, kind: str, key: str) -> dict[str, Any]:
-    """A remote action record, checked field by field (JSON only, never pickle)."""
-    try:
-        record = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise ValueError("record is not JSON") from None
-    if not isinstance(record, dict):
-        raise ValueError("record is not a JSON object")
-    if record.get("kind") != kind or record.get("key") != key:
-        raise ValueError("record is filed under the wrong key")
-    if not isinstance(record.get("meta"), dict):
-        raise ValueError("record has no metadata")
-    blobs = record.get("blobs")
-    if not isinstance(blobs, dict) or not all(
-        isinstance(name, str) and isinstance(d, str) and _HEX32.fullmatch(d) for name, d in blobs.items()
-    ):
-        raise ValueError("record has a bad blob list")
-    cost = record.get("cost", 0.0)
-    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost) or cost < 0:
-        raise ValueError("record has a bad cost")
-    record["cost"] = float(cost)
-    return record
+        self.remote.put(f"action/{kind}/{key}", record.to_bytes())

@@ -24,9 +24,8 @@ import logging
 import os
 import sqlite3
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import diskcache
 from diskcache.core import MODE_PICKLE
@@ -47,6 +46,8 @@ from .dbfile import (
     value_files,
 )
 from .digests import digest
+# CorruptEntry and Entry live in .records; callers import them from here too.
+from .records import ActionRecord, CorruptEntry, Entry, parse
 
 log = logging.getLogger("lowercache")
 
@@ -79,10 +80,6 @@ class _BytesOnlyDisk(diskcache.Disk):
         return super().put(key)
 
 
-class CorruptEntry(Exception):
-    """An entry failed its integrity check."""
-
-
 def frame(payload: bytes) -> bytes:
     return MAGIC + bytes.fromhex(digest(payload)) + payload
 
@@ -98,20 +95,6 @@ def unframe(data: Any) -> bytes:
     if digest(payload) != expected:
         raise CorruptEntry("entry content does not match its checksum")
     return payload
-
-
-@dataclass
-class Entry:
-    """A step's cached output: JSON metadata plus named blobs."""
-
-    meta: dict[str, Any] = field(default_factory=dict)
-    blobs: dict[str, bytes] = field(default_factory=dict)
-    cost: float = 0.0  # seconds the computation took; not part of the output
-
-    def digest(self) -> str:
-        """Digest of the whole output, used for early cutoff and verification."""
-        form = {"meta": self.meta, "blobs": {k: digest(v) for k, v in self.blobs.items()}}
-        return digest(json.dumps(form, sort_keys=True).encode())
 
 
 class Store:
@@ -275,11 +258,8 @@ class Store:
             raw = self._entries.get(action_key)
             if raw is None:
                 return None
-            record = json.loads(unframe(raw))
-            if record.get("key") != key or record.get("kind") != kind:
-                raise CorruptEntry("entry is filed under the wrong key")
-            blobs = {name: self._get_blob(d) for name, d in record["blobs"].items()}
-            return Entry(meta=record["meta"], blobs=blobs, cost=float(record.get("cost", 0.0)))
+            record = parse(unframe(raw), kind, key)
+            return record.entry({name: self._get_blob(d) for name, d in record.blobs.items()})
         except (CorruptEntry, ValueError, KeyError, TypeError, OSError, sqlite3.Error) as e:
             if isinstance(e, (OSError, sqlite3.Error)) and self._failed("entries", e):
                 return None
@@ -305,14 +285,15 @@ class Store:
         if not self.writable:
             return False
         try:
-            names = {}
-            for name, data in entry.blobs.items():
-                blob_digest = digest(data)
-                names[name] = blob_digest
+            record = ActionRecord.of(kind, key, entry)
+        except CorruptEntry as e:
+            self._warn("unstorable", "not storing cache entry %s/%s: %s", kind, key[:12], e)
+            return False
+        try:
+            for name, blob_digest in record.blobs.items():
                 if not self._has_good_blob(blob_digest):
-                    self._entries.set(f"blob/{blob_digest}", frame(data))
-            record = {"kind": kind, "key": key, "meta": entry.meta, "blobs": names, "cost": entry.cost}
-            self._entries.set(f"action/{kind}/{key}", frame(json.dumps(record, sort_keys=True).encode()))
+                    self._entries.set(f"blob/{blob_digest}", frame(entry.blobs[name]))
+            self._entries.set(f"action/{kind}/{key}", frame(record.to_bytes()))
             return True
         except (OSError, sqlite3.Error) as e:
             if not self._failed("entries", e):
@@ -343,7 +324,10 @@ class Store:
                 yield kind, key
 
     def verify_all(self) -> int:
-        """Check every entry; drop the bad ones, and rows whose key cannot be read. Returns how many were dropped."""
+        """Check every entry (frames, blob digests, action records); drop the bad ones, and rows whose key cannot be read.
+
+        Returns how many were dropped.
+        """
         dropped = 0
         for key in self._keys("entries"):
             try:
@@ -352,6 +336,9 @@ class Store:
                 payload = unframe(self._entries.get(key))
                 if key.startswith("blob/") and digest(payload) != key[len("blob/") :]:
                     raise CorruptEntry("blob holds other content")
+                if key.startswith("action/"):
+                    _, kind, action_key = key.split("/", 2)
+                    parse(payload, kind, action_key)
             except (CorruptEntry, OSError, sqlite3.Error):
                 self._discard(key)
                 dropped += 1
@@ -400,11 +387,38 @@ class Store:
 
     def get_record(self, name: str) -> Any:
         try:
+            return self._load_record(name)
+        except (OSError, sqlite3.Error) as e:
+            if not self._failed("meta", e):
+                log.warning("run record %s is unusable (%s)", name, e)
+            return None
+
+    def update_record(self, name: str, update: Callable[[Any], Any]) -> None:
+        """Replace a record with ``update(current)`` (None when absent or unusable) in one transaction.
+
+        SQLite's write lock is held from the read to the write, so processes
+        updating one record at once (two runs of a model finishing together)
+        each see the other's update instead of overwriting it.
+        """
+        if not self.writable:
+            return
+        try:
+            with self._meta.transact():
+                value = update(self._load_record(name))
+                self._meta.set(f"record/{name}", frame(json.dumps(value, sort_keys=True).encode()))
+        except (OSError, sqlite3.Error) as e:
+            if not self._failed("meta", e):
+                self._warn("record", "could not write run record (%s)", e)
+        except diskcache.Timeout:
+            self._warn("record", "could not write run record %s: the cache stayed locked too long", name)
+
+    def _load_record(self, name: str) -> Any:
+        """A record's value; None, with a warning, when it is absent or does not check out (I/O errors raise)."""
+        try:
             raw = self._meta.get(f"record/{name}")
             return None if raw is None else json.loads(unframe(raw))
-        except (CorruptEntry, ValueError, OSError, sqlite3.Error) as e:
-            if not (isinstance(e, (OSError, sqlite3.Error)) and self._failed("meta", e)):
-                log.warning("run record %s is unusable (%s)", name, e)
+        except (CorruptEntry, ValueError, RecursionError) as e:
+            log.warning("run record %s is unusable (%s)", name, e)
             return None
 
     # -- housekeeping ----------------------------------------------------------
