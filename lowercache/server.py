@@ -461,8 +461,7 @@ def _become_client(message: dict[str, Any], threads: int) -> None:
         os.environ.setdefault("TTY_INTERACTIVE", "1")
     sys.path[:] = [str(p) for p in message.get("path") or sys.path]
     sys.argv = ["lowercache", *map(str, message.get("argv") or [])]
-    wanted = os.environ.get("OMP_NUM_THREADS", "")
-    torch.set_num_threads(int(wanted) if wanted.isdigit() and int(wanted) > 0 else threads)
+    torch.set_num_threads(_thread_count(threads))
     try:
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("500")  # under memory pressure the kernel takes a request, not the server
@@ -471,6 +470,15 @@ def _become_client(message: dict[str, Any], threads: int) -> None:
     # warnings the warm-up raised would count as already shown; a new process shows them again
     warnings.onceregistry.clear()
     warnings._filters_mutated()
+
+
+def _thread_count(default: int) -> int:
+    """What torch (an MKL build) starts with in a new process: MKL_NUM_THREADS, else OMP_NUM_THREADS, at most the default."""
+    for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return min(int(value), default)
+    return default
 
 
 def _warm_up() -> int:
