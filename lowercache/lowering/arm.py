@@ -31,6 +31,8 @@ artifacts on disk run uncached (a hit would not write them).
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import io
 import os
 import tempfile
@@ -52,7 +54,25 @@ _originals: dict[str, Any] = {}
 
 def compile_spec_digest(spec: Any) -> str:
     """Digest of a compile spec as ExecuTorch serializes it (key/value bytes)."""
-    return digest_json(canon([(cs.key, cs.value) for cs in spec._to_list()]))
+    return digest_json(canon([(cs.key, cs.value) for cs in _spec_list(spec)]))
+
+
+def _spec_list(spec: Any) -> list[Any]:
+    """``spec._to_list()``, also for a spec ExecuTorch 1.4 parsed back from its list.
+
+    ExecuTorch 1.4's ``_from_list`` keeps ``output_order_workaround`` as the
+    decoded string (``''`` for False), on which its ``_to_list`` raises; the
+    backend reads only its truth value, so the spec is serialized with that.
+    """
+    try:
+        return spec._to_list()
+    except TypeError:
+        workaround = getattr(spec, "output_order_workaround", None)
+        if not isinstance(workaround, str):
+            raise
+        normalized = copy.copy(spec)
+        normalized.output_order_workaround = bool(workaround)
+        return normalized._to_list()
 
 
 def pass_insertions_digest() -> str | None:
@@ -117,8 +137,26 @@ def vela_parts(tosa: bytes, args: list[str], verbose: bool, placements: Any) -> 
         "verbose": str(bool(verbose)),
         "block_placements": digest_json(dict(placements or {})),
         "vela": toolchain_parts()["vela"],
+        "packing": _vela_packing_digest(),
         "lowercache_src": toolchain_parts()["lowercache_src"],
     }
+
+
+@functools.lru_cache(maxsize=1)
+def _vela_packing_digest() -> str:
+    """Digest of the ExecuTorch module that runs Vela and packs its output into the delegate's
+    blocks (``arm_vela.py``): its block format differs between releases (1.5 added external blocks)."""
+    import inspect
+
+    with open(inspect.getsourcefile(_originals["vela"]), "rb") as f:
+        return digest(f.read())
+
+
+def _vela_legacy(original: Any) -> bool:
+    """ExecuTorch 1.4's ``vela_compile`` takes no ``block_placements`` and returns the stream as bytes."""
+    import inspect
+
+    return "block_placements" not in inspect.signature(original).parameters
 
 
 def _tosa_preprocess(edge_program: Any, compile_spec: Any) -> Any:
@@ -146,12 +184,14 @@ def _vela_compile(
     intermediate_path: str | None = None,
     block_placements: Any = None,
 ) -> Any:
-    from executorch.backends.arm.arm_vela import VelaCompileResult, VelaExternalBlock
-
     original = _originals["vela"]
+    legacy = _vela_legacy(original)
+    # Called as the installed release's vela_compile is: ExecuTorch 1.4's has no block_placements
+    # (given one, it raises as stock would).
+    extra = () if legacy and block_placements is None else (block_placements,)
     session = current_session()
     if session is None or intermediate_path is not None:
-        return original(tosa_flatbuffer, args, verbose, intermediate_path, block_placements)
+        return original(tosa_flatbuffer, args, verbose, intermediate_path, *extra)
     parts = vela_parts(tosa_flatbuffer, args, verbose, block_placements)
     index = len(session.outputs.get("vela", []))
 
@@ -159,15 +199,16 @@ def _vela_compile(
         with tempfile.TemporaryDirectory(prefix="lowercache-vela-") as tmp:
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
-                result = original(tosa_flatbuffer, args, verbose, tmp, block_placements)
-            blobs = {"command_stream": bytes(result.processed_bytes), "summary.txt": printed.getvalue().encode()}
+                result = original(tosa_flatbuffer, args, verbose, tmp, *extra)
+            stream = result if legacy else result.processed_bytes
+            blobs = {"command_stream": bytes(stream), "summary.txt": printed.getvalue().encode()}
             outdir = os.path.join(tmp, "output")
             for name in sorted(os.listdir(outdir)):
                 if name.endswith(".csv"):
                     with open(os.path.join(outdir, name), "rb") as f:
                         blobs[f"output/{name}"] = f.read()
         external = []
-        for i, block in enumerate(result.external_blocks):
+        for i, block in enumerate(() if legacy else result.external_blocks):
             blobs[f"external/{i}"] = bytes(block.payload)
             external.append({"key": block.key, "alignment": block.alignment, "placement": block.placement})
         return Entry(meta={"external_blocks": external}, blobs=blobs)
@@ -175,6 +216,10 @@ def _vela_compile(
     entry = session.run("vela", f"partition {index}", parts, compute)
     if session.replay_output:
         print(entry.blobs["summary.txt"].decode(), end="")
+    if legacy:
+        return entry.blobs["command_stream"]
+    from executorch.backends.arm.arm_vela import VelaCompileResult, VelaExternalBlock
+
     blocks = tuple(
         VelaExternalBlock(key=b["key"], payload=entry.blobs[f"external/{i}"], alignment=b["alignment"], placement=b["placement"])
         for i, b in enumerate(entry.meta.get("external_blocks", []))
