@@ -238,7 +238,7 @@ BROKEN = ("extra field", "blob digest upper case", "meta NaN", "cost huge intege
 """Malformed forms for the end-to-end tests, one per action record, in turn."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stock() -> bytes:
     return stock_tiny(TARGET)
 
@@ -399,3 +399,17 @@ def test_read_only_history_writes_nothing(tmp_path):
     ro.close()
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before
     assert Store(tmp_path).get_record("history/tosa-fp/model") is None
+
+
+def test_explain_leaves_out_malformed_runs(tmp_path):
+    store = Store(tmp_path)
+    good = [
+        {"time": float(i), "steps": [{"kind": "flow", "name": "tosa-fp", "outcome": "miss", "key": f"k{i}", "parts": {"graph": g}}], "passes": []}
+        for i, g in enumerate("ab")
+    ]
+    junk = ["run", {"steps": "flow"}, {"steps": [{"kind": "flow"}]}, {"steps": [], "passes": [["p", "ran", "1", {}]]}]
+    store.put_record("history/tosa-fp/model", [good[0], *junk, good[1]])
+    assert history.explain(store, "model", "tosa-fp")[-1] == "flow tosa-fp: missed; changed: graph"
+    assert history.explain_passes(store, "model", "tosa-fp")[0].startswith("no recorded run")
+    history.record_run(store, "model", "tosa-fp", [{**good[1]["steps"][0], "seconds": 0.1}])
+    assert len(store.get_record("history/tosa-fp/model")) == 3  # the malformed runs are not carried on

@@ -35,14 +35,50 @@ def record_run(store: Store, model: str, target: str, steps: list[dict[str, Any]
     }
 
     def append(runs: Any) -> list[dict[str, Any]]:
-        return ((runs if isinstance(runs, list) else []) + [run])[-KEEP_RUNS:]
+        return (_well_formed(runs) + [run])[-KEEP_RUNS:]
 
     store.update_record(_record_name(model, target), append)
 
 
+def _well_formed(runs: Any) -> list[dict[str, Any]]:
+    """The runs of a stored history that have the shape ``explain`` reads; others are left out.
+
+    A history is checked like any entry before use: one written by another
+    release, or altered, must not make ``explain`` fail.
+    """
+    if not isinstance(runs, list):
+        return []
+    return [run for run in runs if _run_ok(run)]
+
+
+def _run_ok(run: Any) -> bool:
+    if not isinstance(run, dict) or not isinstance(run.get("steps"), list) or not isinstance(run.get("passes", []), list):
+        return False
+    steps_ok = all(
+        isinstance(s, dict)
+        and all(isinstance(s.get(k), str) for k in ("kind", "name", "outcome", "key"))
+        and isinstance(s.get("parts"), dict)
+        for s in run["steps"]
+    )
+    passes_ok = all(
+        isinstance(p, list)
+        and len(p) == 4
+        and isinstance(p[0], str)
+        and isinstance(p[1], str)
+        and isinstance(p[2], (int, float))
+        and isinstance(p[3], dict)
+        for p in run.get("passes", [])
+    )
+    return steps_ok and passes_ok
+
+
+def _runs(store: Store, model: str, target: str) -> list[dict[str, Any]]:
+    return _well_formed(store.get_record(_record_name(model, target)))
+
+
 def explain(store: Store, model: str, target: str) -> list[str]:
     """Lines saying, for the last miss, which parts changed since the run before it."""
-    runs = store.get_record(_record_name(model, target)) or []
+    runs = _runs(store, model, target)
     if not runs:
         return [f"no recorded runs of {model} for {target}"]
     lines = []
@@ -89,7 +125,7 @@ def _step(run: dict[str, Any], kind: str, name: str | None = None) -> dict[str, 
 
 def explain_passes(store: Store, model: str, target: str) -> list[str]:
     """Per pass of the latest run that ran passes: outcome, seconds, nodes re-traced / copied."""
-    runs = store.get_record(_record_name(model, target)) or []
+    runs = _runs(store, model, target)
     index = next((i for i in range(len(runs) - 1, -1, -1) if runs[i].get("passes")), None)
     if index is None:
         return [f"no recorded run of {model} for {target} ran a pass (a flow hit runs none)"]

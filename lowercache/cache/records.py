@@ -156,26 +156,37 @@ def _plain_name(name: Any) -> bool:
 
 
 def _check_plain(value: Any, depth: int) -> None:
-    """``value`` is JSON of plain types: objects, lists, strings, bounded integers, finite floats, booleans, null."""
-    if value is None or isinstance(value, (bool, str)):
-        return
-    if isinstance(value, int):
-        if not _INT_MIN <= value <= _INT_MAX:
-            raise CorruptEntry("record's metadata holds an integer out of range")
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise CorruptEntry("record's metadata holds a number that is not finite")
-        return
-    if depth >= MAX_META_DEPTH:
-        raise CorruptEntry("record's metadata is nested too deeply")
-    if isinstance(value, (list, tuple)):  # a tuple is written as a list: only a writer can hand one in
-        for item in value:
-            _check_plain(item, depth + 1)
-    elif isinstance(value, dict):
-        for name, item in value.items():
-            if not isinstance(name, str):
-                raise CorruptEntry("record's metadata has a name that is not a string")
-            _check_plain(item, depth + 1)
+    """``value`` is JSON of plain types: objects, lists, strings, bounded integers, finite floats, booleans, null.
+
+    A loop over each container's items, exact types first: a stored program's
+    metadata has thousands of values, checked at every hit. Subclasses (an
+    enum, a numpy float) only come from a writer, and are written as their base.
+    """
+    if isinstance(value, dict):
+        if not all(isinstance(name, str) for name in value):
+            raise CorruptEntry("record's metadata has a name that is not a string")
+        items = value.values()
+    elif isinstance(value, (list, tuple)):  # a tuple is written as a list: only a writer can hand one in
+        items = value
     else:
         raise CorruptEntry(f"record's metadata holds a {type(value).__name__}")
+    if depth >= MAX_META_DEPTH:
+        raise CorruptEntry("record's metadata is nested too deeply")
+    for item in items:
+        kind = type(item)
+        if kind is str or kind is bool or item is None:
+            continue
+        if kind is int:
+            if not _INT_MIN <= item <= _INT_MAX:
+                raise CorruptEntry("record's metadata holds an integer out of range")
+        elif kind is float:
+            if not math.isfinite(item):
+                raise CorruptEntry("record's metadata holds a number that is not finite")
+        elif isinstance(item, (dict, list, tuple)):
+            _check_plain(item, depth + 1)
+        elif isinstance(item, int):  # a subclass (an enum): checked as the int it is written as
+            _check_plain([int(item)], depth)
+        elif isinstance(item, float):  # a numpy float, say
+            _check_plain([float(item)], depth)
+        elif not isinstance(item, str):
+            raise CorruptEntry(f"record's metadata holds a {kind.__name__}")
