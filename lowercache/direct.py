@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from .cache.digests import digest, digest_json
 from .cache.store import Entry
-from .cache.toolchain import lowercache_digest, toolchain_parts
+from .cache.toolchain import toolchain_parts
 from .config import Settings, load_settings
 from .errors import LowercacheError
 from .lowering.targets import resolve
@@ -201,7 +201,7 @@ def _env_digest(value: str | None) -> str | None:
     return None if value is None else digest(value.encode("utf-8", "surrogateescape"))
 
 
-def identity(settings: Settings) -> dict[str, Any]:
+def identity(settings: Settings, environ: dict[str, str] | Any) -> dict[str, Any]:
     """What the result depends on besides the factory's inputs: interpreter, machine, toolchain, settings."""
     return {
         "python": sys.version,
@@ -210,9 +210,8 @@ def identity(settings: Settings) -> dict[str, Any]:
         "cpu": _cpu_digest(),
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "toolchain": toolchain_parts(),
-        "lowercache": lowercache_digest(),
         "speedups": settings.speedups,
-        "native_env": {name: _env_digest(os.environ.get(name)) for name in NATIVE_ENV},
+        "native_env": {name: _env_digest(environ.get(name)) for name in NATIVE_ENV},
     }
 
 
@@ -379,8 +378,9 @@ class Recorder:
             elif self._user(path):
                 self.paths.add(path)
         elif event in ("os.listdir", "os.scandir"):
-            if sys._getframe(1).f_code.co_filename.startswith("<frozen importlib"):
-                return  # the import system's directory scans: module lookups are recorded by name
+            caller = sys._getframe(2)  # frames: event, _audit, the caller of os.listdir
+            if caller.f_code.co_filename.startswith("<frozen importlib") or not self.by_user(caller):
+                return  # the import system's scans (module lookups are recorded by name), installed libraries' own
             path = _abspath(args[0] if args and args[0] is not None else ".")
             if path is None:
                 self.refuse("listed a directory by descriptor")
@@ -416,12 +416,19 @@ class Recorder:
         name = os.fsdecode(key) if isinstance(key, (str, bytes)) else repr(key)
         self.env[name] = _env_digest(self.initial_env.get(name))
 
-    def listed_env(self, frame: Any) -> None:
-        """The environment was listed: a new variable can then change what the factory does. Installed libraries'
-        listings (networkx looks for its own prefix) are left to the toolchain identity; the values they read are recorded."""
-        while frame is not None and (frame.f_code.co_filename.startswith(("<frozen", *self.stdlib))):
+    def by_user(self, frame: Any) -> bool:
+        """Whether the first frame outside the standard library is the user's code (not an installed library's).
+
+        Listings made by installed libraries (networkx lists the environment for its own prefix,
+        importlib.metadata lists every search-path directory for torch) are left to the toolchain identity.
+        """
+        while frame is not None and frame.f_code.co_filename.startswith(("<frozen", *self.stdlib)):
             frame = frame.f_back
-        if frame is None or self._user(os.path.abspath(frame.f_code.co_filename)):
+        return frame is None or self._user(os.path.abspath(frame.f_code.co_filename))
+
+    def listed_env(self, frame: Any) -> None:
+        """The environment was listed by the user's code: a new variable can then change what the factory does."""
+        if self.by_user(frame):
             self.env_listed = True
 
     def stage(self, label: str) -> None:
@@ -625,43 +632,44 @@ def finish(recorder: Recorder | None, records: list[dict[str, Any]], manifest: d
 def _store_record(recorder: Recorder, store: Any, flow: dict[str, Any], manifest: dict[str, Any]) -> None:
     request = recorder.request
     inputs = recorder.inputs()
-    ident = identity(recorder.settings)
+    ident = identity(recorder.settings, recorder.initial_env)
     record = {
         "version": RECORD_VERSION,
         "request": {"model": request.model, "target": request.target, "per_tensor": request.per_tensor, "calibration": request.calibration},
         "identity": ident,
         "inputs": inputs,
-        "fingerprint": _fingerprint(ident, inputs),
         "recorded_ns": time.time_ns(),
         "flow": {"name": flow["name"], "key": flow["key"]},
         "manifest": {k: v for k, v in manifest.items() if k in _KEPT_MANIFEST},
     }
     key = request.key()
     old = _load(store, key)
-    record["status"], record["reason"] = _verdict(old, record, recorder.unrecordable)
+    since = None
+    if old is not None:
+        try:
+            since = _changed(old, request, recorder.settings, recorder.syspath, recorder.initial_env)
+        except (ValueError, KeyError, TypeError):
+            old, since = None, None  # a malformed previous record confirms nothing
+    record["status"], record["reason"] = _verdict(old, since, record, recorder.unrecordable)
     store.put(KIND, key, Entry(meta=record))
     manifest["direct"] = {"record": record["status"], "reason": record["reason"]}
     _set_status(store, request, "record", record["status"], record["reason"])
 
 
-def _fingerprint(ident: dict[str, Any], inputs: dict[str, Any]) -> str:
-    """The recorded inputs' contents (not their stats): equal fingerprints are identical inputs."""
-    def content(states: list[list[Any]]) -> list[Any]:
-        return [[ref, state.get("kind"), state.get("digest")] for ref, state in states]
+def _verdict(old: dict[str, Any] | None, since: str | None, record: dict[str, Any], unrecordable: list[str]) -> tuple[str, str]:
+    """``untrusted`` (never used), ``unconfirmed`` (waits for a re-run with the same inputs) or ``confirmed`` (used).
 
-    return digest_json({**{k: v for k, v in inputs.items() if k not in ("files", "listings")}, "identity": ident,
-                        "files": content(inputs["files"]), "listings": content(inputs["listings"])})
-
-
-def _verdict(old: dict[str, Any] | None, record: dict[str, Any], unrecordable: list[str]) -> tuple[str, str]:
-    """``untrusted`` (never used), ``unconfirmed`` (waits for a re-run with the same inputs) or ``confirmed`` (used)."""
+    ``since``: what changed since the previous record, judged as a lookup judges it (so a run that merely
+    touched other paths, say a bytecode file it wrote the first time, still confirms).
+    """
     if old is not None and old.get("status") == "untrusted" and old.get("for_good"):
         record["for_good"] = True
         return "untrusted", old.get("reason", "untrusted")
     if unrecordable:
         return "untrusted", f"the factory {unrecordable[0]}"
-    if old is None or old.get("fingerprint") != record["fingerprint"]:
-        return "unconfirmed", "recorded; used once a re-run with the same inputs gives the same flow key"
+    if old is None or old.get("status") == "untrusted" or since is not None:
+        changed = f" ({since} since the previous record)" if since else ""
+        return "unconfirmed", f"recorded{changed}; used once a re-run with the same inputs gives the same flow key"
     if old.get("flow", {}).get("key") != record["flow"]["key"]:
         record["for_good"] = True
         return "untrusted", (
@@ -694,21 +702,27 @@ def _set_status(store: Any, request: Request, which: str, outcome: str, reason: 
         store.put_record(_status_name(request, which), {"time": time.time(), "outcome": outcome, "reason": reason})
 
 
-def _changed(record: dict[str, Any], request: Request, settings: Settings) -> str | None:
-    """What differs between the record and now, or None when every recorded input is the same."""
+def _changed(
+    record: dict[str, Any], request: Request, settings: Settings, syspath: list[list[str]], environ: dict[str, str] | Any
+) -> str | None:
+    """What differs between the record and now, or None when every recorded input is the same.
+
+    ``syspath`` and ``environ``: the module search path and environment the process started with.
+    """
+    _check_shape(record)
     places = Places(request.root)
-    if record.get("identity") != identity(settings):
-        now = identity(settings)
+    now = identity(settings, environ)
+    if record.get("identity") != now:
         parts = sorted(k for k in set(now) | set(record.get("identity") or {}) if now.get(k) != (record.get("identity") or {}).get(k))
         return f"the {', '.join(parts)} changed"
     inputs = record["inputs"]
-    if inputs["syspath"] != [places.ref(os.path.abspath(p or ".")) for p in sys.path]:
+    if inputs["syspath"] != syspath:
         return "the module search path changed"
     for name, value in inputs["env"].items():
         if name == "<listed>":
-            if value != digest_json(sorted(os.environ)):
+            if value != digest_json(sorted(environ)):
                 return "the environment's variables changed (the factory listed them)"
-        elif _env_digest(os.environ.get(name)) != value:
+        elif _env_digest(environ.get(name)) != value:
             return f"environment variable {name} changed"
     recorded_ns = record["recorded_ns"]
     for ref, state in inputs["files"]:
@@ -780,12 +794,11 @@ def _answer(request: Request, settings: Settings, store: Any, started: float) ->
     if record is None:
         return None
     try:
-        _check_shape(record)
-        why = None
         if record.get("status") != "confirmed":
             why = f"the record is {record.get('status')}: {record.get('reason')}"
         else:
-            why = _changed(record, request, settings)
+            syspath = [Places(request.root).ref(os.path.abspath(p or ".")) for p in sys.path]
+            why = _changed(record, request, settings, syspath, os.environ)
     except (ValueError, KeyError, TypeError) as e:
         why = f"the record is unusable ({e})"
     if why is not None:
@@ -798,6 +811,7 @@ def _answer(request: Request, settings: Settings, store: Any, started: float) ->
     tier = store.last_tier
     seconds = time.perf_counter() - started
     manifest = _manifest(record, flow, tier, seconds)
+    manifest["model"] = request.history_name()  # this checkout's path, not the recording one's
     remote = getattr(store, "remote", None)
     if remote is not None:
         manifest["remote"] = remote.stats()
