@@ -203,7 +203,7 @@ def ensure_server(settings: Settings) -> dict[str, Any]:
         if hello is not None and hello.get("identity") == want:
             return hello
         if hello is not None:
-            stop_server()
+            ask({"op": "stop"})  # it frees the socket path at once and finishes its accepted requests on its own
         return _spawn(directory, want)
 
 
@@ -279,6 +279,8 @@ def run_through_server(args: list[str]) -> int | None:
     """Run the command line in a child of the warm server; its exit code, or None to run it in this process."""
     if "--no-server" in args[: args.index("--") if "--" in args else len(args)]:
         return None
+    if not hasattr(socket, "SO_PEERCRED"):
+        return None  # no way to check the peer's uid (not Linux): no server
     try:
         settings = load_settings()
     except LowercacheError:
@@ -313,6 +315,9 @@ def run_through_server(args: list[str]) -> int | None:
                 return _relay(sock)
             except ServerUnavailable:
                 continue  # replaced between hello and request: once more
+            except KeyboardInterrupt:  # the server kills the request's process when this connection closes
+                print("Aborted!", file=sys.stderr)  # as click says it in a new process
+                return 1
             except (ServerLost, OSError, ValueError) as e:
                 warn(f"the lowering server stopped during the request ({e}); running in this process")
                 return None

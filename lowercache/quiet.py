@@ -61,10 +61,20 @@ def _handlers() -> set[logging.Handler]:
     return found
 
 
+_inherited: list[str] = []
+
+
+def inherit(lines: list[str]) -> None:
+    """Count lines held back before this process's command began as its own: a server's child, whose imports the server made."""
+    _inherited[:] = lines
+
+
 @contextlib.contextmanager
 def captured(import_torch: bool = False) -> Iterator[Noise]:
     """Hold back third-party warnings for the block. ``import_torch`` first, so torch's own log handler exists to filter."""
     noise = Noise()
+    for line in _inherited:
+        noise.add(line)
     previous = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]

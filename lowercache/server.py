@@ -225,8 +225,8 @@ class Server:
         elif op == "status":
             self._reply(request, self.status())
         elif op == "stop":
+            self.stop()  # the socket path is free before the reply: a replacement may bind it at once
             self._reply(request, {"pid": os.getpid(), "stopping": True, "running": len(self.running), "queued": len(self.queue)})
-            self.stop()
         elif op == "run":
             if message.get("identity") != self.identity or self.stopping:
                 self._reply(request, {"stale": True})
@@ -315,6 +315,10 @@ class Server:
                 code = _child(request.message or {}, parent, out_w, err_w, [fd for fd in own if fd >= 0], self.threads)
             finally:
                 os._exit(code)
+        try:
+            os.setpgid(pid, pid)  # as the child does itself: whichever runs first, a kill reaches the whole group
+        except OSError:
+            pass
         os.close(out_w)
         os.close(err_w)
         request.pid = pid
@@ -483,20 +487,28 @@ def _thread_count(default: int) -> int:
 
 def _warm_up() -> int:
     """Import the stack single-threaded and lower a tiny model into a throwaway cache; torch's default thread count."""
-    import torch
+    from . import quiet
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a fork after the intra-op pool ran can hang the child
-    import rich.console  # noqa: F401
-    import rich.progress  # noqa: F401
-    import rich.table  # noqa: F401
-    import typer  # noqa: F401
+    with quiet.captured(import_torch=True) as imports:  # what a new process's imports hold back, its children count too
+        import torch
 
-    from . import api, quiet, verify  # noqa: F401
-    from .bench import models
-    from .lowering import loading  # noqa: F401
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # a fork after the intra-op pool ran can hang the child
+        import executorch.backends.arm.ethosu  # noqa: F401
+        import executorch.backends.arm.quantizer  # noqa: F401
+        import executorch.backends.arm.tosa.partitioner  # noqa: F401
+        import executorch.exir  # noqa: F401
+        import rich.console  # noqa: F401
+        import rich.progress  # noqa: F401
+        import rich.table  # noqa: F401
+        import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
+        import typer  # noqa: F401
 
-    with quiet.captured(import_torch=True), tempfile.TemporaryDirectory(prefix="lowercache-warmup-") as scratch:
+        from . import api, verify  # noqa: F401
+        from .bench import models
+        from .lowering import loading  # noqa: F401
+    quiet.inherit(imports.lines)
+    with quiet.captured(), tempfile.TemporaryDirectory(prefix="lowercache-warmup-") as scratch:
         module, example = models.tiny_cnn()
         settings = load_settings(cache_dir=scratch, disable=False, read_only=False, remote="")
         api.lower(module, example, target="ethos-u55-128", settings=settings)

@@ -245,6 +245,25 @@ def test_bytes_through_the_server_equal_stock_and_in_process(shared, tmp_path):
     assert int(shared.status()["served"]) >= 2
 
 
+def test_verbose_lists_what_a_new_process_holds_back(shared, tmp_path):
+    """The server's imports raised their warnings once, in the server; each child still counts them as its own."""
+
+    def held(*extra: str) -> set[str]:
+        result = shared("-v", "lower", TINY, "-t", TARGET, "-o", tmp_path / "out", *extra, LOWERCACHE_DIR=str(tmp_path / f"c{len(extra)}"))
+        assert result.returncode == 0, result.stderr[-2000:]
+        return {line for line in result.stderr.splitlines() if line.startswith("  ")}
+
+    served, here = held(), held("--no-server")
+    assert served == here and len(here) > 0
+
+
+def test_verify_through_the_server(shared, tmp_path):
+    served = shared("verify", TINY, "-t", "tosa-int")
+    here = shared("verify", TINY, "-t", "tosa-int", "--no-server")
+    assert served.returncode == here.returncode == 0, served.stderr[-2000:] + here.stderr[-2000:]
+    assert served.stdout == here.stdout and "byte-identical" in served.stdout
+
+
 def test_no_server_stays_in_process(shared, tmp_path):
     before = shared.status()["served"]
     for args, extra in ((["--no-server"], {}), ([], {"LOWERCACHE_SERVER": "0"})):
