@@ -5,19 +5,22 @@ Precedence, highest first (as in ccache and sccache):
 2. environment variables ``LOWERCACHE_DIR``, ``LOWERCACHE_MAX_SIZE``,
    ``LOWERCACHE_DISABLE``, ``LOWERCACHE_READ_ONLY``, ``LOWERCACHE_REMOTE``,
    ``LOWERCACHE_REMOTE_MODE``, ``LOWERCACHE_REMOTE_TTL``,
-   ``LOWERCACHE_REMOTE_REQUIRE_SIGNED``, ``LOWERCACHE_SPEEDUPS``, and the
+   ``LOWERCACHE_REMOTE_REQUIRE_SIGNED``, ``LOWERCACHE_SPEEDUPS``,
+   ``LOWERCACHE_DIRECT``, and the
    warm server's ``LOWERCACHE_SERVER``, ``LOWERCACHE_SERVER_IDLE_TIMEOUT``,
    ``LOWERCACHE_SERVER_JOBS``, ``LOWERCACHE_SERVER_TIMEOUT``;
-3. the config file: ``$LOWERCACHE_CONFIG``, else
-   ``$XDG_CONFIG_HOME/lowercache/config.toml`` (``~/.config/...``), with keys
+3. the config file: ``$LOWERCACHE_CONFIG``, else ``config.toml`` in the
+   platform's user config directory (platformdirs: on Linux
+   ``$XDG_CONFIG_HOME/lowercache``, ``~/.config/lowercache``), with keys
    ``cache_dir``, ``max_size``, ``disable``, ``read_only``, ``remote``,
    ``remote_mode``, ``remote_ttl`` (Redis only), ``remote_require_signed``,
-   ``speedups``, ``server``, ``server_idle_timeout``, ``server_jobs``,
+   ``speedups``, ``direct``, ``server``, ``server_idle_timeout``, ``server_jobs``,
    ``server_timeout``.
 
 The remote's signing secret, ``LOWERCACHE_HMAC_KEY``, is read from the
 environment only, never from a file lowercache reads or writes.
-4. defaults: ``$XDG_CACHE_HOME/lowercache`` (``~/.cache/lowercache``), 5G.
+4. defaults: the platform's user cache directory (on Linux
+   ``$XDG_CACHE_HOME/lowercache``, ``~/.cache/lowercache``), 5G.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import platformdirs
 
 from .errors import LowercacheError
 
@@ -98,13 +103,12 @@ def config_path() -> Path:
     explicit = os.environ.get("LOWERCACHE_CONFIG")
     if explicit:
         return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "lowercache" / "config.toml"
+    return platformdirs.user_config_path("lowercache", appauthor=False) / "config.toml"
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lowercache"
+    """The platform's per-user cache directory (``~/.cache/lowercache`` on Linux, honouring ``XDG_CACHE_HOME``)."""
+    return platformdirs.user_cache_path("lowercache", appauthor=False)
 
 
 def _read_config_file(path: Path) -> dict[str, Any]:
