@@ -56,6 +56,9 @@ RemoteUrl = typer.Option(
 # Read by main() before the command runs (lowercache.client); declared so the command accepts it.
 NoServer = typer.Option(False, "--no-server", help=r"Run in this process, not through the warm server \[env: LOWERCACHE_SERVER=0].")
 
+PerTensor = typer.Option(False, "--per-tensor", help="Quantize weights per tensor instead of per channel.")
+NoDirect = typer.Option(False, "--no-direct", help=r"Do not answer from a direct-mode record (docs/direct-mode.md) \[env: LOWERCACHE_DIRECT=0].")
+
 
 def _setup_logging() -> None:
     from .errors import show_warnings_in_one_line
@@ -143,11 +146,11 @@ def lower(
     cache_dir: Optional[Path] = CacheDir,
     no_cache: bool = typer.Option(False, "--no-cache", help="Lower without reading or writing the cache."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help=".pt file with a list of input tuples (torch.load weights_only), or .npz with one array per input, samples on axis 0."),
-    per_tensor: bool = typer.Option(False, "--per-tensor", help="Quantize weights per tensor instead of per channel."),
+    per_tensor: bool = PerTensor,
     remote: Optional[str] = RemoteUrl,
     no_server: bool = NoServer,
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary of the run on stdout."),
-    no_direct: bool = typer.Option(False, "--no-direct", help=r"Do not answer from a direct-mode record (docs/direct-mode.md) \[env: LOWERCACHE_DIRECT=0]."),
+    no_direct: bool = NoDirect,
 ) -> None:
     """Lower MODEL for a target, serving unchanged work from the cache."""
 
@@ -279,6 +282,45 @@ def verify(
     if mismatches:
         raise typer.Exit(1)
     out.print("verified: the cached and fresh-cache lowerings are byte-identical to stock (no cache, every speed-up off)")
+
+
+@app.command()
+def watch(
+    model: str = typer.Argument(..., help="path/to/file.py:factory or a saved .pt2, as for lower."),
+    targets: List[str] = typer.Option(..., "--target", "-t", help="A target, as for lower; repeat -t for several.", autocompletion=_complete_target),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Output directory; with several -t, each target's output goes to DIR/<target>/."),
+    cache_dir: Optional[Path] = CacheDir,
+    no_cache: bool = typer.Option(False, "--no-cache", help="Lower without reading or writing the cache (no record of what the factory read is kept: the model file is watched)."),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration file, as for lower (.pt or .npz)."),
+    per_tensor: bool = PerTensor,
+    remote: Optional[str] = RemoteUrl,
+    no_server: bool = NoServer,
+    no_direct: bool = NoDirect,
+    interval: float = typer.Option(0.5, "--interval", help="Seconds between polls of the watched files.", min=0.05),
+    max_runs: Optional[int] = typer.Option(None, "--max-runs", hidden=True, min=1, help="Stop after N rounds of lowering (tests)."),
+) -> None:
+    """Lower MODEL again on every save of it or of a project file it read; print what ran and Vela's estimate deltas."""
+    from . import watch as watching
+
+    options = [
+        *(["--cache-dir", str(cache_dir)] if cache_dir else []),
+        *(["--calibration", str(calibration)] if calibration else []),
+        *(["--remote", remote] if remote else []),
+        *[flag for flag, on in (("--no-cache", no_cache), ("--per-tensor", per_tensor), ("--no-server", no_server), ("--no-direct", no_direct)) if on],
+    ]
+    try:
+        plan = watching.plan(
+            model, targets, out_dir, lower_options=options, per_tensor=per_tensor,
+            calibration=str(calibration) if calibration else None, interval=interval, max_runs=max_runs,
+        )
+        settings = _settings(cache_dir, disable=False, remote="")  # the local store, for the records of what each lowering read
+    except LowercacheError as e:
+        _fail(str(e), 2)
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+
+    raise typer.Exit(watching.run(plan, dispatch, settings, emit))
 
 
 @app.command(
@@ -556,22 +598,26 @@ def _options(
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
+    sys.exit(dispatch(list(sys.argv[1:] if argv is None else argv)))
+
+
+def dispatch(args: List[str]) -> object:
+    """Run a command line the way a new ``lowercache`` process does, and return its exit code (``watch`` runs its lowerings so)."""
     command = next((a for a in args if not a.startswith("-")), None)
     if command == "lower":  # direct mode: an unchanged lowering answered from its record, without torch (docs/direct-mode.md)
         from .direct import serve
 
         served = serve(args)
         if served is not None:
-            sys.exit(served)
+            return served
     # then the warm server (docs/server.md)
     from .client import SERVED, run_through_server
 
     if command in SERVED:
         served = run_through_server(args)
         if served is not None:
-            sys.exit(served)
-    sys.exit(run_in_process(args))
+            return served
+    return run_in_process(args)
 
 
 def run_in_process(args: List[str]) -> object:

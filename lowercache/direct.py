@@ -871,6 +871,42 @@ def _report(request: Request, manifest: dict[str, Any], written: list[Path], sec
         print(f"wrote {len(written)} files to {request.out_dir}")
 
 
+# -- what a record names (``lowercache watch`` polls it) ----------------------------------------------
+
+
+def recorded_files(model: str, target: str, per_tensor: bool, calibration: str | None, settings: Settings) -> list[str]:
+    """The files the latest record of this ``lower`` says its factory read, outside site-packages and lowercache.
+
+    That is the model file, the project's modules it imported and the files
+    it opened: what a re-lowering would see change. Empty when there is no
+    record (direct mode off, caching disabled, nothing recorded yet) or it
+    cannot be read.
+    """
+    from .cache.tiers import open_store
+
+    request = Request(model=model, target=target, out_dir="", per_tensor=per_tensor, calibration=calibration)
+    try:
+        store = open_store(settings)
+    except LowercacheError:
+        return []
+    if store is None:
+        return []
+    try:
+        record = _load(store, request.key())
+    finally:
+        store.close()
+    if record is None:
+        return []
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    try:
+        _check_shape(record)
+        places = Places(request.root)
+        paths = {places.path(ref) for ref, state in record["inputs"]["files"] if ref[0] in ("root", "abs") and state.get("kind") == "file"}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return []
+    return sorted(p for p in paths if not p.startswith(package))
+
+
 # -- explain -----------------------------------------------------------------------------------------
 
 

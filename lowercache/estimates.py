@@ -1,0 +1,362 @@
+"""Vela's estimates of one Ethos-U lowering, read back from its output directory, and how they changed.
+
+What an Ethos-U engineer checks after an edit (``lowercache watch``): cycles
+per inference, the memory each area uses, the operators left to the CPU,
+and which layers got slower. The totals come from the files the lowering
+wrote (Vela's summary CSV and text, the ``.pte``), so nothing is
+recomputed for them. Vela's per-layer estimates are not among those files
+(stock ExecuTorch does not ask for them, and asking would change the
+lowering's Vela flags), so they come from running Vela once more, with
+``--verbose-performance``, on the partition's TOSA file as written; that
+run is used only when its summary CSV equals the lowering's, byte for byte
+(the same Vela flags, hence the same estimates). Imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import os
+import re
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from .cache.digests import digest
+
+_SUMMARY_CSV = re.compile(r"^partition_(\d+)\.vela_out_summary_(.+)\.csv$")
+_OPERATORS = re.compile(r"^(CPU|NPU) operators = (\d+)", re.MULTILINE)
+# Vela's summary CSV columns for the memory each area uses (KiB), and how they are shown.
+MEMORY_AREAS = (
+    ("sram_memory_used", "SRAM"),
+    ("dram_memory_used", "DRAM"),
+    ("on_chip_flash_memory_used", "on-chip flash"),
+    ("off_chip_flash_memory_used", "off-chip flash"),
+)
+MAX_LAYER_LINES = 8
+
+
+@dataclass
+class Layer:
+    """One row of Vela's per-layer estimate."""
+
+    name: str
+    operator: str
+    cycles: float
+    placement: str = "NPU"
+
+
+@dataclass
+class Partition:
+    """One delegated partition: Vela's summary and, when available, its per-layer estimate."""
+
+    index: int
+    summary: dict[str, str]
+    cpu_operators: int
+    npu_operators: int
+    layers: Optional[list[Layer]] = None
+    layers_note: str = ""
+
+    def number(self, column: str) -> float:
+        try:
+            return float(self.summary.get(column, 0) or 0)
+        except ValueError:
+            return 0.0
+
+
+@dataclass
+class Estimate:
+    """Vela's estimate of a whole lowering (every partition) and the operators the ``.pte`` runs outside the delegate."""
+
+    target: str
+    partitions: list[Partition] = field(default_factory=list)
+    outside: list[str] = field(default_factory=list)
+
+    @property
+    def cycles(self) -> float:
+        return sum(p.number("cycles_total") for p in self.partitions)
+
+    @property
+    def seconds(self) -> float:
+        return sum(p.number("inference_time") for p in self.partitions)
+
+    def memory(self, column: str) -> float:
+        """KiB: SRAM is the peak of any partition (each runs on its own), the other areas add up."""
+        values = [p.number(column) for p in self.partitions]
+        if not values:
+            return 0.0
+        return max(values) if column == "sram_memory_used" else sum(values)
+
+    @property
+    def vela_cpu_operators(self) -> int:
+        return sum(p.cpu_operators for p in self.partitions)
+
+
+# -- reading an output directory ---------------------------------------------------------------------
+
+
+def read(out_dir: Path, target: str, per_layer: bool = True) -> Optional[Estimate]:
+    """The estimate of the lowering in ``out_dir``, or None when it has no Vela output (a TOSA target, nothing written yet)."""
+    try:
+        names = sorted(os.listdir(out_dir))
+    except OSError:
+        return None
+    found = sorted((int(m.group(1)), name) for name in names if (m := _SUMMARY_CSV.match(name)))
+    if not found:
+        return None
+    estimate = Estimate(target=target)
+    for index, name in found:
+        try:
+            summary_bytes = (out_dir / name).read_bytes()
+            rows = list(csv.reader(io.StringIO(summary_bytes.decode())))
+            summary = dict(zip(rows[0], rows[1]))
+        except (OSError, UnicodeDecodeError, IndexError):
+            continue
+        text = _read_text(out_dir / f"partition_{index}.vela_summary.txt")
+        counts = {kind: int(n) for kind, n in _OPERATORS.findall(text)}
+        partition = Partition(index, summary, counts.get("CPU", 0), counts.get("NPU", 0))
+        if per_layer:
+            tosa = out_dir / f"partition_{index}.tosa"
+            partition.layers, partition.layers_note = layers(tosa, target, summary, summary_bytes)
+        estimate.partitions.append(partition)
+    try:
+        estimate.outside = pte_operators((out_dir / "model.pte").read_bytes())
+    except (OSError, ValueError, struct.error):
+        estimate.outside = []
+    return estimate
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+# -- the operators a .pte runs itself (outside every delegate) ----------------------------------------
+
+
+class _Table:
+    """Just enough of the flatbuffer format to read the ``.pte``'s operator table (schema: executorch's program.fbs)."""
+
+    def __init__(self, buf: bytes, pos: int):
+        self.buf, self.pos = buf, pos
+        self.vtable = pos - struct.unpack_from("<i", buf, pos)[0]
+        self.vsize = struct.unpack_from("<H", buf, self.vtable)[0]
+
+    def _field(self, index: int) -> Optional[int]:
+        slot = 4 + 2 * index
+        if slot >= self.vsize:
+            return None
+        offset = struct.unpack_from("<H", self.buf, self.vtable + slot)[0]
+        return self.pos + offset if offset else None
+
+    def _target(self, index: int) -> Optional[int]:
+        at = self._field(index)
+        return None if at is None else at + struct.unpack_from("<I", self.buf, at)[0]
+
+    def string(self, index: int) -> str:
+        at = self._target(index)
+        if at is None:
+            return ""
+        length = struct.unpack_from("<I", self.buf, at)[0]
+        return self.buf[at + 4 : at + 4 + length].decode("utf-8", "replace")
+
+    def tables(self, index: int) -> list["_Table"]:
+        at = self._target(index)
+        if at is None:
+            return []
+        length = struct.unpack_from("<I", self.buf, at)[0]
+        items = []
+        for i in range(length):
+            slot = at + 4 + 4 * i
+            items.append(_Table(self.buf, slot + struct.unpack_from("<I", self.buf, slot)[0]))
+        return items
+
+
+# Field indices in program.fbs: Program.execution_plan = 1; ExecutionPlan.operators = 6; Operator.name = 0, .overload = 1.
+_PROGRAM_PLANS, _PLAN_OPERATORS, _OPERATOR_NAME, _OPERATOR_OVERLOAD = 1, 6, 0, 1
+
+
+def pte_operators(pte: bytes) -> list[str]:
+    """The operators the ``.pte``'s plans call as CPU kernels (``aten::add.out``): what the delegates left to the CPU."""
+    if pte[4:6] != b"ET":
+        raise ValueError("not an ExecuTorch program")
+    program = _Table(pte, struct.unpack_from("<I", pte, 0)[0])
+    names = set()
+    for plan in program.tables(_PROGRAM_PLANS):
+        for op in plan.tables(_PLAN_OPERATORS):
+            name, overload = op.string(_OPERATOR_NAME), op.string(_OPERATOR_OVERLOAD)
+            names.add(f"{name}.{overload}" if overload else name)
+    return sorted(names)
+
+
+# -- Vela's per-layer estimate --------------------------------------------------------------------------
+
+
+_per_layer_memo: dict[str, tuple[Optional[list[Layer]], str]] = {}
+
+
+def layers(tosa_path: Path, target: str, summary: dict[str, str], summary_bytes: bytes) -> tuple[Optional[list[Layer]], str]:
+    """Vela's per-layer estimate of one partition, and a note when there is none (remembered per TOSA file and summary)."""
+    try:
+        tosa = tosa_path.read_bytes()
+    except OSError:
+        return None, "no TOSA file"
+    key = digest(tosa + b"\0" + summary_bytes + target.encode())
+    if key not in _per_layer_memo:
+        _per_layer_memo[key] = _run_vela(tosa, target, summary, summary_bytes)
+    return _per_layer_memo[key]
+
+
+def _run_vela(tosa: bytes, target: str, summary: dict[str, str], summary_bytes: bytes) -> tuple[Optional[list[Layer]], str]:
+    """Vela with the flags ExecuTorch's default Ethos-U compile spec gives it, plus ``--verbose-performance``."""
+    try:
+        from ethosu.vela import vela
+    except ImportError:
+        return None, "Vela is not installed"
+    with tempfile.TemporaryDirectory(prefix="lowercache-layers-") as tmp:
+        tosa_path = os.path.join(tmp, "out.tosa")  # the name the lowering gave it: the summary names the network by it
+        with open(tosa_path, "wb") as f:
+            f.write(tosa)
+        out = os.path.join(tmp, "output")
+        args = [
+            f"--accelerator-config={target}",
+            "--config=Arm/vela.ini",
+            "--output-format=raw",
+            f"--system-config={summary.get('system_config', '')}",
+            f"--memory-mode={summary.get('memory_mode', '')}",
+            "--verbose-performance",
+            f"--output-dir={out}",
+            tosa_path,
+        ]
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                vela.main(args)
+        except (Exception, SystemExit) as e:  # noqa: BLE001  (an estimate is extra: a Vela failure costs only it)
+            return None, f"Vela's per-layer run failed ({type(e).__name__})"
+        try:
+            names = os.listdir(out)
+            again = next((n for n in names if n.startswith("out_summary_") and n.endswith(".csv")), None)
+            if again is None or Path(out, again).read_bytes() != summary_bytes:
+                return None, "not available: the lowering's Vela flags differ from ExecuTorch's defaults"
+            table = next((n for n in names if n.endswith("_per-layer.csv")), None)
+            if table is None:
+                return None, "Vela wrote no per-layer estimate"
+            with open(os.path.join(out, table), newline="") as f:
+                return _parse_layers(list(csv.DictReader(f))), ""
+        except (OSError, ValueError, KeyError) as e:
+            return None, f"Vela's per-layer estimate is unreadable ({type(e).__name__})"
+
+
+def _parse_layers(rows: list[dict[str, Any]]) -> list[Layer]:
+    return [
+        Layer(
+            name=row.get("Name") or "?",
+            operator=row.get("Original Operator") or row.get("NNG Operator") or "?",
+            cycles=float(row.get("Op Cycles") or 0),
+            placement=row.get("Target") or "NPU",
+        )
+        for row in rows
+    ]
+
+
+# -- what changed ------------------------------------------------------------------------------------------
+
+
+def _num(value: float) -> str:
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.2f}"
+
+
+def _change(before: Optional[float], after: float, unit: str = "", percent: bool = False) -> str:
+    """``after`` alone, or ``before -> after (+delta[, +p%])``, or ``after (=)``."""
+    if before is None:
+        return f"{_num(after)}{unit}"
+    if before == after:
+        return f"{_num(after)}{unit} (=)"
+    delta = after - before
+    text = f"{_num(before)} -> {_num(after)}{unit} ({'+' if delta > 0 else '-'}{_num(abs(delta))}"
+    if percent and before:
+        text += f", {delta / before:+.1%}"
+    return text + ")"
+
+
+def describe(after: Estimate, before: Optional[Estimate]) -> list[str]:
+    """The lines ``watch`` prints: totals, memory, CPU operators and per-layer changes, each against ``before`` when given."""
+    lines = []
+    seconds = f"{after.seconds * 1e6:,.1f} us"
+    if before is not None and before.seconds != after.seconds:
+        seconds = f"{before.seconds * 1e6:,.1f} -> {seconds}"
+    lines.append(f"vela: cycles/inference {_change(before.cycles if before else None, after.cycles, percent=True)}; {seconds} per inference")
+    memory = []
+    for column, label in MEMORY_AREAS:
+        now, then = after.memory(column), (before.memory(column) if before else None)
+        if now or then:
+            peak = " (peak)" if column == "sram_memory_used" and len(after.partitions) > 1 else ""
+            memory.append(f"{label}{peak} {_change(then, now, ' KiB')}")
+    lines.append("memory: " + (", ".join(memory) or "none reported"))
+    lines.append(_cpu_line(after, before))
+    for partition in after.partitions:
+        old = next((p for p in before.partitions if p.index == partition.index), None) if before else None
+        lines.extend(_layer_lines(partition, old, len(after.partitions) > 1))
+    return lines
+
+
+def _cpu_line(after: Estimate, before: Optional[Estimate]) -> str:
+    vela_cpu = _change(before.vela_cpu_operators if before else None, after.vela_cpu_operators)
+    outside = ", ".join(after.outside) if after.outside else "none"
+    line = f"CPU: Vela left {vela_cpu} operators to the CPU; the .pte runs outside the delegate: {outside}"
+    if before is not None:
+        added = sorted(set(after.outside) - set(before.outside))
+        gone = sorted(set(before.outside) - set(after.outside))
+        changes = [f"+{op}" for op in added] + [f"-{op}" for op in gone]
+        if changes:
+            line += f" (changed: {' '.join(changes)})"
+    return line
+
+
+def _keyed(layer_list: list[Layer]) -> dict[tuple[str, int], Layer]:
+    """Layers by (name, occurrence). Layers Vela inserted itself are named by a running number (``#130``),
+    which any edit shifts: those are matched by operator and occurrence instead."""
+    seen: dict[str, int] = {}
+    keyed = {}
+    for layer in layer_list:
+        name = f"#{layer.operator}" if layer.name.startswith("#") else layer.name
+        n = seen.get(name, 0)
+        seen[name] = n + 1
+        keyed[(name, n)] = layer
+    return keyed
+
+
+def _layer_lines(partition: Partition, old: Optional[Partition], several: bool) -> list[str]:
+    where = f" (partition {partition.index})" if several else ""
+    if partition.layers is None:
+        return [f"layers{where}: {partition.layers_note}"]
+    if old is None or old.layers is None:
+        slowest = sorted(partition.layers, key=lambda layer: -layer.cycles)[:3]
+        top = ", ".join(f"{layer.name} {layer.operator} {_num(layer.cycles)}" for layer in slowest)
+        return [f"layers{where}: {len(partition.layers)}; most cycles: {top}"]
+    now, then = _keyed(partition.layers), _keyed(old.layers)
+    changed = []
+    for key, layer in now.items():
+        prev = then.get(key)
+        if prev is None:
+            changed.append((layer.cycles, f"+ {layer.name} {layer.operator} {_num(layer.cycles)} cycles (new)"))
+        elif prev.cycles != layer.cycles or prev.placement != layer.placement or prev.operator != layer.operator:
+            placement = f", {prev.placement} -> {layer.placement}" if prev.placement != layer.placement else ""
+            changed.append((abs(layer.cycles - prev.cycles), f"  {layer.name} {layer.operator} cycles {_change(prev.cycles, layer.cycles)}{placement}"))
+    for key, layer in then.items():
+        if key not in now:
+            changed.append((layer.cycles, f"- {layer.name} {layer.operator} {_num(layer.cycles)} cycles (gone)"))
+    if not changed:
+        return [f"layers{where}: {len(partition.layers)}, none changed"]
+    changed.sort(key=lambda c: -c[0])
+    lines = [f"layers{where}: {len(changed)} changed of {len(partition.layers)} (Vela per-layer estimate, largest first):"]
+    lines += [f"  {text}" for _, text in changed[:MAX_LAYER_LINES]]
+    if len(changed) > MAX_LAYER_LINES:
+        lines.append(f"  ... and {len(changed) - MAX_LAYER_LINES} more")
+    return lines

@@ -1,0 +1,270 @@
+"""``lowercache watch``: lower again on every save of the model or of a project file it read, and say what changed.
+
+Each lowering is the ``lower`` command line, run the way ``lowercache lower``
+runs (direct mode, then the warm server, else in this process: the CLI
+hands that path in as ``runner``), so a watched lowering is byte for byte
+the one ``lower`` would write. Which files to watch comes from direct
+mode's record of the lowering (:func:`lowercache.direct.recorded_files`):
+the model file, the project's modules it imported and the files it opened,
+never site-packages. Files are polled (stat, then a content digest when
+the stat moved): no dependency, and an editor's save-by-rename is seen.
+
+After each lowering it prints what was served and what ran, and for
+Ethos-U targets Vela's estimate against the previous lowering
+(:mod:`lowercache.estimates`). A failed lowering prints its one error line
+and the watch goes on; Ctrl-C ends it (exit 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from . import direct, estimates
+from .cache.digests import digest
+from .config import Settings
+from .errors import LowercacheError
+from .lowering.targets import resolve
+
+Runner = Callable[[list[str]], object]  # a command line -> its exit code
+
+
+@dataclass
+class Plan:
+    """What to lower, where, and with which ``lower`` options."""
+
+    model: str
+    targets: list[str]
+    out_dir: Path
+    lower_options: list[str] = field(default_factory=list)
+    per_tensor: bool = False
+    calibration: Optional[str] = None
+    interval: float = 0.5
+    max_runs: Optional[int] = None
+
+    @property
+    def model_file(self) -> str:
+        path = self.model if self.model.endswith(".pt2") else self.model.rpartition(":")[0]
+        return os.path.abspath(path)
+
+    def out_for(self, target: str) -> Path:
+        """DIR with one target; DIR/<target>/ with several."""
+        return self.out_dir if len(self.targets) == 1 else self.out_dir / target
+
+
+def plan(model: str, targets: list[str], out_dir: Path, **options: Any) -> Plan:
+    """A checked plan: known targets (each once, by their canonical names) and a model file that exists."""
+    names = list(dict.fromkeys(resolve(t).name for t in targets))
+    result = Plan(model=model, targets=names, out_dir=out_dir, **options)
+    if not model.endswith(".pt2") and not model.rpartition(":")[0]:
+        raise LowercacheError(f"bad model {model!r}; expected path/to/file.py:factory or a .pt2 file")
+    if not os.path.isfile(result.model_file):
+        raise LowercacheError(f"model file not found: {result.model_file}")
+    return result
+
+
+# -- files -------------------------------------------------------------------------------------------
+
+
+def _state(path: str) -> tuple[Optional[tuple[int, ...]], Optional[str]]:
+    """(stat key, content digest); (None, None) for a missing file."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino), digest(f.read())
+    except OSError:
+        return None, None
+
+
+class Files:
+    """The watched files and their content at the start of the last lowering."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, tuple[Optional[tuple[int, ...]], Optional[str]]] = {}
+
+    def snapshot(self, paths: set[str]) -> dict[str, tuple[Optional[tuple[int, ...]], Optional[str]]]:
+        return {p: _state(p) for p in paths}
+
+    def track(self, paths: set[str], baseline: dict[str, tuple[Optional[tuple[int, ...]], Optional[str]]]) -> None:
+        """Watch ``paths`` from here on, judged against ``baseline`` (the content the lowering read) where it has them."""
+        self.states = {p: baseline[p] if p in baseline else _state(p) for p in paths}
+
+    def changed(self) -> list[str]:
+        """Files whose content differs from the tracked state; a stat that moved without a content change is just noted."""
+        found = []
+        for path, (key, content) in self.states.items():
+            try:
+                st = os.stat(path)
+                now_key: Optional[tuple[int, ...]] = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
+            except OSError:
+                now_key = None
+            if now_key == key:
+                continue
+            new_key, new_content = _state(path)
+            if new_content == content:
+                self.states[path] = (new_key, content)
+            else:
+                found.append(path)
+        return found
+
+
+# -- one lowering ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """One target's lowering: exit code, ``--json`` summary, the lines to pass on, wall seconds."""
+
+    target: str
+    code: object
+    summary: Optional[dict[str, Any]]
+    errors: list[str]
+    warnings: list[str]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.code in (0, None) and self.summary is not None
+
+
+def _last_json(text: str) -> Optional[dict[str, Any]]:
+    """The ``--json`` summary: the last object printed starting at a line's start (the factory may print too)."""
+    decoder = json.JSONDecoder()
+    starts = [i for i in range(len(text)) if text[i] == "{" and (i == 0 or text[i - 1] == "\n")]
+    for start in reversed(starts):
+        try:
+            value, _ = decoder.raw_decode(text, start)
+        except ValueError:
+            continue
+        if isinstance(value, dict) and "step_counts" in value:
+            return value
+    return None
+
+
+def lower_once(plan: Plan, target: str, runner: Runner) -> Outcome:
+    """Run ``lower ... --json`` for one target with its output captured."""
+    args = ["lower", plan.model, "--target", target, "--out", str(plan.out_for(target)), "--json", *plan.lower_options]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = runner(args)
+    seconds = time.perf_counter() - started
+    lines = [line.rstrip() for line in stderr.getvalue().splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("lowercache: error:")]
+    if code not in (0, None) and not errors:
+        errors = lines[-1:] or [f"lowercache: error: the lowering exited with status {code}"]
+    warnings = [line for line in lines if line.startswith("lowercache: warning:")]
+    return Outcome(target, code, _last_json(stdout.getvalue()), errors, warnings, seconds)
+
+
+def _counts(step_counts: dict[str, dict[str, int]]) -> str:
+    kinds = sorted(step_counts, key=lambda k: (k != "flow", k))
+    return ", ".join(f"{kind} " + " ".join(f"{n} {o}" for o, n in sorted(step_counts[kind].items())) for kind in kinds)
+
+
+def report(outcome: Outcome, out_dir: Path) -> str:
+    """One line: what was served and what ran, and how long it took."""
+    summary = outcome.summary or {}
+    how = "direct-mode hit (no factory run)" if summary.get("direct") == "hit" else f"flow {summary.get('flow')}"
+    return (
+        f"{outcome.target}: {how}; steps: {_counts(summary.get('step_counts') or {})}; "
+        f"{outcome.seconds:.2f}s, {summary.get('saved_seconds', 0):.2f}s of work served from the cache -> {out_dir}"
+    )
+
+
+# -- the loop ------------------------------------------------------------------------------------------
+
+
+def _stamp() -> str:
+    return time.strftime("%H:%M:%S")
+
+
+def _forget_modules(paths: set[str]) -> None:
+    """Drop the watched files' modules from ``sys.modules``: a lowering in this process (``--no-server``) imports them afresh."""
+    for name, module in list(sys.modules.items()):
+        origin = getattr(module, "__file__", None)
+        if isinstance(origin, str) and os.path.abspath(origin) in paths:
+            del sys.modules[name]
+
+
+@contextlib.contextmanager
+def _interrupts() -> Iterator[list[bool]]:
+    """Ctrl-C raises KeyboardInterrupt and is remembered: a lowering that swallows it (the client says 'Aborted!') still ends the watch."""
+    seen = [False]
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        seen[0] = True
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def run(plan: Plan, runner: Runner, settings: Settings, emit: Callable[[str], None]) -> int:
+    """Lower every target now and after every change, until Ctrl-C (0) or ``max_runs`` rounds (0 if the last succeeded)."""
+    files = Files()
+    read_by: dict[str, list[str]] = {}  # target -> the files its latest successful lowering read
+    fixed = {plan.model_file} | ({os.path.abspath(plan.calibration)} if plan.calibration else set())
+    previous = {t: estimates.read(plan.out_for(t), t) for t in plan.targets}
+    rounds, last_ok = 0, True
+    with _interrupts() as interrupted:
+        try:
+            changed: list[str] = []
+            while True:
+                watched = fixed.union(*read_by.values())
+                baseline = files.snapshot(watched)
+                _forget_modules(watched)
+                if changed:
+                    emit(f"[{_stamp()}] changed: {', '.join(os.path.relpath(p) for p in sorted(changed))}")
+                last_ok = True
+                for target in plan.targets:
+                    emit(f"[{_stamp()}] lowering {plan.model} for {target} ...")
+                    outcome = lower_once(plan, target, runner)
+                    if interrupted[0]:
+                        raise KeyboardInterrupt
+                    for line in outcome.warnings:
+                        emit(f"  {line}")
+                    if not outcome.ok:
+                        last_ok = False
+                        for line in outcome.errors:
+                            emit(f"  {line}")
+                        continue
+                    emit(f"  {report(outcome, plan.out_for(target))}")
+                    estimate = estimates.read(plan.out_for(target), target)
+                    if estimate is not None:
+                        before = previous.get(target)
+                        emit(f"  Vela estimate{' (against the previous lowering)' if before else ''}:")
+                        for line in estimates.describe(estimate, before):
+                            emit(f"    {line}")
+                        previous[target] = estimate
+                    read_by[target] = direct.recorded_files(plan.model, target, plan.per_tensor, plan.calibration, settings)
+                files.track(fixed.union(*read_by.values()), baseline)
+                rounds += 1
+                if plan.max_runs is not None and rounds >= plan.max_runs:
+                    return 0 if last_ok else 1
+                emit(f"[{_stamp()}] watching {len(files.states)} files (Ctrl-C stops)")
+                changed = _wait_for_change(files, plan.interval)
+        except KeyboardInterrupt:
+            emit(f"[{_stamp()}] stopped watching")
+            return 0
+
+
+def _wait_for_change(files: Files, interval: float) -> list[str]:
+    """Poll until a watched file's content changes, then a moment more for the editor to finish writing."""
+    while True:
+        changed = files.changed()
+        if changed:
+            time.sleep(min(interval, 0.2))
+            return sorted(set(changed) | set(files.changed()))
+        time.sleep(interval)
