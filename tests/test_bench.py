@@ -35,3 +35,21 @@ def test_quick_benchmark_on_tiny_cnn(tmp_path):
         assert flow_outcomes(rows[("warm", target)]) == ["hit"]
         assert flow_outcomes(rows[("edit-structure", target)]) == ["miss"]
     assert "## edit-structure" in (out / "report.md").read_text()
+
+
+def test_process_scenario_on_tiny_cnn_cold(tmp_path):
+    """Whole commands in new processes (stock script, no server, warm server, direct mode), bytes checked."""
+    out = tmp_path / "out"
+    code = bench.main([
+        "--models", "tiny_cnn", "--targets", "ethos-u55-128", "--scenarios", "process",
+        "--process-phases", "cold", "--repeat", "1", "--out", str(out),
+    ])
+    results = json.loads((out / "results.json").read_text())
+    assert code == 0 and results["all_equal"] is True
+    (row,) = results["rows"]
+    assert row["scenario"] == "process" and row["phases"] == ["cold"] and row["equal"] is True
+    assert set(row["bytes_equal"]["cold"]) == {"--no-server", "warm server", "direct mode"}
+    assert all(v == [True] for v in row["bytes_equal"]["cold"].values())
+    assert set(row["served"]["cold"].values()) == {"flow miss"}
+    assert row["median"]["cold"]["stock script"] > 0 and len(row["server_start_seconds"]) == 1
+    assert "### tiny_cnn ethos-u55-128" in (out / "report.md").read_text()

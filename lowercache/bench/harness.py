@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 
 from .. import __version__
 from ..lowering import flow, partitionorder
-from . import stockref
+from . import process, stockref
 from ..api import lower
 from ..config import Settings
 from .models import MODELS, SMALL, scenario_calibration
@@ -47,8 +47,14 @@ from ..cache.steps import Session, listed, outcome_counts
 from ..lowering.targets import resolve
 from ..cache.toolchain import version
 
-SCENARIOS: tuple[str, ...] = ("cold", "warm", "edit-structure", "edit-weights", "target-switch", "calibration")
-"""Every scenario, in the order the benchmark runs and reports them."""
+SCENARIOS: tuple[str, ...] = (
+    "cold", "warm", "edit-structure", "edit-weights", "target-switch", "calibration", "process",
+)
+"""Every scenario, in the order the benchmark runs and reports them.
+
+``process`` times whole commands in new processes (``process.py``): its
+phases are the first four scenarios, chosen with ``--process-phases``.
+"""
 
 TARGETS: tuple[str, ...] = ("tosa-int", "tosa-fp", "ethos-u55-128", "ethos-u85-256")
 """The targets the full benchmark covers."""
@@ -115,6 +121,7 @@ def scenario(name: str) -> Scenario:
         "edit-weights": Scenario("edit-weights", edit="weights"),
         "target-switch": Scenario("target-switch", seed_target=SWITCH_FROM),
         "calibration": Scenario("calibration", custom_calibration=True),
+        "process": Scenario("process", seeded=False),
     }
     if name not in table:
         raise ValueError(f"unknown scenario {name!r}; expected one of {', '.join(SCENARIOS)}")
@@ -369,11 +376,13 @@ def run_benchmark(
     out_dir: Path,
     cache_root: Path,
     log: Callable[[str], None] | None = None,
+    process_phases: list[str] | None = None,
 ) -> dict[str, Any]:
     """Run every scenario x model x target, write the report into ``out_dir`` and return the results.
 
     ``cache_root`` holds the caches (seed caches and per-repetition copies);
-    the caller owns it.  The returned dict has ``rows`` (one per case,
+    the caller owns it; ``process_phases`` are the phases of the ``process``
+    scenario (default: all of ``process.PHASES``).  The returned dict has ``rows`` (one per case,
     skipped cases included with their reason) and ``all_equal``: whether
     every lowercache .pte equalled its stock counterpart.
     """
@@ -387,11 +396,15 @@ def run_benchmark(
     cache_root.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         **environment(),
-        "config": {"models": models, "targets": resolved_targets, "scenarios": scenarios, "repeat": repeat},
+        "config": {
+            "models": models, "targets": resolved_targets, "scenarios": scenarios, "repeat": repeat,
+            **({"process_phases": process_phases or list(process.PHASES)} if "process" in scenarios else {}),
+        },
         "notes": {"peak_rss": RSS_NOTE, "nodes_retraced_vs_copied": NODES_NOTE},
         "rows": [],
     }
-    _warm_up(resolved_targets, cache_root, log)
+    if any(spec.name != "process" for spec in specs):  # the process scenario's commands each start afresh
+        _warm_up(resolved_targets, cache_root, log)
     seeds = _Seeds(cache_root)
     for spec in specs:
         for model in models:
@@ -403,6 +416,9 @@ def run_benchmark(
                     )
                     continue
                 log(f"{spec.name}: {model} {target}")
+                if spec.name == "process":
+                    results["rows"].append(process.run_case(model, target, repeat, cache_root, log, process_phases))
+                    continue
                 results["rows"].append(_run_case(spec, model, target, repeat, cache_root, seeds, log))
     measured = [r for r in results["rows"] if r["status"] == "ok"]
     results["all_equal"] = all(r["equal"] for r in measured)
@@ -479,6 +495,9 @@ def _markdown(results: dict[str, Any], plot_note: str) -> str:
         by_scenario.setdefault(row["scenario"], []).append(row)
     for name, rows in by_scenario.items():
         lines += [f"## {name}", ""]
+        if name == "process":
+            lines += process.markdown([r for r in rows if r["status"] == "ok"])
+            continue
         measured = [r for r in rows if r["status"] == "ok"]
         if measured:
             lines += [
@@ -516,9 +535,9 @@ def _plot(results: dict[str, Any], path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "stages.png not drawn: matplotlib is not installed (`pip install -e .[bench]`)."
-    rows = [r for r in results["rows"] if r["status"] == "ok"]
+    rows = [r for r in results["rows"] if r["status"] == "ok" and r["scenario"] != "process"]
     if not rows:
-        return "stages.png not drawn: no case was measured."
+        return "stages.png not drawn: no in-process case was measured."
     scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
     stage_names = [s for s in STAGES if any(s in r["stock_stages"] or s in r["lowercache_stages"] for r in rows)]
     colors = {s: plt.get_cmap("tab10")(i) for i, s in enumerate(stage_names)}
@@ -565,7 +584,7 @@ def text_table(results: dict[str, Any]) -> str:
     header = ("scenario", "model", "target", "stock s", "lowercache s", "ratio", "bytes equal", "flow")
     lines = [header]
     for r in results["rows"]:
-        if r["status"] != "ok":
+        if r["status"] != "ok" or r["scenario"] == "process":
             continue
         flow_counts = r["counts"].get("flow", {})
         lines.append((
@@ -575,6 +594,7 @@ def text_table(results: dict[str, Any]) -> str:
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
+    out += process.text_lines([r for r in results["rows"] if r["status"] == "ok" and r["scenario"] == "process"])
     out.append(f"all byte-identical: {'yes' if results['all_equal'] else 'NO'}")
     return "\n".join(out)
 
@@ -590,6 +610,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--targets", type=_list, help=f"comma list (default: {','.join(TARGETS)})")
     parser.add_argument("--scenarios", type=_list, help=f"comma list (default: {','.join(SCENARIOS)})")
     parser.add_argument("--repeat", type=int, help="repetitions per case (default 3; 1 with --quick)")
+    parser.add_argument(
+        "--process-phases", type=_list,
+        help=f"phases of the process scenario (default: {','.join(process.PHASES)}; cold always runs first)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/latest"), help="report directory")
     parser.add_argument(
         "--quick", action="store_true",
@@ -608,9 +632,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in chosen["models"]:
         if name not in MODELS:
             parser.error(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+    for name in args.process_phases or []:
+        if name not in process.PHASES:
+            parser.error(f"unknown process phase {name!r}; expected one of {', '.join(process.PHASES)}")
     with tempfile.TemporaryDirectory(prefix="lowercache-bench-") as cache_root:
         results = run_benchmark(
-            chosen["models"], chosen["targets"], chosen["scenarios"], chosen["repeat"], args.out, Path(cache_root)
+            chosen["models"], chosen["targets"], chosen["scenarios"], chosen["repeat"], args.out, Path(cache_root),
+            process_phases=args.process_phases,
         )
     print(text_table(results))
     print(f"report: {args.out / 'report.md'}")

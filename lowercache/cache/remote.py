@@ -741,6 +741,11 @@ def connect(
 # -- the tiered store ----------------------------------------------------------------
 
 SHARED_RECORDS = "memo/"
+
+SUPERSEDED_KINDS = frozenset({"direct"})
+"""Kinds whose value under one key is replaced over time: direct mode's records (unconfirmed, then
+confirmed, then recorded afresh after an edit). Every other kind's key names its content, so a value
+already in the remote is the same and is left alone."""
 """Prefix of the records a :class:`TieredStore` shares through its remote."""
 
 
@@ -788,8 +793,15 @@ class TieredStore:
         return entry
 
     def put(self, kind: str, key: str, entry: Entry) -> bool:
-        """Store locally, then upload; True when the local write succeeded."""
+        """Store locally, then upload; True when the local write succeeded.
+
+        A superseded kind's remote value is read first: this client may then replace it, as any value it
+        has read (one signed with another key stays); otherwise the first record uploaded, unconfirmed,
+        would stay in the remote for good and an empty local cache would never be served from it.
+        """
         stored = self.local.put(kind, key, entry)
+        if kind in SUPERSEDED_KINDS:
+            self.remote.get(f"action/{kind}/{key}")
         self._upload(kind, key, entry)
         return stored
 

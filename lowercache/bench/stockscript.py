@@ -1,8 +1,10 @@
 """The stock ExecuTorch Arm flow as a user's export script: no lowercache code on the way (the README's flow).
 
-    python benchmarks/stock_export.py path/to/model.py:factory ethos-u55-128 out.pte
+    python stockscript.py path/to/model.py:factory ethos-u55-128 out.pte
 
-``factory()`` returns ``(nn.Module, example_inputs)``, as for ``lowercache lower``.
+``factory()`` returns ``(nn.Module, example_inputs)``, as for ``lowercache lower``. The process-level
+benchmark (``process.py``) copies this file into its project directory and runs it there, so nothing of
+lowercache is on its import path: it imports torch, ExecuTorch and torchao only.
 """
 
 import importlib.util
