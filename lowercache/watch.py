@@ -216,10 +216,10 @@ def run(plan: Plan, runner: Runner, settings: Settings, emit: Callable[[str], No
     files = Files()
     read_by: dict[str, list[str]] = {}  # target -> the files its latest successful lowering read
     fixed = {plan.model_file} | ({os.path.abspath(plan.calibration)} if plan.calibration else set())
-    previous = {t: estimates.read(plan.out_for(t), t) for t in plan.targets}
     rounds, last_ok = 0, True
     with _interrupts() as interrupted:
         try:
+            previous = {t: estimates.read(plan.out_for(t), t) for t in plan.targets}  # the output already there is the first baseline
             changed: list[str] = []
             while True:
                 watched = fixed.union(*read_by.values())
@@ -253,11 +253,17 @@ def run(plan: Plan, runner: Runner, settings: Settings, emit: Callable[[str], No
                 rounds += 1
                 if plan.max_runs is not None and rounds >= plan.max_runs:
                     return 0 if last_ok else 1
-                emit(f"[{_stamp()}] watching {len(files.states)} files (Ctrl-C stops)")
+                emit(f"[{_stamp()}] watching {_listing(files.states)} (Ctrl-C stops)")
                 changed = _wait_for_change(files, plan.interval)
         except KeyboardInterrupt:
             emit(f"[{_stamp()}] stopped watching")
             return 0
+
+
+def _listing(paths: dict[str, Any], most: int = 6) -> str:
+    names = [os.path.relpath(p) for p in sorted(paths)]
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return f"{len(names)} files: {', '.join(names[:most])}{more}"
 
 
 def _wait_for_change(files: Files, interval: float) -> list[str]:
