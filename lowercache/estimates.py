@@ -291,7 +291,7 @@ def describe(after: Estimate, before: Optional[Estimate]) -> list[str]:
     seconds = f"{after.seconds * 1e6:,.1f} us"
     if before is not None and before.seconds != after.seconds:
         seconds = f"{before.seconds * 1e6:,.1f} -> {seconds}"
-    lines.append(f"vela: cycles/inference {_change(before.cycles if before else None, after.cycles, percent=True)}; {seconds} per inference")
+    lines.append(f"cycles/inference {_change(before.cycles if before else None, after.cycles, percent=True)}; {seconds} per inference")
     memory = []
     for column, label in MEMORY_AREAS:
         now, then = after.memory(column), (before.memory(column) if before else None)
