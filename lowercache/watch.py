@@ -195,6 +195,25 @@ def _forget_modules(paths: set[str]) -> None:
             del sys.modules[name]
 
 
+def drop_bytecode(paths: list[str]) -> None:
+    """Remove the cached bytecode of changed Python files before they are imported again.
+
+    Python trusts ``__pycache__`` while the source's mtime (in whole seconds)
+    and size match what it recorded, so a save within the same second that
+    keeps the size (``8`` -> ``9``) would import the old code: lowered stale,
+    and recorded by direct mode under the new file's digest.
+    """
+    import importlib.util
+
+    for path in paths:
+        if not path.endswith(".py"):
+            continue
+        with contextlib.suppress(ValueError, NotImplementedError, OSError):
+            cached = Path(importlib.util.cache_from_source(path))
+            for pyc in cached.parent.glob(f"{Path(path).stem}.*.pyc"):
+                pyc.unlink()
+
+
 @contextlib.contextmanager
 def _interrupts() -> Iterator[list[bool]]:
     """Ctrl-C raises KeyboardInterrupt and is remembered: a lowering that swallows it (the client says 'Aborted!') still ends the watch."""
@@ -227,6 +246,7 @@ def run(plan: Plan, runner: Runner, settings: Settings, emit: Callable[[str], No
                 _forget_modules(watched)
                 if changed:
                     emit(f"[{_stamp()}] changed: {', '.join(os.path.relpath(p) for p in sorted(changed))}")
+                    drop_bytecode(changed)
                 last_ok = True
                 for target in plan.targets:
                     emit(f"[{_stamp()}] lowering {plan.model} for {target} ...")
