@@ -118,7 +118,7 @@ class Watch:
         return "\n".join(self.lines[start:])
 
     def wait_for(self, pattern: str, start: int = 0, timeout: float = WAIT) -> str:
-        """The output from line ``start`` up to the first line matching ``pattern`` (waits for the next 'watching' line too)."""
+        """The output from line ``start`` on, once a line from there matches ``pattern``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for i in range(start, len(self.lines)):
@@ -152,11 +152,6 @@ def session(tmp_path_factory):
     s.close()
 
 
-def edit(path: Path, text: str) -> None:
-    """Write as an editor saves."""
-    path.write_text(text)
-
-
 def test_watch_relowers_on_edits_reports_vela_deltas_survives_a_syntax_error_and_stops_on_ctrl_c(session):
     project = session.project
     watch = Watch(session, "model.py:model", "-t", TARGET, "-o", "out", "--interval", "0.2")
@@ -168,7 +163,7 @@ def test_watch_relowers_on_edits_reports_vela_deltas_survives_a_syntax_error_and
         cycles = int(re.search(r"cycles/inference ([\d,]+)", first).group(1).replace(",", ""))
 
         mark = len(watch.lines)
-        edit(project / "model.py", MODEL_EDITED)
+        (project / "model.py").write_text(MODEL_EDITED)
         second = watch.round(mark)
         assert "changed: model.py" in second and f"{TARGET}: flow miss" in second, second
         assert "(against the previous lowering)" in second
@@ -179,7 +174,7 @@ def test_watch_relowers_on_edits_reports_vela_deltas_survives_a_syntax_error_and
 
         mark = len(watch.lines)
         before = os.stat(project / "helper.py")
-        edit(project / "helper.py", HELPER_EDITED)
+        (project / "helper.py").write_text(HELPER_EDITED)
         os.utime(project / "helper.py", ns=(before.st_atime_ns, before.st_mtime_ns))
         assert os.stat(project / "helper.py").st_size == before.st_size
         third = watch.round(mark)
@@ -187,14 +182,14 @@ def test_watch_relowers_on_edits_reports_vela_deltas_survives_a_syntax_error_and
         relowered = (project / "out" / "model.pte").read_bytes()
 
         mark = len(watch.lines)
-        edit(project / "model.py", MODEL_EDITED + "\ndef broken(:\n")
+        (project / "model.py").write_text(MODEL_EDITED + "\ndef broken(:\n")
         fourth = watch.round(mark)
         errors = [line for line in watch.lines[mark:] if "lowercache: error:" in line]
         assert len(errors) == 1 and "SyntaxError" in errors[0], fourth
         assert "Traceback" not in fourth and watch.process.poll() is None
 
         mark = len(watch.lines)
-        edit(project / "model.py", MODEL_EDITED)
+        (project / "model.py").write_text(MODEL_EDITED)
         fifth = watch.round(mark)
         assert f"{TARGET}: flow hit" in fifth or "direct-mode hit" in fifth, fifth
         assert watch.stop() == 0
@@ -207,7 +202,7 @@ def test_watch_relowers_on_edits_reports_vela_deltas_survives_a_syntax_error_and
     assert (project / "fresh" / "model.pte").read_bytes() == relowered
 
 
-def test_several_targets_write_one_directory_each_and_no_server_starts_none(session, tmp_path):
+def test_several_targets_write_one_directory_each_and_no_server_starts_none(session):
     run = Path(tempfile.mkdtemp(prefix="lcn", dir="/tmp"))
     try:
         result = session("watch", "model.py:model", "-t", TARGET, "-t", "tosa-int", "-o", "multi", "--no-server", "--max-runs", "1",
