@@ -338,3 +338,17 @@ def test_an_input_read_by_several_operators_takes_its_last_readers_metadata():
     assert decompositions.skippable(second, table)
     decompositions.apply_retrace_metadata(second)
     _same_program(second, core)
+
+
+def test_an_input_named_like_a_builtin_takes_the_full_call():
+    """Export names an nn.Sequential's input `input`, past FX's namespace; a graph copy would rename it to `input_1`."""
+    module, example = models.tiny_cnn()
+    torch.manual_seed(0)
+    sequential = torch.nn.Sequential(module, torch.nn.Linear(10, 16)).eval()
+    assert "input" in {n.name for n in torch.export.export(sequential, example).graph.find_nodes(op="placeholder")}
+    stock = stock_pte(sequential, example, "ethos-u55-128")
+    decompositions.reset_stats()
+    with decompositions.active():
+        got = stock_pte(sequential, example, "ethos-u55-128")
+    assert decompositions.stats()["full"] >= 1
+    assert got == stock

@@ -729,6 +729,9 @@ def _copied(program: torch.export.ExportedProgram) -> torch.export.ExportedProgr
     graph._codegen = copy.deepcopy(program.graph._codegen)
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     outputs, old_output = graph.graph_copy(program.graph, env, return_output_node=True)
+    renamed = [old.name for old, new in env.items() if new.name != old.name]
+    if renamed:  # export names nodes past FX's namespace (an input called `input`); a copy cannot keep the name
+        raise Unsupported(f"node names FX would rename on a copy: {renamed[:3]}")
     graph.output(outputs).meta = dict(old_output.meta)
     module = torch.fx.GraphModule(program.graph_module, graph)
     module.meta.update(program.graph_module.meta)
