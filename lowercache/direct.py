@@ -156,6 +156,35 @@ def path_state(path: str, listing: bool = False) -> dict[str, Any]:
     return state
 
 
+def bytecode_matches(source: str, cached: str | None) -> bool:
+    """False when Python may have run ``cached`` for an older ``source``.
+
+    A timestamp pyc is trusted by the source's size and whole-second mtime, so a
+    save of the same size within the second its pyc was written runs the old
+    code. Only then (the pyc no newer than that second) is the source compiled
+    again and compared; a compare that cannot be made counts as a mismatch.
+    """
+    try:
+        src, pyc = os.stat(source), os.stat(cached) if cached else None
+    except OSError:
+        return True  # no bytecode was read
+    if pyc is None or pyc.st_mtime_ns >= (src.st_mtime_ns // 1_000_000_000 + 1) * 1_000_000_000:
+        return True
+    try:
+        import marshal
+
+        with open(cached, "rb") as f:
+            header = f.read(16)
+            body = f.read()
+        if int.from_bytes(header[4:8], "little") & 1:
+            return True  # a hash-based pyc is checked by content already
+        with open(source, "rb") as f:
+            code = compile(f.read(), source, "exec", dont_inherit=True)
+        return marshal.dumps(code) == body
+    except (OSError, SyntaxError, ValueError):
+        return False
+
+
 def same_state(path: str, recorded: dict[str, Any], recorded_ns: int, listing: bool = False) -> bool:
     """True when ``path`` holds what ``recorded`` says; the content is hashed unless the stat proves it unchanged.
 
@@ -300,6 +329,8 @@ def parse_lower(args: list[str]) -> Request | None:
             positional.append(arg)
     if len(positional) != 1 or "target" not in values or "out_dir" not in values:
         return None
+    if "calibration" in values:
+        values["calibration"] = str(Path(values["calibration"]))  # as the CLI's Path option gives it to start()
     return Request(model=positional[0], **values)
 
 
@@ -462,6 +493,8 @@ class Recorder:
             origin = getattr(module, "__file__", None)
             if isinstance(origin, str) and self._user(os.path.abspath(origin)):
                 files.add(os.path.abspath(origin))
+                if not bytecode_matches(origin, getattr(module, "__cached__", None)):
+                    self.refuse(f"ran bytecode that may be older than {origin} (saved twice in one second)")
         states = []
         for path in sorted(files):
             state = path_state(path)

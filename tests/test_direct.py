@@ -241,3 +241,33 @@ def test_a_package_that_would_shadow_an_imported_module_misses(tmp_path):
     manifest, pte, _ = lower(project, cache)
     assert not served(manifest)
     assert pte != normal and pte == stock(project)
+
+
+def test_bytecode_older_than_its_source_is_seen(tmp_path, monkeypatch):
+    """Python trusts a pyc by the source's size and whole-second mtime: a same-size save within that second runs old code."""
+    import importlib
+
+    from lowercache import direct
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    source = tmp_path / "bytecode_probe.py"
+    source.write_text("X = 1\n")
+    module = importlib.import_module("bytecode_probe")
+    assert os.path.exists(module.__cached__) and direct.bytecode_matches(module.__file__, module.__cached__)
+    before = os.stat(source)
+    source.write_text("X = 2\n")
+    os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
+    del sys.modules["bytecode_probe"]
+    module = importlib.import_module("bytecode_probe")
+    assert module.X == 1  # the stale bytecode ran
+    assert not direct.bytecode_matches(module.__file__, module.__cached__)
+    del sys.modules["bytecode_probe"]
+
+
+def test_a_calibration_path_is_keyed_as_the_lowering_records_it():
+    from lowercache import direct
+
+    typed = direct.parse_lower(["lower", "m.py:f", "-t", "ethos-u55-128", "-o", "out", "--calibration", "./data//c.pt"])
+    recorded = direct.Request(model="m.py:f", target="ethos-u55-128", out_dir="out", calibration=str(Path("./data//c.pt")))
+    assert typed.key() == recorded.key()
