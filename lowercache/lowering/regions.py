@@ -82,15 +82,37 @@ class Region:
     nodes: tuple[str, ...]
 
 
-def module_path(node: torch.fx.Node, depth: int) -> str | None:
-    """The module path of ``node`` cut at ``depth`` (``(top)`` outside any module); None without a stack."""
+def _paths(node: torch.fx.Node) -> list[str] | None:
+    """The module paths on ``node``'s stack, outermost first (``[]`` at the top level); None without a stack."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return None
-    paths = [path for path, _cls in stack.values() if path]
+    return [path for path, _cls in stack.values() if path]
+
+
+def module_path(node: torch.fx.Node, depth: int, leaves: frozenset[str] = frozenset()) -> str | None:
+    """The module path of ``node`` cut at ``depth`` (``(top)`` outside any module); None without a stack.
+
+    A layer in ``leaves`` (a module with no submodules, a conv or a ReLU) at
+    that depth joins its parent, unless the parent is the model itself: a
+    region is a block, and a fused conv-BN-ReLU is never cut apart.
+    """
+    paths = _paths(node)
+    if paths is None:
+        return None
     if not paths:
         return TOP
-    return paths[min(depth, len(paths)) - 1]
+    index = min(depth, len(paths)) - 1
+    if index > 0 and paths[index] in leaves:
+        index -= 1
+    return paths[index]
+
+
+def leaf_modules(gm: torch.fx.GraphModule) -> frozenset[str]:
+    """The module paths of ``gm``'s stacks that have no submodule on any stack."""
+    seen = {p for n in gm.graph.nodes for p in (_paths(n) or ())}
+    parents = {p.rsplit(".", 1)[0] for p in seen if "." in p}
+    return frozenset(seen - parents)
 
 
 def is_region_node(node: torch.fx.Node) -> bool:
@@ -113,17 +135,18 @@ def membership(gm: torch.fx.GraphModule, depth: int = 1) -> dict[torch.fx.Node, 
     A node without a module path of its own takes a neighbour's region: a
     node a pass built without copying a module stack, and the quantize and
     dequantize nodes the quantizer inserts (their stack is the root's). A
-    dequantize node (of a weight or of an activation) goes with its
-    consumer, a quantize node and any other node with its producer; failing
-    that, the other side; failing both, ``(top)``. Deterministic, and what a
-    rewrite of one node into several means.
+    quantize node goes with its producer (it quantizes that block's output);
+    any other node with its consumer (a dequantize of a weight or an
+    activation feeds it, a decomposition's first node was made for it);
+    failing that, the other side; failing both, ``(top)``. Deterministic.
     """
     members: dict[torch.fx.Node, str] = {}
     unplaced = []
+    leaves = leaf_modules(gm)
     for node in gm.graph.nodes:
         if not is_region_node(node):
             continue
-        path = module_path(node, depth)
+        path = module_path(node, depth, leaves)
         if path is None or (path == TOP and _qdq(node)):
             unplaced.append(node)
         else:
@@ -136,7 +159,7 @@ def membership(gm: torch.fx.GraphModule, depth: int = 1) -> dict[torch.fx.Node, 
         return next((members[u] for u in node.users if u in members), None)
 
     for node in unplaced:
-        if _qdq(node) != "dequantize" and producer(node) is not None:
+        if _qdq(node) == "quantize" and producer(node) is not None:
             members[node] = producer(node)
     for node in reversed(unplaced):
         if node not in members and consumer(node) is not None:
@@ -196,8 +219,28 @@ def tensor_facts(node: torch.fx.Node) -> list[Any]:
     return facts
 
 
-def region_form(ep: torch.export.ExportedProgram, nodes: Iterable[torch.fx.Node], constants: dict[str, torch.Tensor] | None = None) -> RegionForm:
-    """The position-independent form of ``nodes`` (one region's, in graph order) of ``ep``."""
+def _without_autograd(form: Any) -> Any:
+    """``form`` with the ``requires_grad`` flag of every tensor's canonical metadata left out."""
+    if isinstance(form, list):
+        if len(form) == 6 and form[0] == "tensor" and isinstance(form[5], bool):
+            return form[:5]
+        return [_without_autograd(x) for x in form]
+    if isinstance(form, dict):
+        return {k: _without_autograd(v) for k, v in form.items()}
+    return form
+
+
+def region_form(
+    ep: torch.export.ExportedProgram,
+    nodes: Iterable[torch.fx.Node],
+    constants: dict[str, torch.Tensor] | None = None,
+    autograd: bool = True,
+) -> RegionForm:
+    """The position-independent form of ``nodes`` (one region's, in graph order) of ``ep``.
+
+    ``autograd=False`` leaves out whether fake values require grad: no
+    output byte depends on it (the census compares without it).
+    """
     nodes = list(nodes)
     constants = _constants(ep) if constants is None else constants
     local = {n: i for i, n in enumerate(nodes)}
@@ -223,6 +266,8 @@ def region_form(ep: torch.export.ExportedProgram, nodes: Iterable[torch.fx.Node]
         "in": [tensor_facts(a) for a in sorted(outside, key=outside.get)],
         "out": [[local[n], tensor_facts(n)] for n in exported],
     }
+    if not autograd:
+        forms, boundary = _without_autograd(forms), _without_autograd(boundary)
     return RegionForm(
         nodes=forms,
         constants=[tensor_digest(constants[c.name]) for c in const_nodes],
@@ -310,13 +355,31 @@ def extract(ep: torch.export.ExportedProgram, members: dict[torch.fx.Node, str],
         output_specs=[OutputSpec(kind=OutputKind.USER_OUTPUT, arg=TensorArgument(name=o.name), target=None) for o in outputs],
     )
     targets = {specs[p.name].target for p in constant_inputs}
-    module = torch.fx.GraphModule(gm, graph)
-    return ep._update(
-        module,
-        signature,
-        state_dict={k: v for k, v in ep.state_dict.items() if k in targets},
-        constants={k: v for k, v in ep.constants.items() if k in targets},
-    )
+    # A shallow copy with its graph replaced, as ExecuTorch's pass manager makes them: no
+    # verification, which a graph halfway through the Arm pipeline would not pass.
+    program = copy.copy(ep)
+    program._graph_module = torch.fx.GraphModule(gm, graph)
+    program._graph_signature = signature
+    program._state_dict = {k: v for k, v in ep.state_dict.items() if k in targets}
+    program._constants = {k: v for k, v in ep.constants.items() if k in targets}
+    return program
+
+
+def input_facts(program: torch.export.ExportedProgram) -> list[list[Any]]:
+    """The facts of the tensors ``program`` takes from outside, in first-use order."""
+    nodes = [n for n in program.graph_module.graph.nodes if is_region_node(n)]
+    return region_form(program, nodes).boundary["in"]
+
+
+def adopt_input_facts(program: torch.export.ExportedProgram, sources: list[torch.fx.Node]) -> None:
+    """Give the k-th tensor ``program`` takes from outside (first-use order) the metadata of ``sources[k]``."""
+    nodes = [n for n in program.graph_module.graph.nodes if is_region_node(n)]
+    by_name = {n.name: n for n in program.graph_module.graph.nodes}
+    inputs = region_form(program, nodes).inputs
+    if len(inputs) != len(sources):
+        raise ValueError(f"the region takes {len(inputs)} tensors from outside, not {len(sources)}")
+    for name, source in zip(inputs, sources):
+        by_name[name].meta = _copied_meta(source.meta)
 
 
 _SUFFIX = re.compile(r"(.*)_(\d+)$")
