@@ -35,6 +35,15 @@ def _census(model: str, target_name: str, store: object) -> dict:
     return result
 
 
+# Worst first: a pipeline entry's class over several models is the worst of its classes.
+_ORDER = ("global", "local given facts", "names", "local", "not exercised")
+
+
+def _gist(fact: str) -> str:
+    """A verdict's fact without its node positions, for the summary table."""
+    return fact.split(":")[0].split(" of node")[0].split(" (")[0]
+
+
 def main(argv: list[str]) -> int:
     from lowercache.cache.store import Store
     from lowercache.lowering import census
@@ -46,10 +55,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default=None, help="directory for one JSON file per census")
     args = parser.parse_args(argv)
     store = Store(args.cache_dir) if args.cache_dir else None
-    print("| model | target | depth | regions | local | local given facts | global | not exercised | census step | stock = per-pass split |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| model | target | depth | regions | local | local given names only | local given other facts | global "
+        "| not exercised | seconds of exercised passes: all / global | census step | per-pass run = stock |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     global_time: dict[str, list[float]] = collections.defaultdict(list)
     facts: dict[str, set[str]] = collections.defaultdict(set)
+    worst: dict[str, dict[tuple[int, str], str]] = collections.defaultdict(dict)  # target -> pipeline entry -> class
     for model in args.models.split(","):
         for target in args.targets.split(","):
             result = _census(model, target, store)
@@ -57,21 +70,39 @@ def main(argv: list[str]) -> int:
                 os.makedirs(args.out, exist_ok=True)
                 with open(os.path.join(args.out, f"{model}-{target}.json"), "w") as f:
                     json.dump(result, f, indent=1, sort_keys=True)
-            s = census.summary(result)
-            c = s["counts"]
+            rows = result["passes"]
+            count = collections.Counter(r["class"] for r in rows)
+            names_only = sum(1 for r in rows if r["class"] == census.GIVEN_FACTS and all("name counter" in f for f in r["facts"]))
+            exercised = [r for r in rows if r["class"] != census.UNEXERCISED]
+            seconds = sum(r["seconds"] for r in exercised)
+            global_seconds = sum(r["seconds"] for r in exercised if r["class"] == census.GLOBAL)
             print(
-                f"| {model} | {target} | {result['depth']} | {len(result['regions'])} | {c[census.LOCAL]} | "
-                f"{c[census.GIVEN_FACTS]} | {c[census.GLOBAL]} | {c[census.UNEXERCISED]} | {result['step']} | {result['faithful']} |"
+                f"| {model} | {target} | {result['depth']} | {len(result['regions'])} | {count[census.LOCAL]} | {names_only} | "
+                f"{count[census.GIVEN_FACTS] - names_only} | {count[census.GLOBAL]} | {count[census.UNEXERCISED]} | "
+                f"{seconds:.2f} / {global_seconds:.2f} | {result['step']} | {result['faithful']} |"
             )
-            for row in result["passes"]:
+            for row in rows:
+                entry = (row["index"], row["pass"])
+                only_names = row["class"] == census.GIVEN_FACTS and all("name counter" in f for f in row["facts"])
+                known = worst[target].get(entry, census.UNEXERCISED)
+                worst[target][entry] = min(known, "names" if only_names else row["class"], key=_ORDER.index)
                 if row["class"] == census.GLOBAL:
                     global_time[f"{row['pass']} ({target})"].append(row["seconds"])
-                    facts[f"{row['pass']} ({target})"].update(f.split(":")[0] for f in row["facts"] if "name counter" not in f)
+                    facts[f"{row['pass']} ({target})"].update(_gist(f) for v in row["regions"].values() if v["class"] == census.GLOBAL for f in v["facts"])
     print()
-    print("| global pass (target) | occurrences | seconds on the whole graph, summed | what differed |")
+    print("| global pass (target) | pipeline entries over the models | seconds on the whole graph, summed | what differed in its global regions |")
     print("|---|---|---|---|")
     for name, secs in sorted(global_time.items(), key=lambda kv: -sum(kv[1])):
-        print(f"| {name} | {len(secs)} | {sum(secs):.3f} | {'; '.join(sorted(facts[name]))[:160]} |")
+        print(f"| {name} | {len(secs)} | {sum(secs):.3f} | {'; '.join(sorted(facts[name]))[:200]} |")
+    print()
+    print("| target | pipeline entries | local | local given names only | local given other facts | global | not exercised by any model |")
+    print("|---|---|---|---|---|---|---|")
+    for target, entries in worst.items():
+        count = collections.Counter(entries.values())
+        print(
+            f"| {target} | {len(entries)} | {count[census.LOCAL]} | {count['names']} | {count[census.GIVEN_FACTS]} | "
+            f"{count[census.GLOBAL]} | {count[census.UNEXERCISED]} |"
+        )
     return 0
 
 
