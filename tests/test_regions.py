@@ -74,6 +74,22 @@ def test_quantize_and_dequantize_nodes_join_the_block_they_serve():
     assert all(members[a] == "block2" for a in conv.all_input_nodes)
 
 
+def test_quantized_region_keys_are_stable_and_an_edit_dirties_its_consumers():
+    """On the quantized pipeline input the keys do not depend on what ran earlier in the process
+    (torch's dynamo-disable marks in ``custom``), and a weights edit of ``mlp`` changes ``mlp``
+    and the residual add that reads its output scale, nothing else."""
+
+    def keys(edit: str | None) -> dict[str, dict[str, str]]:
+        module, example_inputs = MODELS["transformer_block"](edit=edit)
+        edge, _spec = census.pipeline_input(torch.export.export(module, example_inputs), resolve("ethos-u55-128"), example_inputs, [example_inputs])
+        return regions.region_parts(edge, 1)
+
+    first, again, edited = keys(None), keys(None), keys("weights")
+    assert again == first
+    changed = {r: sorted(k for k in first[r] if first[r][k] != edited[r][k]) for r in first if first[r] != edited[r]}
+    assert changed == {"mlp": ["boundary", "constants", "nodes"], "(top)": ["boundary", "nodes"]}
+
+
 def test_name_relation():
     assert regions.name_relation(["a_1", "b"], ["a_1", "b"]) == "same"
     assert regions.name_relation(["conv_3", "relu_2"], ["conv_1", "relu"]) == "offset"
