@@ -603,6 +603,9 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 def dispatch(args: List[str]) -> object:
     """Run a command line the way a new ``lowercache`` process does, and return its exit code (``watch`` runs its lowerings so)."""
+    from .errors import new_command
+
+    new_command()
     command = next((a for a in args if not a.startswith("-")), None)
     if command == "lower":  # direct mode: an unchanged lowering answered from its record, without torch (docs/direct-mode.md)
         from .direct import serve

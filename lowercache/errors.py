@@ -12,8 +12,17 @@ class LowercacheError(Exception):
 
 
 class _OneLineWarnings(logging.Handler):
+    """Each distinct warning once per command: a fault met by every store a command opens (a dead remote) is one line."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.shown: set[str] = set()
+
     def emit(self, record: logging.LogRecord) -> None:
-        print(f"lowercache: warning: {record.getMessage()}", file=sys.stderr)
+        message = record.getMessage()
+        if message not in self.shown:
+            self.shown.add(message)
+            print(f"lowercache: warning: {message}", file=sys.stderr)
 
 
 def show_warnings_in_one_line() -> None:
@@ -22,3 +31,10 @@ def show_warnings_in_one_line() -> None:
     if not any(isinstance(h, _OneLineWarnings) for h in log.handlers):
         log.addHandler(_OneLineWarnings(level=logging.WARNING))
     log.propagate = False
+
+
+def new_command() -> None:
+    """A command starts (a new process, a server's child, one of ``watch``'s lowerings): its warnings are shown afresh."""
+    for handler in logging.getLogger("lowercache").handlers:
+        if isinstance(handler, _OneLineWarnings):
+            handler.shown.clear()

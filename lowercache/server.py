@@ -430,7 +430,9 @@ def _child(message: dict[str, Any], parent: int, out_w: int, err_w: int, inherit
     try:
         _become_client(message, threads)
         from . import cli
+        from .errors import new_command
 
+        new_command()  # the server's own warnings were its own
         code: object = cli.run_in_process(list(message.get("argv") or []))
     except SystemExit as e:
         code = e.code

@@ -35,9 +35,11 @@ def test_lowering_runs_frozen_and_unfreezes_after(tmp_path):
 def test_a_callers_freeze_is_left_alone():
     gc.freeze()
     mine = gc.get_freeze_count()
+    # no second freeze (the count would grow) and no unfreeze (it would drop to 0); frozen
+    # objects another thread frees meanwhile leave the permanent generation one by one
     with frozen_heap():
-        assert gc.get_freeze_count() == mine
-    assert gc.get_freeze_count() == mine
+        assert mine - 1000 < gc.get_freeze_count() <= mine
+    assert mine - 1000 < gc.get_freeze_count() <= mine
 
 
 def test_disabled_collector_is_left_alone():

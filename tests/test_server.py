@@ -229,11 +229,12 @@ def test_socket_directory_is_private(shared):
 
 
 def test_bytes_through_the_server_equal_stock_and_in_process(shared, tmp_path):
-    served = shared("lower", TINY, "-t", TARGET, "-o", tmp_path / "served")
+    flow_only = {"LOWERCACHE_DIRECT": "0"}  # the third run is to be a flow hit in a child, not a direct-mode answer
+    served = shared("lower", TINY, "-t", TARGET, "-o", tmp_path / "served", **flow_only)
     assert served.returncode == 0, served.stderr[-2000:]
-    here = shared("lower", TINY, "-t", TARGET, "-o", tmp_path / "here", "--no-server")
+    here = shared("lower", TINY, "-t", TARGET, "-o", tmp_path / "here", "--no-server", **flow_only)
     assert here.returncode == 0, here.stderr[-2000:]
-    hit = shared("lower", TINY, "-t", TARGET, "-o", tmp_path / "hit")
+    hit = shared("lower", TINY, "-t", TARGET, "-o", tmp_path / "hit", **flow_only)
     assert hit.returncode == 0, hit.stderr[-2000:]
     stock = tiny_stock()
     for out in ("served", "here", "hit"):
