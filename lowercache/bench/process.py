@@ -124,7 +124,7 @@ def served(out: Path) -> str:
 
 
 class _Repetition:
-    """One repetition's directories, environments and server; every command of it goes through :meth:`run`."""
+    """One repetition's directories, environments and server, and what its commands measured."""
 
     def __init__(self, model: str, target: str, root: Path, run_dir: Path):
         self.model, self.target, self.root = model, target, root
@@ -188,7 +188,7 @@ def _local_phases(rep: _Repetition, phases: list[str], log: Callable[[str], None
     """Stock and every local mode through the phases; the edit phases start from the caches the warm phase left."""
     local = [m for m in MODES if not m.remote]
     seeds: dict[str, Path] = {}
-    for phase in ["cold", *(p for p in phases if p != "cold")]:
+    for phase in (p for p in PHASES if p == "cold" or p in phases):
         rep.write_model(EDITS[phase])
         if phase.startswith("edit"):
             for mode in local:
