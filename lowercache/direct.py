@@ -125,7 +125,8 @@ class Places:
 # -- what a path holds -------------------------------------------------------------------------------
 
 
-def _stat_key(st: os.stat_result) -> list[int]:
+def stat_key(st: os.stat_result) -> list[int]:
+    """What a file's stat says of its identity and age (``watch`` judges its files by it too)."""
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
 
@@ -152,7 +153,7 @@ def path_state(path: str, listing: bool = False) -> dict[str, Any]:
         state = {"kind": "file", "digest": _file_digest(path)}
     else:
         return {"kind": "other"}
-    state["stat"] = _stat_key(st)
+    state["stat"] = stat_key(st)
     return state
 
 
@@ -178,10 +179,13 @@ def bytecode_matches(source: str, cached: str | None) -> bool:
             body = f.read()
         if int.from_bytes(header[4:8], "little") & 1:
             return True  # a hash-based pyc is checked by content already
+        stamp = (int(src.st_mtime) & 0xFFFFFFFF, src.st_size & 0xFFFFFFFF)
+        if (int.from_bytes(header[8:12], "little"), int.from_bytes(header[12:16], "little")) != stamp:
+            return True  # Python compiled the source afresh (with bytecode writing off, this pyc stays behind)
         with open(source, "rb") as f:
             code = compile(f.read(), source, "exec", dont_inherit=True)
-        return marshal.dumps(code) == body
-    except (OSError, SyntaxError, ValueError):
+        return marshal.loads(body) == code  # code objects compared, not marshal bytes (those vary with refcounts)
+    except (OSError, SyntaxError, ValueError, EOFError, TypeError):
         return False
 
 
@@ -204,7 +208,7 @@ def same_state(path: str, recorded: dict[str, Any], recorded_ns: int, listing: b
     if kind == "dir" and not listing:
         return True
     old = recorded.get("stat")
-    if old == _stat_key(st) and max(st.st_mtime_ns, st.st_ctime_ns) < recorded_ns - RACY_NS:
+    if old == stat_key(st) and max(st.st_mtime_ns, st.st_ctime_ns) < recorded_ns - RACY_NS:
         return True
     try:
         now = _listing_digest(path) if kind == "dir" else _file_digest(path)

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from . import direct, estimates
-from .cache.digests import digest
 from .config import Settings
 from .errors import LowercacheError
 from .lowering.targets import resolve
@@ -75,13 +74,14 @@ def plan(model: str, targets: list[str], out_dir: Path, **options: Any) -> Plan:
 
 
 def _state(path: str) -> tuple[Optional[tuple[int, ...]], Optional[str]]:
-    """(stat key, content digest); (None, None) for a missing file."""
+    """(stat key, content digest), as direct mode records them; (None, None) for a missing or unreadable file."""
     try:
-        st = os.stat(path)
-        with open(path, "rb") as f:
-            return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino), digest(f.read())
+        state = direct.path_state(path)
     except OSError:
         return None, None
+    if state["kind"] != "file":
+        return None, None
+    return tuple(state["stat"]), state["digest"]
 
 
 class Files:
@@ -102,8 +102,7 @@ class Files:
         found = []
         for path, (key, content) in self.states.items():
             try:
-                st = os.stat(path)
-                now_key: Optional[tuple[int, ...]] = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
+                now_key: Optional[tuple[int, ...]] = tuple(direct.stat_key(os.stat(path)))
             except OSError:
                 now_key = None
             if now_key == key:

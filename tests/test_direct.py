@@ -262,6 +262,13 @@ def test_bytecode_older_than_its_source_is_seen(tmp_path, monkeypatch):
     module = importlib.import_module("bytecode_probe")
     assert module.X == 1  # the stale bytecode ran
     assert not direct.bytecode_matches(module.__file__, module.__cached__)
+    # a later save with bytecode writing off: Python compiles the source afresh and the old pyc stays on disk
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    source.write_text("X = 33\n")
+    os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns + 5_000_000_000))
+    del sys.modules["bytecode_probe"]
+    module = importlib.import_module("bytecode_probe")
+    assert module.X == 33 and direct.bytecode_matches(module.__file__, module.__cached__)
     del sys.modules["bytecode_probe"]
 
 

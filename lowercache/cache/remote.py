@@ -741,12 +741,12 @@ def connect(
 # -- the tiered store ----------------------------------------------------------------
 
 SHARED_RECORDS = "memo/"
+"""Prefix of the records a :class:`TieredStore` shares through its remote."""
 
 SUPERSEDED_KINDS = frozenset({"direct"})
 """Kinds whose value under one key is replaced over time: direct mode's records (unconfirmed, then
 confirmed, then recorded afresh after an edit). Every other kind's key names its content, so a value
 already in the remote is the same and is left alone."""
-"""Prefix of the records a :class:`TieredStore` shares through its remote."""
 
 
 class TieredStore:
