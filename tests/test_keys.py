@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -126,3 +127,34 @@ def test_keys_cover_lowercaches_own_producing_code():
     assert changed != before
     assert toolchain.lowercache_digest() == before
     assert "cli.py" not in {p.name for room in toolchain._PRODUCING_ROOMS for p in (package / room).rglob("*.py")}
+
+
+_FIRST_AND_LATER_EXPORT = """
+import json
+from lowercache.bench import models
+from lowercache.lowering import census
+from lowercache.lowering.arm import tosa_parts
+from lowercache.lowering.flow import export
+from lowercache.lowering.targets import resolve
+
+target = resolve("ethos-u55-128", True)
+seen = []
+for _ in range(2):
+    module, example = models.transformer_block()
+    edge, spec = census.pipeline_input(export(module, example), target, example, models.calibration_samples(example))
+    marks = sum(any(str(k).startswith("_torchdynamo_disable") for k in n.meta.get("custom", {})) for n in edge.graph_module.graph.nodes)
+    seen.append({"marks": marks, "parts": tosa_parts(edge, spec)})
+print(json.dumps(seen))
+"""
+
+
+def test_a_processs_first_export_keys_its_partition_as_later_ones_do():
+    """The first quantized export in a process leaves dynamo-disable marks later ones do not.
+
+    A server's children export after the server's warm-up, a fresh process
+    exports first: keyed, the marks made each miss the other's TOSA steps.
+    """
+    done = subprocess.run([sys.executable, "-c", _FIRST_AND_LATER_EXPORT], capture_output=True, text=True, timeout=600, check=True)
+    first, later = json.loads(done.stdout.strip().splitlines()[-1])
+    assert first["marks"] != later["marks"], "torch no longer marks the first export; this test has nothing left to show"
+    assert first["parts"] == later["parts"]

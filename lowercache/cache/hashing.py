@@ -203,9 +203,23 @@ def op_name(target: Any) -> str:
     return _qualname(target)
 
 
+def without_process_marks(custom: Any) -> Any:
+    """``custom`` metadata without the marks torch's dynamo-disable wrapper leaves.
+
+    Measured: the first quantized export in a process carries
+    ``_torchdynamo_disable*`` entries on some decomposed nodes that later
+    ones do not; they record the process's history, not the model, and no
+    Arm pass or serializer reads them (it reads named keys only). Keyed, they
+    made a server's children and a fresh process miss each other's steps.
+    """
+    if not isinstance(custom, dict):
+        return custom
+    return {k: v for k, v in custom.items() if not str(k).startswith("_torchdynamo_disable")}
+
+
 def node_form(node: torch.fx.Node, ignored: frozenset[str] = IGNORED_META) -> list:
     """The canonical form of one node: identity, arguments and the metadata that matters."""
-    meta = {k: canon(v) for k, v in node.meta.items() if k not in ignored}
+    meta = {k: canon(without_process_marks(v) if k == "custom" else v) for k, v in node.meta.items() if k not in ignored}
     return [
         node.op,
         node.name,

@@ -34,7 +34,7 @@ from typing import Any, Iterable
 import torch
 
 from ..cache.digests import digest_json
-from ..cache.hashing import IGNORED_META, Unhashable, canon, op_name, tensor_digest
+from ..cache.hashing import IGNORED_META, Unhashable, canon, op_name, tensor_digest, without_process_marks
 from ..cache.toolchain import toolchain_parts
 
 TOP = "(top)"
@@ -198,20 +198,8 @@ def _safe_canon(value: Any) -> Any:
         return ["repr", type(value).__qualname__, None if " at 0x" in text else text]
 
 
-def _custom(value: Any) -> Any:
-    """``custom`` metadata without the marks torch's dynamo-disable wrapper leaves.
-
-    Measured: the first quantized export in a process carries
-    ``_torchdynamo_disable*`` entries on some decomposed nodes that later
-    ones do not; they record process history, not the model.
-    """
-    if not isinstance(value, dict):
-        return value
-    return {k: v for k, v in value.items() if not str(k).startswith("_torchdynamo_disable")}
-
-
 def _meta_form(node: torch.fx.Node) -> dict[str, Any]:
-    return {k: _safe_canon(_custom(v) if k == "custom" else v) for k, v in sorted(node.meta.items()) if k not in _BOOKKEEPING_META}
+    return {k: _safe_canon(without_process_marks(v) if k == "custom" else v) for k, v in sorted(node.meta.items()) if k not in _BOOKKEEPING_META}
 
 
 def tensor_facts(node: torch.fx.Node) -> list[Any]:
