@@ -147,3 +147,25 @@ def test_census_is_a_cached_step(tiny_census):
     first, second, outcomes = tiny_census
     assert outcomes == [["miss"], ["hit"]]
     assert second == first
+
+
+def test_the_upstream_naming_patch_makes_a_splices_names_not_matter():
+    """docs/upstream's pass: stock's graph at the layout split, renamed as a splice would leave it, ends the same.
+
+    Without the pass the ends differ (names minted from whole-graph counters);
+    this is what holds exact region replay back (docs/regions.md).
+    """
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "canonical_names.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--models", "tiny_cnn", "--targets", "tosa-fp"], capture_output=True, text=True, timeout=900, check=True
+    )
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["minted constants renamed"] > 0
+    assert row["same as stock ends"] is False
+    assert row["same with the pass"] is True, row["differs with the pass"]
+    assert row["pte bytes with the pass"] > 0
