@@ -189,17 +189,15 @@ def test_a_failing_model_stops_the_build_or_with_keep_going_is_reported_at_the_e
 
 
 def test_ctrl_c_stops_the_workers_and_leaves_no_partial_output(tmp_path):
-    slow = "import time\n\n\ndef model():\n    time.sleep(120)\n"
+    slow = "import os, time\n\n\ndef model():\n    open(f'started-{os.getpid()}', 'w').close()\n    time.sleep(120)\n"
     root = project(tmp_path / "p", {"slow.py": slow}, 'targets = ["tosa-fp", "tosa-int"]\n[models.slow]\nmodel = "slow.py:model"\n')
     proc = subprocess.Popen([sys.executable, "-m", "lowercache.cli", "build", "-j", "2"], cwd=root, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "LOWERCACHE_DIR": str(tmp_path / "cache")},
                             start_new_session=True)
-    seen = ""
-    while seen.count("running") < 2:
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()
-        seen += line
-    time.sleep(1.0)
+    deadline = time.monotonic() + 120
+    while len(list(root.glob("started-*"))) < 2:  # both workers are inside the factory
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
     started = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
     stdout, _ = proc.communicate(timeout=60)
