@@ -255,3 +255,11 @@ def test_ray_build_on_a_local_cluster_shares_results_through_redis(tmp_path, red
         manifest = json.loads((root / "build" / model / "tosa-fp" / "manifest.json").read_text())
         flow = next(s for s in manifest["steps"] if s["kind"] == "flow")
         assert flow["outcome"] == "hit" and flow["tier"] == "remote"
+
+
+def test_the_example_zoo_build_file_is_valid():
+    from lowercache.build import buildfile
+
+    build = buildfile.load(Path(__file__).resolve().parents[1] / "examples" / "lowercache.toml")
+    assert build.names == ["tiny_cnn", "mobilenet_v2"] and len(build.pairs) == 6
+    assert {p.memory for p in build.pairs if p.name == "mobilenet_v2"} == {3 * 2**30}
