@@ -26,22 +26,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from lowercache.bench.process import lowercache_command, model_source
+from lowercache.bench.process import lowercache_command, model_source, timed
 
 HERE = Path(__file__).resolve().parent
 PACKAGE = HERE.parent / "lowercache"
-
-
-def timed(cmd: list[str], env: dict[str, str], cwd: Path) -> float:
-    start = time.perf_counter()
-    done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=7200)
-    seconds = time.perf_counter() - start
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-2000:]}")
-    return seconds
 
 
 def main() -> None:
