@@ -344,7 +344,7 @@ def build(
             raise LowercacheError(f"unknown executor {executor!r}; use local or ray")
         loaded = buildfile.load(buildfile.find(build_file, Path.cwd()))
         pairs = buildfile.select(loaded, names or [])
-        options = schedule.Options(jobs, keep_going, executor, ray_address, str(cache_dir) if cache_dir else None, remote, no_direct,
+        options = schedule.Options(jobs, keep_going, executor, ray_address, str(cache_dir.resolve()) if cache_dir else None, remote, no_direct,
                                    compare.resolve() if compare else None)
         result = schedule.run(loaded, pairs, options, console=out, emit=lambda line: print(line, flush=True))
     except LowercacheError as e:
