@@ -43,13 +43,35 @@ def error_line(code: int, stderr: str) -> str:
 
 
 def run_blocking(args: list[str], cwd: str, syspath: list[str]) -> dict[str, Any]:
-    """Run one worker to the end (a Ray task does this); a small JSON-able result."""
+    """Run one worker to the end (a Ray task does this); a small JSON-able result.
+
+    Interrupted (a cancelled Ray task gets KeyboardInterrupt), it stops the worker as Ctrl-C would.
+    """
     started = time.perf_counter()
-    proc = subprocess.run(worker_command(args, syspath), cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace")
+    proc = subprocess.Popen(worker_command(args, syspath), cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace")
+    try:
+        _, stderr = proc.communicate()
+    except BaseException:
+        _stop([proc])
+        raise
     result = {"code": proc.returncode, "seconds": time.perf_counter() - started, "host": socket.gethostname()}
     if proc.returncode != 0:
-        result["error"] = error_line(proc.returncode, proc.stderr)
+        result["error"] = error_line(proc.returncode, stderr)
     return result
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGINT, then SIGKILL for those still running after a grace period."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @dataclass
@@ -103,17 +125,9 @@ class LocalExecutor:
         return result
 
     def cancel(self) -> list[Pair]:
-        """Stop every running worker as Ctrl-C would (SIGINT, then SIGKILL after a grace period); the pairs stopped."""
+        """Stop every running worker as Ctrl-C would; the pairs stopped."""
+        _stop([r.proc for r in self.running])
         for r in self.running:
-            with contextlib.suppress(ProcessLookupError):
-                r.proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for r in self.running:
-            try:
-                r.proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                r.proc.kill()
-                r.proc.wait()
             r.stderr.close()
         stopped = [r.pair for r in self.running]
         self.running = []

@@ -78,8 +78,11 @@ class RayExecutor:
         return results
 
     def cancel(self) -> list[Pair]:
-        for ref in self.running:
-            self.ray.cancel(ref, force=True)
+        refs = list(self.running)
+        for ref in refs:
+            self.ray.cancel(ref)  # KeyboardInterrupt in the task, which stops its worker process (local.run_blocking)
+        if refs:  # let the tasks stop their workers before a shutdown kills the Ray worker processes
+            self.ray.wait(refs, num_returns=len(refs), timeout=local.STOP_GRACE_S + 5)
         stopped = [pair for pair, _ in self.running.values()]
         self.running = {}
         return stopped
