@@ -140,6 +140,9 @@ def test_parallel_build_gives_stock_bytes_and_only_changed_pairs_run_again(tmp_p
     warm = cli("build", cwd=root, env=env)
     assert warm.returncode == 0, warm.stderr
     assert {(r["outcome"], r["how"]) for r in outcomes(root).values()} == {("hit", "direct")}
+    for model, target in stock:  # answered in the build's own process, which never imported torch
+        manifest = json.loads((root / "build" / model / target / "manifest.json").read_text())
+        assert manifest["direct"] == {"outcome": "hit", "torch_imported": False}
     assert built("a", "ethos-u55-128") == stock[("a", "ethos-u55-128")]
     previous = tmp_path / "previous.json"
     previous.write_bytes((root / "build" / "build-report.json").read_bytes())
