@@ -323,6 +323,35 @@ def watch(
     raise typer.Exit(watching.run(plan, dispatch, settings, emit))
 
 
+@app.command()
+def build(
+    names: Optional[List[str]] = typer.Argument(None, help="Models to build, by their names in the build file (default: all)."),
+    build_file: Optional[Path] = typer.Option(None, "--file", "-f", help=r"Build file (default: lowercache.toml, else \[tool.lowercache] in pyproject.toml, in the working directory)."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Pairs lowered at once (default: the core count, bounded by memory; with ray: every pair)."),
+    keep_going: bool = typer.Option(False, "--keep-going", "-k", help="Build the other pairs after a failure; report failures at the end (exit 1)."),
+    executor: str = typer.Option("local", "--executor", help=r"local (worker processes on this machine) or ray (pip install 'lowercache\[ray]')."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help=r"The Ray cluster (default: a Ray on this machine) \[env: RAY_ADDRESS]."),
+    compare: Optional[Path] = typer.Option(None, "--compare", help="A previous build-report.json: say what changed since."),
+    cache_dir: Optional[Path] = CacheDir,
+    remote: Optional[str] = RemoteUrl,
+    no_direct: bool = NoDirect,
+) -> None:
+    """Lower every (model, target) pair of the build file through the cache, in parallel; write build-report.json and .md."""
+    from .build import buildfile, schedule
+
+    try:
+        if executor not in ("local", "ray"):
+            raise LowercacheError(f"unknown executor {executor!r}; use local or ray")
+        loaded = buildfile.load(buildfile.find(build_file, Path.cwd()))
+        pairs = buildfile.select(loaded, names or [])
+        options = schedule.Options(jobs, keep_going, executor, ray_address, str(cache_dir.resolve()) if cache_dir else None, remote, no_direct,
+                                   compare.resolve() if compare else None)
+        result = schedule.run(loaded, pairs, options, console=out, emit=lambda line: print(line, flush=True))
+    except LowercacheError as e:
+        _fail(str(e), 2)
+    raise typer.Exit(result.code)
+
+
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     add_help_option=False,

@@ -102,7 +102,7 @@ def lowercache_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "lowercache.cli"]
 
 
-def _timed(cmd: list[str], env: dict[str, str], cwd: Path) -> float:
+def timed(cmd: list[str], env: dict[str, str], cwd: Path) -> float:
     """Wall seconds of one command, fork to exit; a failure stops the benchmark with the command's last words."""
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=7200)
@@ -160,7 +160,7 @@ class _Repetition:
     def stock(self, phase: str) -> None:
         out = self.root / f"stock-{phase}.pte"
         cmd = [sys.executable, "export.py", "model.py:model", self.target, str(out)]
-        self.seconds[(phase, STOCK)] = _timed(cmd, self.stock_env, self.project)
+        self.seconds[(phase, STOCK)] = timed(cmd, self.stock_env, self.project)
         self.stock_pte[phase] = out.read_bytes()
 
     def lower(self, phase: str, mode: Mode, cache: Path, extra_env: dict[str, str] | None = None) -> float:
@@ -169,7 +169,7 @@ class _Repetition:
         shutil.rmtree(out, ignore_errors=True)
         cmd = [*self.lc, "lower", "model.py:model", "-t", self.target, "-o", str(out), *mode.args]
         env = {**self.env, **mode.env, **(extra_env or {}), "LOWERCACHE_DIR": str(cache)}
-        seconds = _timed(cmd, env, self.project)
+        seconds = timed(cmd, env, self.project)
         stock_phase = phase if phase.startswith("edit") else "cold"  # warm and the Redis runs lower the base model
         self.seconds[(phase, mode.name)] = seconds
         self.equal[(phase, mode.name)] = (out / "model.pte").read_bytes() == self.stock_pte[stock_phase]
@@ -178,7 +178,7 @@ class _Repetition:
         return seconds
 
     def server(self, action: str) -> float:
-        return _timed([*self.lc, "server", action], {**self.env, "LOWERCACHE_SERVER": "1"}, self.project)
+        return timed([*self.lc, "server", action], {**self.env, "LOWERCACHE_SERVER": "1"}, self.project)
 
     def cache(self, mode: Mode) -> Path:
         return self.root / "cache" / mode.name.replace(" ", "_")

@@ -1,0 +1,159 @@
+"""The build report: ``build-report.json`` and ``build-report.md`` in the output root, and what changed since a previous one.
+
+Per (model, target): outcome, seconds, the ``.pte``'s size and digest (from
+the pair's ``manifest.json``) and, for Ethos-U, Vela's estimate read back
+from the files the lowering wrote (:mod:`lowercache.estimates`). The JSON
+is the input of ``--compare``: read as JSON, never executed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from .. import estimates
+from ..errors import LowercacheError
+
+REPORT_VERSION = 1
+JSON_NAME = "build-report.json"
+MD_NAME = "build-report.md"
+# Estimate fields compared between builds: (key, label, unit, a rise is worse)
+_COMPARED = (
+    ("cycles", "cycles/inference", "", True),
+    ("sram_kib", "SRAM", " KiB", True),
+    ("flash_kib", "flash", " KiB", True),
+    ("cpu_operators", "CPU-fallback operators", "", True),
+)
+
+
+def estimate(out_dir: Path, target: str) -> Optional[dict[str, Any]]:
+    """Vela's totals for an Ethos-U lowering in ``out_dir``; None for TOSA targets (no Vela)."""
+    found = estimates.read(out_dir, target, per_layer=False)
+    if found is None:
+        return None
+    flash = found.memory("on_chip_flash_memory_used") + found.memory("off_chip_flash_memory_used")
+    return {
+        "cycles": found.cycles,
+        "inference_us": round(found.seconds * 1e6, 3),
+        "sram_kib": found.memory("sram_memory_used"),
+        "dram_kib": found.memory("dram_memory_used"),
+        "flash_kib": round(flash, 3),
+        "vela_cpu_operators": found.vela_cpu_operators,
+        "outside_delegate": found.outside,
+        "cpu_operators": found.vela_cpu_operators + len(found.outside),
+    }
+
+
+def entry(name: str, target: str, out: str, outcome: str, how: str, seconds: float, error: Optional[str], root: Path) -> dict[str, Any]:
+    """One pair's row: what happened, and what its output directory holds when it succeeded."""
+    row: dict[str, Any] = {"model": name, "target": target, "out": out, "outcome": outcome, "how": how, "seconds": round(seconds, 3)}
+    if error:
+        row["error"] = error
+    if outcome in ("hit", "miss"):
+        out_dir = root / out
+        try:
+            manifest = json.loads((out_dir / "manifest.json").read_text())
+            files = manifest.get("files", {})
+            row["pte"] = files.get("model.pte")
+            row["bytes"] = sum(int(f.get("size", 0)) for f in files.values())
+        except (OSError, ValueError, AttributeError):
+            row["pte"] = None
+        row["estimate"] = estimate(out_dir, target)
+    return row
+
+
+def write(out_root: Path, rows: list[dict[str, Any]], meta: dict[str, Any], changes: Optional[list[str]]) -> tuple[Path, Path]:
+    """Write both files into ``out_root``, each replaced whole."""
+    out_root.mkdir(parents=True, exist_ok=True)
+    report = {"version": REPORT_VERSION, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **meta, "pairs": rows}
+    if changes is not None:
+        report["changes"] = changes
+    paths = out_root / JSON_NAME, out_root / MD_NAME
+    for path, text in zip(paths, (json.dumps(report, indent=2, sort_keys=True) + "\n", markdown(report))):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return paths
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A previous report, for ``--compare``; a one-line error when it is not one."""
+    try:
+        report = json.loads(path.read_text())
+    except OSError as e:
+        raise LowercacheError(f"cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise LowercacheError(f"{path}: not a build report (not JSON: {e})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("pairs"), list) or not all(isinstance(r, dict) for r in report["pairs"]):
+        raise LowercacheError(f"{path}: not a build report (no list of pairs)")
+    return report
+
+
+def _num(value: float) -> str:
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.2f}"
+
+
+def compare(before: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """What changed per pair since ``before``: estimates (``KWS: 8.0% slower on ethos-u55-128``), the .pte, outcomes, pairs added or gone."""
+    old = {(r.get("model"), r.get("target")): r for r in before.get("pairs", [])}
+    lines = []
+    for row in rows:
+        key = (row["model"], row["target"])
+        label = f"{row['model']} on {row['target']}"
+        prev = old.pop(key, None)
+        if prev is None:
+            lines.append(f"{label}: new")
+            continue
+        if row["outcome"] == "failed" and prev.get("outcome") != "failed":
+            lines.append(f"{label}: now fails ({row.get('error', '')})")
+            continue
+        new_est, old_est = row.get("estimate") or {}, prev.get("estimate") or {}
+        cycles_before, cycles_after = old_est.get("cycles"), new_est.get("cycles")
+        if isinstance(cycles_before, (int, float)) and isinstance(cycles_after, (int, float)) and cycles_before and cycles_after != cycles_before:
+            change = (cycles_after - cycles_before) / cycles_before
+            lines.append(f"{row['model']}: {abs(change):.1%} {'slower' if change > 0 else 'faster'} on {row['target']} "
+                         f"(cycles/inference {_num(cycles_before)} -> {_num(cycles_after)})")
+        for key_name, what, unit, _ in _COMPARED[1:]:
+            a, b = old_est.get(key_name), new_est.get(key_name)
+            if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a != b:
+                lines.append(f"{label}: {what} {_num(a)} -> {_num(b)}{unit}")
+        old_pte, new_pte = prev.get("pte") or {}, row.get("pte") or {}
+        if old_pte.get("size") and new_pte.get("size") and old_pte.get("size") != new_pte.get("size"):
+            lines.append(f"{label}: model.pte {old_pte['size']:,} -> {new_pte['size']:,} bytes")
+        elif old_pte.get("xxh3_128") and new_pte.get("xxh3_128") and old_pte["xxh3_128"] != new_pte["xxh3_128"]:
+            lines.append(f"{label}: model.pte changed (same size)")
+    lines.extend(f"{model} on {target}: gone" for model, target in old)
+    return lines
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report for people (and ``$GITHUB_STEP_SUMMARY``): a table of pairs, failures, changes."""
+    rows = report["pairs"]
+    counts = {o: sum(r["outcome"] == o for r in rows) for o in ("hit", "miss", "failed", "skipped")}
+    lines = [
+        "## lowercache build",
+        "",
+        f"{len(rows)} pairs: {counts['hit']} from the cache, {counts['miss']} lowered, {counts['failed']} failed, "
+        f"{counts['skipped']} not run; {report.get('seconds', 0):.1f} s with {report.get('executor')} -j {report.get('jobs')}",
+        "",
+        "| model | target | outcome | seconds | model.pte bytes | cycles/inference | SRAM KiB | flash KiB | CPU-fallback ops |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        est = r.get("estimate") or {}
+        cpu = "" if not est else f"{est['vela_cpu_operators']} (Vela); outside delegate: {', '.join(est['outside_delegate']) or 'none'}"
+        pte = (r.get("pte") or {}).get("size")
+        lines.append(
+            f"| {r['model']} | {r['target']} | {r['outcome']} | {r['seconds']:.2f} | {'' if pte is None else f'{pte:,}'} | "
+            f"{_num(est['cycles']) if est else ''} | {_num(est['sram_kib']) if est else ''} | {_num(est['flash_kib']) if est else ''} | {cpu} |"
+        )
+    failed = [r for r in rows if r["outcome"] == "failed"]
+    if failed:
+        lines += ["", "### Failed", ""] + [f"- {r['model']} on {r['target']}: {r.get('error', '')}" for r in failed]
+    if "changes" in report:
+        lines += ["", f"### Changes since {report.get('compared_with', 'the previous build')}", ""]
+        lines += [f"- {c}" for c in report["changes"]] or ["- none"]
+    return "\n".join(lines) + "\n"
