@@ -444,9 +444,14 @@ def run(
     except LowercacheError as e:
         _fail(str(e), 2)
     if explain:
-        with _local_store(cache_dir) as store:
+        from .cache.tiers import open_store
+
+        store = open_store(_settings(cache_dir, disable=False, remote="", read_only=True))
+        try:
             for line in explain_command(store, command):
-                out.print(line, markup=False, highlight=False)
+                print(line)
+        finally:
+            store.close()
         return
     try:
         code = run_command(command, settings, env)

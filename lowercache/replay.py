@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -97,19 +98,30 @@ class CommandRecorder(Recorder):
         self.allowed = tuple(os.path.join(d, "") for d in allowed)
         self.outputs: set[str] = set()
         self.opened: set[str] = set()
+        self.temporary: set[str] = set()
         self.paused = False
 
     def event(self, event: str, args: tuple[Any, ...]) -> None:
         if event == "sqlite3.connect" and isinstance(args[0], (str, bytes, os.PathLike)):
             if (os.path.abspath(os.fsdecode(args[0])) + os.sep).startswith(self.cache):
                 return  # the store's index
-        if event in ("os.listdir", "os.scandir"):
-            caller = sys._getframe(2)  # frames: this, _audit, the caller of os.listdir
-            if caller.f_code.co_name != "_rmtree_safe_fd":  # shutil.rmtree's own walk: its event is a write
-                self.listed(args, caller)
-            return
-        if event == "builtins.input":
+        elif event == "builtins.input":
             self.refuse("read standard input")
+            return
+        if not event.startswith(("os.", "open")):
+            super().event(event, args)  # and no frame asked for: sys._getframe raises an audit event itself
+            return
+        try:
+            caller = sys._getframe(2)  # frames: this, _audit, the function that raised the event
+        except ValueError:  # raised with no Python caller (at start-up)
+            caller = None
+        if caller is not None and caller.f_code.co_name == "_rmtree_safe_fd" and caller.f_code.co_filename == shutil.__file__:
+            return  # shutil.rmtree's walk, by names relative to directory descriptors: its own event names the tree
+        if event in ("os.listdir", "os.scandir"):
+            if caller is not None:
+                self.listed(args, caller)
+            else:
+                self.refuse("listed a directory outside any Python frame")
             return
         if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
             flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
@@ -120,11 +132,13 @@ class CommandRecorder(Recorder):
 
     def wrote(self, path: str) -> None:
         self.written.add(path)
-        if "__pycache__" in path or path == os.devnull or path.startswith(self.cache):
+        if "__pycache__" in path or path == os.devnull or (path + os.sep).startswith(self.cache):
             return
         if (path + os.sep).startswith(self.allowed):
             self.outputs.add(path)
-        elif not path.startswith(self.scratch):
+        elif path.startswith(self.scratch):
+            self.temporary.add(path)  # scratch, if it is gone by the exit
+        else:
             self.refuse(f"wrote {path}, outside the working directory and --out")
 
     def observation(self) -> dict[str, Any]:
@@ -133,6 +147,9 @@ class CommandRecorder(Recorder):
         for path in sorted(self.outputs & (self.opened | self.paths)):
             if os.path.isfile(path):
                 self.refuse(f"read {path}, which it also wrote")
+        for path in sorted(self.temporary):
+            if os.path.lexists(path) and not os.path.isdir(path):  # a directory left (torch's caches) holds nothing replayed
+                self.refuse(f"wrote {path}, outside the working directory and --out, and left it there")
         inputs = self.inputs()
         return {
             "python": python_identity(),
@@ -176,11 +193,15 @@ def record_in_process() -> None:
         sys.stdin = _WatchedStdin(sys.stdin, recorder)
 
     def dump() -> None:
-        observation = recorder.observation()
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(where))
-        with os.fdopen(fd, "w") as f:
-            json.dump(observation, f)
-        os.replace(tmp, where)
+        """Hand the observation over; on any fault none is (the run is then not recorded, and says nothing)."""
+        try:
+            observation = recorder.observation()
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(where))
+            with os.fdopen(fd, "w") as f:
+                json.dump(observation, f)
+            os.replace(tmp, where)
+        except Exception:  # noqa: BLE001 - a lowercache fault never changes the command's output
+            pass
 
     atexit.register(dump)  # registered first, so it runs after every other exit handler
 
@@ -260,8 +281,6 @@ def _runs_our_python(argv: list[str], env: dict[str, str]) -> bool:
     re-run would start; a shim (pyenv's ``python`` is a shell script) or
     another venv's ``python`` is run every time.
     """
-    import shutil
-
     found = shutil.which(argv[0], path=env.get("PATH")) if argv else None
     if found is None:
         return False
