@@ -428,7 +428,7 @@ def run(
     ctx: typer.Context,
     cache_dir: Optional[Path] = CacheDir,
     remote: Optional[str] = RemoteUrl,
-    outs: List[Path] = typer.Option([], "--out", help="A directory outside the working directory the command may write (replayed like the rest)."),
+    outs: List[Path] = typer.Option([], "--out", metavar="DIR", help="A directory outside the working directory the command may write (replayed like the rest)."),
     explain: bool = typer.Option(False, "--explain", help="Say what the latest run of this command did with its record, and why; run nothing."),
 ) -> None:
     """Run a command (e.g. `lowercache run -- python export.py`): replayed from its record when nothing it read changed, else run with its Arm lowering cached (docs/run.md)."""

@@ -157,3 +157,17 @@ def test_a_damaged_stored_output_is_not_replayed(tmp_path, cache_dir):
     assert _run(project, cache_dir, "X").returncode == 0
     assert "a stored output is missing or damaged" in _explain(project, cache_dir, "X")
     assert (project / "out" / "result.txt").read_text() == "ABCX-"
+
+
+def test_files_written_into_an_out_directory_are_replayed(tmp_path, cache_dir):
+    elsewhere = tmp_path / "artifacts"
+    project = _project(tmp_path, f"open({str(elsewhere / 'model.bin')!r}, 'wb').write(b'\\x00\\x01' * 3)\n")
+    elsewhere.mkdir()
+    env = {**os.environ, "LOWERCACHE_DIR": str(cache_dir)}
+    command = [sys.executable, "-m", "lowercache.cli", "run", "--out", str(elsewhere), "--", sys.executable, "script.py"]
+    for _ in range(3):
+        assert subprocess.run(command, cwd=project, env=env, capture_output=True, timeout=120).returncode == 0
+        (elsewhere / "model.bin").unlink()
+    assert subprocess.run(command, cwd=project, env=env, capture_output=True, timeout=120).returncode == 0
+    assert (elsewhere / "model.bin").read_bytes() == b"\x00\x01" * 3
+    assert Store(cache_dir).counters().get("count/run/hit") == 2
