@@ -316,8 +316,13 @@ def _tee(source: Any, sink: Any, kept: list[bytes], full: list[bool]) -> None:
     """Copy a child's stream to ours as it comes, keeping a copy (up to :data:`MAX_STREAM`)."""
     size = 0
     while chunk := os.read(source.fileno(), 65536):
-        sink.write(chunk)
-        sink.flush()
+        try:
+            sink.write(chunk)
+            sink.flush()
+        except OSError:  # our reader went away (``| head``): the command sees its pipe close, as it would
+            full[0] = True
+            source.close()
+            return
         if size + len(chunk) <= MAX_STREAM:
             kept.append(chunk)
         else:
@@ -344,7 +349,7 @@ def _run_child(argv: list[str], env: dict[str, str]) -> tuple[int, bytes, bytes]
     for t in threads:
         t.join()
     if full[0]:
-        return code, b"", b"\0too long"
+        return code, b"", b"\0too long"  # or not all passed through: not recorded
     return code, b"".join(out), b"".join(err)
 
 
@@ -392,10 +397,10 @@ def _answer(store: Any, command: Command, entry: Entry, env: dict[str, str]) -> 
         print(f"lowercache: warning: replay failed ({e}); running the command", file=sys.stderr)
         _set_status(store, command, "lookup", "not used", f"writing its files failed ({e})")
         return _run_child(command.argv, env)[0]
-    sys.stdout.buffer.write(entry.blobs["stdout"])
-    sys.stdout.flush()
-    sys.stderr.buffer.write(entry.blobs["stderr"])
-    sys.stderr.flush()
+    for stream, name in ((sys.stdout, "stdout"), (sys.stderr, "stderr")):
+        with contextlib.suppress(BrokenPipeError):
+            stream.buffer.write(entry.blobs[name])
+            stream.flush()
     seconds = time.perf_counter() - started
     store.add_counts({KIND: {"hit": 1}}, max(entry.meta["cost"] - seconds, 0.0))
     _set_status(store, command, "lookup", "hit", f"replayed {sum(o['kind'] == 'file' for o in entry.meta['outputs'])} files and the output without running the command")
@@ -430,7 +435,7 @@ def _unrecordable(code: int, out: bytes, err: bytes, observation: Any, command: 
     if code != 0:
         return f"the command exited with {code}"
     if err == b"\0too long":
-        return f"the command printed more than {MAX_STREAM} bytes"
+        return f"the command printed more than {MAX_STREAM} bytes on a stream, or its reader went away"
     if not isinstance(observation, dict):
         return "the command was not seen (not a Python process, or it left through os._exit or exec)"
     if observation.get("python") != python_identity() or not _runs_our_python(command.argv, env):
