@@ -302,7 +302,7 @@ def _replay(entry: Entry, command: Command) -> None:
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(entry.blobs[out["blob"]])
-                os.chmod(tmp, out["mode"])
+                os.chmod(tmp, out["mode"] & 0o777)  # permission bits only, never set-id
                 os.replace(tmp, path)
             except BaseException:
                 with contextlib.suppress(OSError):
