@@ -457,18 +457,33 @@ def run(
     ctx: typer.Context,
     cache_dir: Optional[Path] = CacheDir,
     remote: Optional[str] = RemoteUrl,
+    outs: List[Path] = typer.Option([], "--out", metavar="DIR", help="A directory outside the working directory the command may write (replayed like the rest)."),
+    explain: bool = typer.Option(False, "--explain", help="Say what the latest run of this command did with its record, and why; run nothing."),
 ) -> None:
-    """Run a command (e.g. `lowercache run -- python export.py`) with its Arm lowering cached."""
+    """Run a command (e.g. `lowercache run -- python export.py`): replayed from its record when nothing it read changed, else run with its Arm lowering cached (docs/run.md)."""
+    from .replay import Command, explain as explain_command, run as run_command
     from .runhook import command_env
 
     if not ctx.args:
         _fail("nothing to run; usage: lowercache run -- python script.py", 2)
+    command = Command(argv=list(ctx.args), outs=[str(o) for o in outs])
     try:
-        env = command_env(_settings(cache_dir, remote=remote))
+        settings = _settings(cache_dir, remote=remote)
+        env = command_env(settings)
     except LowercacheError as e:
         _fail(str(e), 2)
+    if explain:
+        from .cache.tiers import open_store
+
+        store = open_store(_settings(cache_dir, disable=False, remote="", read_only=True))
+        try:
+            for line in explain_command(store, command):
+                print(line)
+        finally:
+            store.close()
+        return
     try:
-        code = subprocess.call(ctx.args, env=env)
+        code = run_command(command, settings, env)
     except OSError as e:
         _fail(f"cannot run {ctx.args[0]}: {e.strerror or e}", 2)
     raise typer.Exit(code)

@@ -413,14 +413,7 @@ class Recorder:
             elif self._user(path):
                 self.paths.add(path)
         elif event in ("os.listdir", "os.scandir"):
-            caller = sys._getframe(2)  # frames: event, _audit, the caller of os.listdir
-            if caller.f_code.co_filename.startswith("<frozen importlib") or not self.by_user(caller):
-                return  # the import system's scans (module lookups are recorded by name), installed libraries' own
-            path = _abspath(args[0] if args and args[0] is not None else ".")
-            if path is None:
-                self.refuse("listed a directory by descriptor")
-            elif self._user(path):
-                self.listings.add(path)
+            self.listed(args, sys._getframe(2))  # frames: event, _audit, the caller of os.listdir
         elif event == "import":
             self.lookups.add(args[0])
         elif event in _UNRECORDABLE:
@@ -432,6 +425,16 @@ class Recorder:
             path = os.path.abspath(args[0])
             if self._user(path):
                 self.paths.add(path)
+
+    def listed(self, args: tuple[Any, ...], caller: Any) -> None:
+        """A directory listing made from frame ``caller``."""
+        if caller.f_code.co_filename.startswith("<frozen importlib") or not self.by_user(caller):
+            return  # the import system's scans (module lookups are recorded by name), installed libraries' own
+        path = _abspath(args[0] if args and args[0] is not None else ".")
+        if path is None:
+            self.refuse("listed a directory by descriptor")
+        elif self._user(path):
+            self.listings.add(path)
 
     def wrote(self, path: str) -> None:
         """A file the window changed is no input; outside scratch space (temporary files, bytecode) it is a side effect a hit would skip."""
@@ -607,15 +610,20 @@ def _install() -> None:
         setattr(os, name, wrap(getattr(os, name)))
 
 
+def listen(recorder: Recorder) -> None:
+    """Make ``recorder`` the one that hears the audit hook and the watchers (installed once per process)."""
+    _install()
+    _active[:] = [recorder]
+
+
 def start(model: str, target: str, out_dir: Any, per_tensor: bool, calibration: Any, settings: Settings) -> Recorder | None:
     """A (paused) recorder for this ``lower`` run, or None when direct mode is off or nothing could be stored."""
     if not settings.direct or settings.disable or settings.read_only:
         return None
-    _install()
     request = Request(model=model, target=target, out_dir=str(out_dir), per_tensor=per_tensor,
                       calibration=str(calibration) if calibration is not None else None)
     recorder = Recorder(request, settings)
-    _active[:] = [recorder]  # one lowering at a time; a failed run's recorder is dropped
+    listen(recorder)  # one lowering at a time; a failed run's recorder is dropped
     if calibration is not None:
         recorder.add_file(str(calibration))
     return recorder
@@ -735,8 +743,23 @@ def _status_name(request: Request, which: str) -> str:
 
 def _set_status(store: Any, request: Request, which: str, outcome: str, reason: str) -> None:
     """``which``: ``lookup`` (what the latest run's lookup found) or ``record`` (what the latest record became)."""
+    put_status(store, _status_name(request, which), outcome, reason)
+
+
+def put_status(store: Any, name: str, outcome: str, reason: str) -> None:
+    """Remember what a lookup found or a record became, for ``explain`` (``lowercache run``'s records too)."""
     if getattr(store, "writable", False):
-        store.put_record(_status_name(request, which), {"time": time.time(), "outcome": outcome, "reason": reason})
+        store.put_record(name, {"time": time.time(), "outcome": outcome, "reason": reason})
+
+
+def status_lines(store: Any, name: Callable[[str], str], prefix: str = "") -> list[str]:
+    """The remembered lookup and record outcomes (``name("lookup")``, ``name("record")``), one line each."""
+    lines = []
+    for which, label in (("lookup", "latest lookup"), ("record", "latest record")):
+        status = store.get_record(name(which))
+        if isinstance(status, dict):
+            lines.append(f"{prefix}{label}: {status.get('outcome')}: {status.get('reason')}")
+    return lines
 
 
 def _changed(
@@ -747,25 +770,39 @@ def _changed(
     ``syspath`` and ``environ``: the module search path and environment the process started with.
     """
     _check_shape(record)
-    places = Places(request.root)
-    now = identity(settings, environ)
-    if record.get("identity") != now:
-        parts = sorted(k for k in set(now) | set(record.get("identity") or {}) if now.get(k) != (record.get("identity") or {}).get(k))
-        return f"the {', '.join(parts)} changed"
+    why = identity_changed(record.get("identity"), identity(settings, environ))
+    if why is not None:
+        return why
     inputs = record["inputs"]
     if inputs["syspath"] != syspath:
         return "the module search path changed"
+    return inputs_changed(inputs, Places(request.root), record["recorded_ns"], request.cwd, environ)
+
+
+def identity_changed(recorded: Any, now: dict[str, Any]) -> str | None:
+    """Which parts of the interpreter, machine, toolchain and settings identity differ, or None."""
+    if recorded == now:
+        return None
+    recorded = recorded if isinstance(recorded, dict) else {}
+    parts = sorted(k for k in set(now) | set(recorded) if now.get(k) != recorded.get(k))
+    return f"the {', '.join(parts)} changed"
+
+
+def inputs_changed(inputs: dict[str, Any], places: Places, recorded_ns: int, cwd: str, environ: dict[str, str] | Any) -> str | None:
+    """What differs between recorded inputs (variables, files, listings, module lookups) and now, or None.
+
+    Shared by ``lower``'s records and ``lowercache run``'s command records (``replay.py``).
+    """
     for name, value in inputs["env"].items():
         if name == "<listed>":
             if value != digest_json(sorted(environ)):
                 return "the environment's variables changed (the factory listed them)"
         elif _env_digest(environ.get(name)) != value:
             return f"environment variable {name} changed"
-    recorded_ns = record["recorded_ns"]
     for ref, state in inputs["files"]:
         path = places.path(ref)
         if not same_state(path, state, recorded_ns):
-            return f"{os.path.relpath(path, request.cwd) if ref[0] == 'root' else path} changed"
+            return f"{os.path.relpath(path, cwd) if ref[0] == 'root' else path} changed"
     for ref, state in inputs["listings"]:
         if not same_state(places.path(ref), state, recorded_ns, listing=True):
             return f"directory {places.path(ref)} changed"
@@ -777,14 +814,21 @@ def _changed(
 
 def _check_shape(record: dict[str, Any]) -> None:
     """A record read from a store is checked field by field before any of it is used."""
-    inputs = record.get("inputs")
     flow = record.get("flow")
     if not (
-        isinstance(inputs, dict)
-        and isinstance(flow, dict)
+        isinstance(flow, dict)
         and isinstance(flow.get("key"), str)
         and isinstance(record.get("recorded_ns"), int)
         and isinstance(record.get("manifest"), dict)
+    ):
+        raise ValueError("the record is malformed")
+    check_inputs(record.get("inputs"))
+
+
+def check_inputs(inputs: Any) -> None:
+    """Recorded inputs read from a store, checked field by field (``ValueError`` when malformed)."""
+    if not (
+        isinstance(inputs, dict)
         and all(isinstance(inputs.get(k), list) for k in ("files", "listings", "lookups", "syspath"))
         and isinstance(inputs.get("env"), dict)
         and all(isinstance(s, list) and len(s) == 2 and isinstance(s[1], dict) for s in inputs["files"] + inputs["listings"])
@@ -950,9 +994,4 @@ def recorded_files(model: str, target: str, per_tensor: bool, calibration: str |
 def explain(store: Any, model: str, target: str) -> list[str]:
     """What direct mode did with the latest ``lower`` of MODEL on a target, and why."""
     request = Request(model=model, target=target, out_dir="")
-    lines = []
-    for which, label in (("lookup", "latest lookup"), ("record", "latest record")):
-        status = store.get_record(_status_name(request, which))
-        if isinstance(status, dict):
-            lines.append(f"direct mode, {label}: {status.get('outcome')}: {status.get('reason')}")
-    return lines or ["direct mode: no record of this model yet"]
+    return status_lines(store, lambda which: _status_name(request, which), "direct mode, ") or ["direct mode: no record of this model yet"]

@@ -5,7 +5,9 @@ starts the script with ``lowercache/_run`` on PYTHONPATH. Its
 ``sitecustomize`` installs an import hook, so that when the script imports
 ExecuTorch's Arm backend, the TOSA preprocess and Vela steps are wrapped and
 record into one session for the process. Nothing is imported until the
-script itself imports the Arm backend.
+script itself imports the Arm backend. The same ``sitecustomize`` starts the
+command-level recorder (``replay.py``) that lets a later unchanged run be
+replayed without running the script.
 """
 
 from __future__ import annotations

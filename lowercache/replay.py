@@ -1,0 +1,507 @@
+"""Command-level replay for ``lowercache run``, as ccache replays a compile.
+
+The first run of ``lowercache run -- CMD`` runs CMD with a recorder in its
+Python process (``direct.py``'s, for the whole process): the script, the
+user's modules it imports, the files it reads, looks at and lists, the
+module names it looks up and the environment variables it reads. The files
+it writes (under the working directory or an ``--out`` directory) and its
+stdout and stderr are stored as content-addressed blobs. A later run of the
+same command line, in the same directory, whose recorded inputs, interpreter,
+toolchain and settings all hash the same, writes those files (atomically,
+with their recorded mode) and prints that output without running CMD.
+
+A record is only used once a re-run with identical inputs wrote identical
+files (a script that reads the time or an unseeded generator does not); it
+is never made when the command could not be fully seen: a non-zero exit, a
+network call, a subprocess, a read of standard input, a file it wrote that
+it also read, a write outside the working directory, a changed directory.
+Any doubt at lookup is a normal run. See docs/run.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cache.digests import digest, digest_json
+from .cache.store import Entry
+from .config import Settings, load_settings
+from .direct import (
+    Places,
+    Recorder,
+    check_inputs,
+    identity,
+    identity_changed,
+    inputs_changed,
+    listen,
+    path_state,
+    project_root,
+    put_status,
+    status_lines,
+)
+from .errors import LowercacheError
+
+KIND = "run"
+RECORD_VERSION = 1
+# Handed to the wrapped process only (it removes them before the script runs).
+ENV_RECORD = "LOWERCACHE_RUN_RECORD"
+ENV_OUT = "LOWERCACHE_RUN_OUT"
+# Output kept per stream; a command printing more is run every time.
+MAX_STREAM = 64 * 2**20
+_STDIN_READS = frozenset({"read", "readline", "readlines", "buffer", "readinto", "detach", "__next__"})
+
+
+@dataclass
+class Command:
+    """A wrapped command line as given: what names its record."""
+
+    argv: list[str]
+    outs: list[str] = field(default_factory=list)
+    cwd: str = field(default_factory=os.getcwd)
+
+    @property
+    def root(self) -> str:
+        return project_root(self.cwd)
+
+    def key(self) -> str:
+        """The command line, the working directory relative to the project root and the ``--out`` directories."""
+        return digest_json({"version": RECORD_VERSION, "argv": self.argv, "cwd": os.path.relpath(self.cwd, self.root),
+                            "outs": [os.path.relpath(os.path.abspath(o), self.cwd) for o in self.outs]})
+
+    def allowed(self) -> list[str]:
+        return [os.path.abspath(self.cwd), *(os.path.abspath(o) for o in self.outs)]
+
+
+# -- inside the wrapped process ------------------------------------------------------------------------
+
+
+class CommandRecorder(Recorder):
+    """``direct.Recorder`` for a whole process: writes under the allowed directories are its outputs."""
+
+    def __init__(self, root: str, settings: Settings, allowed: list[str]):
+        super().__init__(Command(argv=[], cwd=root), settings)
+        cache = os.path.abspath(str(settings.cache_dir)) + os.sep
+        self.cache = cache
+        self.covered += (cache,)  # lowercache's own store: reads are the cache's, writes its entries
+        self.allowed = tuple(os.path.join(d, "") for d in allowed)
+        self.outputs: set[str] = set()
+        self.opened: set[str] = set()
+        self.temporary: set[str] = set()
+        self.paused = False
+
+    def event(self, event: str, args: tuple[Any, ...]) -> None:
+        if event == "sqlite3.connect" and isinstance(args[0], (str, bytes, os.PathLike)):
+            if (os.path.abspath(os.fsdecode(args[0])) + os.sep).startswith(self.cache):
+                return  # the store's index
+        elif event == "builtins.input":
+            self.refuse("read standard input")
+            return
+        if not event.startswith(("os.", "open")):
+            super().event(event, args)  # and no frame asked for: sys._getframe raises an audit event itself
+            return
+        try:
+            caller = sys._getframe(2)  # frames: this, _audit, the function that raised the event
+        except ValueError:  # raised with no Python caller (at start-up)
+            caller = None
+        if caller is not None and caller.f_code.co_name == "_rmtree_safe_fd" and caller.f_code.co_filename == shutil.__file__:
+            return  # shutil.rmtree's walk, by names relative to directory descriptors: its own event names the tree
+        if event in ("os.listdir", "os.scandir"):
+            if caller is not None:
+                self.listed(args, caller)
+            else:
+                self.refuse("listed a directory outside any Python frame")
+            return
+        if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+            flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+            mode = args[1] if isinstance(args[1], str) else ""
+            if not (flags & (os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC) or any(c in mode for c in "wax+")):
+                self.opened.add(os.path.abspath(os.fsdecode(args[0])))
+        super().event(event, args)
+
+    def wrote(self, path: str) -> None:
+        self.written.add(path)
+        if "__pycache__" in path or path == os.devnull or (path + os.sep).startswith(self.cache):
+            return
+        if (path + os.sep).startswith(self.allowed):
+            self.outputs.add(path)
+        elif path.startswith(self.scratch):
+            self.temporary.add(path)  # scratch, if it is gone by the exit
+        else:
+            self.refuse(f"wrote {path}, outside the working directory and --out")
+
+    def observation(self) -> dict[str, Any]:
+        """What the process read and wrote, for the ``lowercache run`` that started it."""
+        self.paused = True
+        for path in sorted(self.outputs & (self.opened | self.paths)):
+            if os.path.isfile(path):
+                self.refuse(f"read {path}, which it also wrote")
+        for path in sorted(self.temporary):
+            if os.path.lexists(path) and not os.path.isdir(path):  # a directory left (torch's caches) holds nothing replayed
+                self.refuse(f"wrote {path}, outside the working directory and --out, and left it there")
+        inputs = self.inputs()
+        return {
+            "python": python_identity(),
+            "inputs": inputs,
+            "outputs": sorted(self.outputs),
+            "refused": list(self.unrecordable),
+            "recorded_ns": time.time_ns(),
+        }
+
+
+class _WatchedStdin:
+    """``sys.stdin`` that tells the recorder when the script reads it: no record can hold what it read."""
+
+    def __init__(self, stream: Any, recorder: CommandRecorder):
+        self._stream, self._recorder = stream, recorder
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _STDIN_READS:
+            self._recorder.refuse("read standard input")
+        return getattr(self._stream, name)
+
+    def __iter__(self) -> Any:
+        self._recorder.refuse("read standard input")
+        return iter(self._stream)
+
+
+def python_identity() -> dict[str, str]:
+    return {"executable": os.path.abspath(sys.executable), "prefix": sys.prefix, "version": sys.version}
+
+
+def record_in_process() -> None:
+    """Called by ``lowercache/_run/sitecustomize.py``: record this process for the ``lowercache run`` that started it."""
+    where = os.environ.pop(ENV_RECORD, None)
+    outs = os.environ.pop(ENV_OUT, "")
+    if not where:
+        return
+    cwd = os.getcwd()
+    recorder = CommandRecorder(project_root(cwd), load_settings(), [cwd, *(o for o in outs.split(os.pathsep) if o)])
+    listen(recorder)
+    if sys.stdin is not None:
+        sys.stdin = _WatchedStdin(sys.stdin, recorder)
+
+    def dump() -> None:
+        """Hand the observation over; on any fault none is (the run is then not recorded, and says nothing)."""
+        try:
+            observation = recorder.observation()
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(where))
+            with os.fdopen(fd, "w") as f:
+                json.dump(observation, f)
+            os.replace(tmp, where)
+        except Exception:  # noqa: BLE001 - a lowercache fault never changes the command's output
+            pass
+
+    atexit.register(dump)  # registered first, so it runs after every other exit handler
+
+
+# -- in ``lowercache run`` -------------------------------------------------------------------------------
+
+
+def _status_name(command: Command, which: str) -> str:
+    return f"run/{which}/{command.key()}"
+
+
+def _set_status(store: Any, command: Command, which: str, outcome: str, reason: str) -> None:
+    put_status(store, _status_name(command, which), outcome, reason)
+
+
+def explain(store: Any, command: Command) -> list[str]:
+    """What the latest ``lowercache run`` of this command did with its record, and why."""
+    return status_lines(store, lambda which: _status_name(command, which)) or ["no record of this command yet"]
+
+
+def _load(store: Any, command: Command) -> Entry | None:
+    entry = store.get(KIND, command.key())
+    if entry is None or not isinstance(entry.meta, dict) or entry.meta.get("version") != RECORD_VERSION:
+        return None
+    return entry
+
+
+def _check(record: dict[str, Any]) -> None:
+    """A record read from a store is checked field by field before any of it is used."""
+    check_inputs(record.get("inputs"))
+    outputs = record.get("outputs")
+    if not (
+        isinstance(record.get("recorded_ns"), int)
+        and isinstance(record.get("cost"), (int, float))
+        and isinstance(outputs, list)
+        and all(
+            isinstance(o, dict) and isinstance(o.get("ref"), list) and o.get("kind") in ("file", "dir", "missing")
+            and (o["kind"] != "file" or (isinstance(o.get("blob"), str) and isinstance(o.get("mode"), int)
+                                         and re.fullmatch(r"[0-9a-f]{32}", o.get("digest", "")) is not None))
+            for o in outputs
+        )
+    ):
+        raise ValueError("the record is malformed")
+
+
+def _why_not(entry: Entry, command: Command, settings: Settings, env: dict[str, str]) -> str | None:
+    """Why the record cannot answer this run, or None when it can."""
+    record = entry.meta
+    if record.get("status") != "confirmed":
+        return f"the record is {record.get('status')}: {record.get('reason')}"
+    _check(record)
+    if record.get("python") != python_identity() or not _runs_our_python(command.argv, env):
+        return "the command's interpreter changed"
+    why = identity_changed(record.get("identity"), identity(settings, env))
+    if why is not None:
+        return why
+    places = Places(command.root)
+    why = inputs_changed(record["inputs"], places, record["recorded_ns"], command.cwd, env)
+    if why is not None:
+        return why
+    for out in record["outputs"]:
+        path = places.path(out["ref"])
+        if not (path + os.sep).startswith(tuple(os.path.join(d, "") for d in command.allowed())):
+            return "the record names a file outside the working directory"
+        if out["kind"] == "file" and (out["blob"] not in entry.blobs or digest(entry.blobs[out["blob"]]) != out["digest"]):
+            return "a stored output is missing or damaged"
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent) and not any(o["kind"] == "dir" and places.path(o["ref"]) == parent for o in record["outputs"]):
+            return f"directory {parent} is gone"
+    return None
+
+
+def _runs_our_python(argv: list[str], env: dict[str, str]) -> bool:
+    """Whether the command starts lowercache's own interpreter (its file, in its directory: the same venv).
+
+    Only then does the record's interpreter identity describe the process a
+    re-run would start; a shim (pyenv's ``python`` is a shell script) or
+    another venv's ``python`` is run every time.
+    """
+    found = shutil.which(argv[0], path=env.get("PATH")) if argv else None
+    if found is None:
+        return False
+    ours = os.path.abspath(sys.executable)
+    return os.path.dirname(os.path.abspath(found)) == os.path.dirname(ours) and os.path.realpath(found) == os.path.realpath(ours)
+
+
+def _replay(entry: Entry, command: Command) -> None:
+    """Write the recorded outputs: directories, then each file to a temporary name beside it, renamed into place."""
+    places = Places(command.root)
+    outputs = entry.meta["outputs"]
+    for out in outputs:
+        if out["kind"] == "dir":
+            os.makedirs(places.path(out["ref"]), exist_ok=True)
+    for out in outputs:
+        path = places.path(out["ref"])
+        if out["kind"] == "file":
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".lowercache-")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(entry.blobs[out["blob"]])
+                os.chmod(tmp, out["mode"] & 0o777)  # permission bits only, never set-id
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        elif out["kind"] == "missing" and os.path.isfile(path):
+            os.unlink(path)
+
+
+def _tee(source: Any, sink: Any, kept: list[bytes], full: list[bool]) -> None:
+    """Copy a child's stream to ours as it comes, keeping a copy (up to :data:`MAX_STREAM`)."""
+    size = 0
+    while chunk := os.read(source.fileno(), 65536):
+        try:
+            sink.write(chunk)
+            sink.flush()
+        except OSError:  # our reader went away (``| head``): the command sees its pipe close, as it would
+            full[0] = True
+            source.close()
+            return
+        if size + len(chunk) <= MAX_STREAM:
+            kept.append(chunk)
+        else:
+            full[0] = True
+        size += len(chunk)
+
+
+def _run_child(argv: list[str], env: dict[str, str]) -> tuple[int, bytes, bytes]:
+    """Run the command, its output passed through as it comes and kept; its exit code."""
+    child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out: list[bytes] = []
+    err: list[bytes] = []
+    full = [False]
+    threads = [threading.Thread(target=_tee, args=(child.stdout, sys.stdout.buffer, out, full), daemon=True),
+               threading.Thread(target=_tee, args=(child.stderr, sys.stderr.buffer, err, full), daemon=True)]
+    for t in threads:
+        t.start()
+    while True:
+        try:
+            code = child.wait()
+            break
+        except KeyboardInterrupt:
+            continue  # the child got the signal too; its exit code says what it did
+    for t in threads:
+        t.join()
+    if full[0]:
+        return code, b"", b"\0too long"  # or not all passed through: not recorded
+    return code, b"".join(out), b"".join(err)
+
+
+def run(command: Command, settings: Settings, env: dict[str, str]) -> int:
+    """``lowercache run``: replay the command from its record when every input is as recorded, else run and record it."""
+    store = None
+    if settings.direct and not settings.disable:
+        from .cache.tiers import open_store
+
+        try:
+            store = open_store(settings)
+        except LowercacheError:
+            store = None
+    try:
+        entry = _lookup(store, command, settings, env) if store is not None else None
+        if entry is not None:
+            return _answer(store, command, entry, env)
+        if store is None or not store.writable:
+            return _run_child(command.argv, env)[0]
+        return _record(store, command, settings, env)
+    finally:
+        if store is not None:
+            store.close()
+
+
+def _lookup(store: Any, command: Command, settings: Settings, env: dict[str, str]) -> Entry | None:
+    entry = _load(store, command)
+    if entry is None:
+        return None
+    try:
+        why = _why_not(entry, command, settings, env)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        why = f"the record is unusable ({e})"
+    if why is not None:
+        _set_status(store, command, "lookup", "not used", why)
+        return None
+    return entry
+
+
+def _answer(store: Any, command: Command, entry: Entry, env: dict[str, str]) -> int:
+    started = time.perf_counter()
+    try:
+        _replay(entry, command)
+    except OSError as e:  # the command itself would have written these: it runs and says what is wrong
+        print(f"lowercache: warning: replay failed ({e}); running the command", file=sys.stderr)
+        _set_status(store, command, "lookup", "not used", f"writing its files failed ({e})")
+        return _run_child(command.argv, env)[0]
+    for stream, name in ((sys.stdout, "stdout"), (sys.stderr, "stderr")):
+        with contextlib.suppress(BrokenPipeError):
+            stream.buffer.write(entry.blobs[name])
+            stream.flush()
+    seconds = time.perf_counter() - started
+    store.add_counts({KIND: {"hit": 1}}, max(entry.meta["cost"] - seconds, 0.0))
+    _set_status(store, command, "lookup", "hit", f"replayed {sum(o['kind'] == 'file' for o in entry.meta['outputs'])} files and the output without running the command")
+    return 0
+
+
+def _record(store: Any, command: Command, settings: Settings, env: dict[str, str]) -> int:
+    with tempfile.TemporaryDirectory(prefix="lowercache-run-") as tmp:
+        where = os.path.join(tmp, "observation.json")
+        child_env = {**env, ENV_RECORD: where, ENV_OUT: os.pathsep.join(os.path.abspath(o) for o in command.outs)}
+        started = time.perf_counter()
+        code, out, err = _run_child(command.argv, child_env)
+        cost = time.perf_counter() - started
+        try:
+            with open(where) as f:
+                observation = json.load(f)
+        except (OSError, ValueError):
+            observation = None
+    why = _unrecordable(code, out, err, observation, command, env)
+    if why is not None:
+        store.add_counts({KIND: {"miss": 1}})
+        _set_status(store, command, "record", "none", why)
+        return code
+    try:
+        _store(store, command, settings, env, observation, out, err, cost)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a lowercache fault never fails the command
+        print(f"lowercache: warning: the run was not recorded ({e})", file=sys.stderr)
+    return code
+
+
+def _unrecordable(code: int, out: bytes, err: bytes, observation: Any, command: Command, env: dict[str, str]) -> str | None:
+    if code != 0:
+        return f"the command exited with {code}"
+    if err == b"\0too long":
+        return f"the command printed more than {MAX_STREAM} bytes on a stream, or its reader went away"
+    if not isinstance(observation, dict):
+        return "the command was not seen (not a Python process, or it left through os._exit or exec)"
+    if observation.get("python") != python_identity() or not _runs_our_python(command.argv, env):
+        return "the command does not start lowercache's own Python (its interpreter could change unseen)"
+    if observation.get("refused"):
+        return f"the command {observation['refused'][0]}"
+    return None
+
+
+def _store(store: Any, command: Command, settings: Settings, env: dict[str, str], observation: dict[str, Any],
+           out: bytes, err: bytes, cost: float) -> None:
+    places = Places(command.root)
+    blobs = {"stdout": out, "stderr": err}
+    outputs = []
+    for path in observation["outputs"]:
+        state = path_state(path)
+        entry: dict[str, Any] = {"ref": places.ref(path), "kind": state["kind"]}
+        if state["kind"] == "file":
+            with open(path, "rb") as f:
+                data = f.read()
+            name = f"file/{len(outputs)}"
+            blobs[name] = data
+            entry.update(blob=name, digest=digest(data), mode=stat.S_IMODE(os.stat(path).st_mode))
+        elif state["kind"] == "other":
+            raise ValueError(f"{path} is not a regular file")
+        outputs.append(entry)
+    record = {
+        "version": RECORD_VERSION,
+        "argv": command.argv,
+        "python": observation["python"],
+        "identity": identity(settings, env),
+        "inputs": observation["inputs"],
+        "recorded_ns": observation["recorded_ns"],
+        "outputs": outputs,
+        "cost": cost,
+    }
+    _check(record)
+    old = _load(store, command)
+    record["status"], record["reason"] = _verdict(old, record, command, settings, env)
+    store.put(KIND, command.key(), Entry(meta=record, blobs=blobs, cost=cost))
+    store.add_counts({KIND: {"miss": 1}})
+    _set_status(store, command, "record", record["status"], record["reason"])
+
+
+def _written(record: dict[str, Any]) -> list[Any]:
+    return [[o["ref"], o["kind"], o.get("digest"), o.get("mode")] for o in record["outputs"]]
+
+
+def _verdict(old: Entry | None, record: dict[str, Any], command: Command, settings: Settings, env: dict[str, str]) -> tuple[str, str]:
+    """``unconfirmed`` (waits for a re-run with the same inputs), ``confirmed`` (used) or ``untrusted`` (never used)."""
+    previous = old.meta if old is not None else None
+    if previous is not None and previous.get("status") == "untrusted":
+        record["for_good"] = True
+        return "untrusted", str(previous.get("reason"))
+    since = None
+    if previous is not None:
+        try:
+            _check(previous)
+            since = identity_changed(previous.get("identity"), record["identity"]) or inputs_changed(
+                previous["inputs"], Places(command.root), previous["recorded_ns"], command.cwd, env)
+        except (ValueError, KeyError, TypeError):
+            previous = None
+    if previous is None or since is not None:
+        changed = f" ({since} since the previous record)" if since else ""
+        return "unconfirmed", f"recorded{changed}; used once a re-run with the same inputs writes the same files"
+    if _written(previous) != _written(record):
+        return "untrusted", ("identical inputs wrote different files: the command reads something no record can see, "
+                             "such as the time or an unseeded random generator")
+    return "confirmed", "a re-run with the same inputs wrote the same files"

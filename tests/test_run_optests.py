@@ -1,0 +1,45 @@
+"""ExecuTorch's own Arm operator tests (shipped in the wheel) under ``lowercache run -- python -m pytest``:
+the same outcome per test as without it, cold and warm, with the warm run's TOSA steps served from the cache.
+
+pytest captures output through file descriptors, which no record can describe, so these runs are never
+replayed: they run every time, with the Arm steps cached (``lowercache run --explain`` says so).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import executorch
+import pytest
+
+from lowercache.cache.store import Store
+
+OPS = os.path.join(list(executorch.__path__)[0], "backends", "arm", "test", "ops")
+# Inputs that are the same in every process (the random ones are drawn unseeded, so their lowerings differ).
+TESTS = ["test_abs.py::test_abs_tosa_FP[ones]", "test_abs.py::test_abs_tosa_INT[ones]", "test_relu.py::test_relu_tosa_INT[ramp]"]
+PYTEST = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *TESTS]
+
+
+def _outcomes(result: subprocess.CompletedProcess) -> dict[str, str]:
+    return dict(re.findall(r"^(test_\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", result.stdout.decode(), re.M))
+
+
+def test_arm_op_tests_have_the_same_outcomes_under_run(tmp_path, cache_dir):
+    if not os.path.isdir(OPS):
+        pytest.skip("this ExecuTorch wheel ships no Arm op tests")
+    plain = subprocess.run(PYTEST, cwd=OPS, capture_output=True, timeout=600)
+    expected = _outcomes(plain)
+    assert len(expected) == len(TESTS), plain.stdout.decode()[-2000:]
+    env = {**os.environ, "LOWERCACHE_DIR": str(cache_dir)}
+    for run in ("cold", "warm"):
+        result = subprocess.run([sys.executable, "-m", "lowercache.cli", "run", "--", *PYTEST], cwd=OPS, capture_output=True,
+                                env=env, timeout=600)
+        assert (result.returncode, _outcomes(result)) == (plain.returncode, expected), run
+    counters = Store(cache_dir).counters()
+    assert counters.get("count/tosa/hit") == counters.get("count/tosa/miss") == len(TESTS)  # the warm run: every partition served
+    explained = subprocess.run([sys.executable, "-m", "lowercache.cli", "run", "--explain", "--", *PYTEST], cwd=OPS,
+                               capture_output=True, env=env, timeout=120).stdout.decode()
+    assert "latest record: none: the command opened a file descriptor" in explained

@@ -1,0 +1,173 @@
+"""``lowercache run``'s command-level replay (lowercache/replay.py), on small scripts without torch.
+
+Each run is a real ``lowercache run`` process wrapping a real Python process;
+the assertions are on the files written, the output, the exit code and what
+``lowercache run --explain`` says.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from lowercache.cache.store import Store
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    data = open("in.txt").read()
+    os.makedirs("out", exist_ok=True)
+    with open(os.path.join("out", "result.txt"), "w") as f:
+        f.write(data.upper() + sys.argv[1] + os.environ.get("GREETING", "-"))
+    print("wrote", sys.argv[1])
+    print("to stderr", file=sys.stderr)
+    """
+)
+
+
+def _project(tmp_path, script: str = SCRIPT):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "script.py").write_text(script)
+    (project / "in.txt").write_text("abc")
+    time.sleep(0.1)  # a file changed within 50 ms of a run is not trusted as an input
+    return project
+
+
+def _run(project, cache_dir, *args, explain=False, env=None):
+    flags = ["--explain"] if explain else []
+    return subprocess.run(
+        [sys.executable, "-m", "lowercache.cli", "run", *flags, "--", sys.executable, "script.py", *args],
+        cwd=project, capture_output=True, env={**os.environ, "LOWERCACHE_DIR": str(cache_dir), **(env or {})}, timeout=120,
+    )
+
+
+def _explain(project, cache_dir, *args) -> str:
+    return _run(project, cache_dir, *args, explain=True).stdout.decode()
+
+
+def _plain(project, *args):
+    return subprocess.run([sys.executable, "script.py", *args], cwd=project, capture_output=True, timeout=120)
+
+
+def test_an_unchanged_command_is_replayed_with_its_files_and_output(tmp_path, cache_dir):
+    project = _project(tmp_path)
+    plain = _plain(project, "X")
+    expected = (project / "out" / "result.txt").read_bytes()
+    (project / "out" / "result.txt").unlink()
+    runs = [_run(project, cache_dir, "X") for _ in range(3)]
+    for result in runs:
+        assert (result.returncode, result.stdout, result.stderr) == (0, plain.stdout, plain.stderr)
+    assert "hit: replayed 1 files" in _explain(project, cache_dir, "X")  # the third run: the second confirmed the record
+    assert (project / "out" / "result.txt").read_bytes() == expected
+    counters = Store(cache_dir).counters()
+    assert counters.get("count/run/hit") == 1 and counters.get("count/run/miss") == 2
+
+    # replay writes the file even when it is gone, with the mode the command left it
+    (project / "out" / "result.txt").unlink()
+    assert _run(project, cache_dir, "X").returncode == 0
+    assert (project / "out" / "result.txt").read_bytes() == expected
+    assert "hit" in _explain(project, cache_dir, "X")
+    assert os.stat(project / "out" / "result.txt").st_mode & 0o777 == 0o666 & ~_umask()
+
+    # an input file changed: the command runs
+    (project / "in.txt").write_text("abd")
+    time.sleep(0.1)
+    assert _run(project, cache_dir, "X").returncode == 0
+    assert (project / "out" / "result.txt").read_text() == "ABDX-"
+    assert "in.txt changed" in _explain(project, cache_dir, "X")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_another_argument_or_variable_runs_the_command(tmp_path, cache_dir):
+    project = _project(tmp_path)
+    for _ in range(3):
+        _run(project, cache_dir, "X")
+    assert _run(project, cache_dir, "Y").returncode == 0
+    assert (project / "out" / "result.txt").read_text() == "ABCY-"
+    assert "no record" not in _explain(project, cache_dir, "Y") and "hit" not in _explain(project, cache_dir, "Y")
+    assert _run(project, cache_dir, "X", env={"GREETING": "hi"}).returncode == 0
+    assert (project / "out" / "result.txt").read_text() == "ABCXhi"
+    assert "environment variable GREETING changed" in _explain(project, cache_dir, "X")
+
+
+@pytest.mark.parametrize(
+    "body, reason",
+    [
+        ("open('log.txt', 'a').write('x')\nprint(open('log.txt').read())", "log.txt, which it also wrote"),
+        ("import subprocess\nsubprocess.run(['true'])", "ran a process"),
+        ("import socket\ns = socket.socket()\ntry:\n    s.connect(('127.0.0.1', 9))\nexcept OSError:\n    pass", "used the network"),
+        ("import sys\nsys.stdin.read()", "read standard input"),
+        ("open({outside!r}, 'w').write('x')", "outside the working directory"),
+    ],
+    ids=["reads-what-it-writes", "subprocess", "network", "stdin", "writes-outside"],
+)
+def test_a_command_no_record_can_describe_runs_every_time(tmp_path, cache_dir, body, reason):
+    outside = tmp_path / "elsewhere.txt"
+    project = _project(tmp_path, body.format(outside=str(outside)) + "\nprint('done')\n")
+    for _ in range(2):
+        result = subprocess.run(
+            [sys.executable, "-m", "lowercache.cli", "run", "--", sys.executable, "script.py"], cwd=project, capture_output=True,
+            stdin=subprocess.DEVNULL, env={**os.environ, "LOWERCACHE_DIR": str(cache_dir)}, timeout=120,
+        )
+        assert result.returncode == 0 and result.stdout.endswith(b"done\n"), result.stderr
+    explained = _explain(project, cache_dir)
+    assert "latest record: none: the command" in explained and reason in explained
+    assert Store(cache_dir).counters().get("count/run/hit") is None
+
+
+def test_a_failing_command_passes_its_exit_code_and_error_through(tmp_path, cache_dir):
+    project = _project(tmp_path, "import sys\nprint('partial')\nraise SystemExit('broken: ' + sys.argv[1])\n")
+    plain = _plain(project, "now")
+    for _ in range(3):
+        result = _run(project, cache_dir, "now")
+        assert (result.returncode, result.stdout, result.stderr) == (plain.returncode, plain.stdout, plain.stderr) == (1, b"partial\n", b"broken: now\n")
+    assert "the command exited with 1" in _explain(project, cache_dir, "now")
+
+
+def test_a_command_whose_output_changes_between_identical_runs_is_never_replayed(tmp_path, cache_dir):
+    project = _project(tmp_path, "import time\nopen('stamp.txt', 'w').write(str(time.time_ns()))\n")
+    for _ in range(3):
+        assert _run(project, cache_dir).returncode == 0
+    assert "latest record: untrusted: identical inputs wrote different files" in _explain(project, cache_dir)
+
+
+def test_a_damaged_stored_output_is_not_replayed(tmp_path, cache_dir):
+    project = _project(tmp_path)
+    for _ in range(2):
+        _run(project, cache_dir, "X")
+    store = Store(cache_dir)
+    [(kind, key)] = [a for a in store.actions() if a[0] == "run"]
+    entry = store.get(kind, key)
+    for output in entry.meta["outputs"]:
+        if output["kind"] == "file":
+            output["digest"] = "0" * 32
+    store.put(kind, key, entry)
+    store.close()
+    assert _run(project, cache_dir, "X").returncode == 0
+    assert "a stored output is missing or damaged" in _explain(project, cache_dir, "X")
+    assert (project / "out" / "result.txt").read_text() == "ABCX-"
+
+
+def test_files_written_into_an_out_directory_are_replayed(tmp_path, cache_dir):
+    elsewhere = tmp_path / "artifacts"
+    project = _project(tmp_path, f"open({str(elsewhere / 'model.bin')!r}, 'wb').write(b'\\x00\\x01' * 3)\n")
+    elsewhere.mkdir()
+    env = {**os.environ, "LOWERCACHE_DIR": str(cache_dir)}
+    command = [sys.executable, "-m", "lowercache.cli", "run", "--out", str(elsewhere), "--", sys.executable, "script.py"]
+    for _ in range(3):
+        assert subprocess.run(command, cwd=project, env=env, capture_output=True, timeout=120).returncode == 0
+        (elsewhere / "model.bin").unlink()
+    assert subprocess.run(command, cwd=project, env=env, capture_output=True, timeout=120).returncode == 0
+    assert (elsewhere / "model.bin").read_bytes() == b"\x00\x01" * 3
+    assert Store(cache_dir).counters().get("count/run/hit") == 2
