@@ -48,14 +48,13 @@ RACY_NS = 2_000_000_000
 NATIVE_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "ATEN_CPU_CAPABILITY", "PYTHONHASHSEED")
 _SYSTEM_DIRS = ("/proc/", "/sys/", "/dev/")
 
-# Audit events after which no record can say what the factory read.
+# Audit events after which no record can say what the factory read. Network use on a remote tier's
+# own call thread is the cache's traffic (its entries are checked like any other), not the code's.
+_NETWORK = ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo", "socket.gethostbyname",
+            "socket.gethostbyname_ex", "socket.gethostbyaddr", "socket.getnameinfo", "urllib.Request", "http.client.connect",
+            "ftplib.connect", "smtplib.connect", "imaplib.open", "poplib.connect", "nntplib.connect", "webbrowser.open")
 _UNRECORDABLE = {
-    **dict.fromkeys(
-        ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo", "socket.gethostbyname",
-         "socket.gethostbyname_ex", "socket.gethostbyaddr", "socket.getnameinfo", "urllib.Request", "http.client.connect",
-         "ftplib.connect", "smtplib.connect", "imaplib.open", "poplib.connect", "nntplib.connect", "webbrowser.open"),
-        "used the network",
-    ),
+    **dict.fromkeys(_NETWORK, "used the network"),
     **dict.fromkeys(
         ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.spawn"),
         "ran a process",
@@ -63,6 +62,14 @@ _UNRECORDABLE = {
     "os.chdir": "changed the working directory",
     "sqlite3.connect": "opened an SQLite database",
 }
+
+
+def _on_remote_thread() -> bool:
+    """Whether this thread is a remote tier's call (a remote exists only once its module is imported)."""
+    remote = sys.modules.get("lowercache.cache.remote")
+    return remote is not None and threading.current_thread().name.startswith(remote.THREAD_PREFIX)
+
+
 # Audit events that change files: a direct hit would not make the change. Paths in __pycache__ (bytecode) are the import system's.
 _WRITES = ("os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.truncate", "os.chmod", "os.chown", "os.link", "os.symlink",
            "os.utime", "shutil.rmtree", "shutil.move")
@@ -417,7 +424,8 @@ class Recorder:
         elif event == "import":
             self.lookups.add(args[0])
         elif event in _UNRECORDABLE:
-            self.refuse(_UNRECORDABLE[event])
+            if not (event in _NETWORK and _on_remote_thread()):
+                self.refuse(_UNRECORDABLE[event])
         elif event in _WRITES:
             for path in [_abspath(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]:
                 self.wrote(path or "?")

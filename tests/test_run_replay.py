@@ -171,3 +171,32 @@ def test_files_written_into_an_out_directory_are_replayed(tmp_path, cache_dir):
     assert subprocess.run(command, cwd=project, env=env, capture_output=True, timeout=120).returncode == 0
     assert (elsewhere / "model.bin").read_bytes() == b"\x00\x01" * 3
     assert Store(cache_dir).counters().get("count/run/hit") == 2
+
+
+REMOTE_SCRIPT = textwrap.dedent(
+    """
+    from lowercache.cache.tiers import open_store
+    from lowercache.config import load_settings
+
+    store = open_store(load_settings())
+    store.get("tosa", "0" * 32)  # as the Arm hook asks the shared tier: a miss, over the network
+    store.close()
+    open("result.txt", "w").write(open("in.txt").read())
+    print("asked", type(store).__name__)
+    """
+)
+
+
+def test_the_caches_own_remote_traffic_does_not_stop_a_record(tmp_path, cache_dir, redis_url, raw_redis):
+    """A wrapped process's calls to the shared tier are the cache's, not the command's: recorded, then replayed.
+
+    Its own network use still refuses (the ``network`` case above).
+    """
+    project = _project(tmp_path, REMOTE_SCRIPT)
+    env = {"LOWERCACHE_REMOTE": redis_url, "LOWERCACHE_HMAC_KEY": "k" * 32}
+    runs = [_run(project, cache_dir, env=env) for _ in range(3)]
+    assert all(r.returncode == 0 and r.stdout == b"asked TieredStore\n" for r in runs), runs[-1].stderr
+    assert raw_redis.info("stats")["keyspace_misses"] >= 2  # the two runs that ran asked the remote
+    explained = _explain(project, cache_dir)
+    assert "hit: replayed 1 files" in explained, explained
+    assert (project / "result.txt").read_text() == "abc"

@@ -45,6 +45,8 @@ from .digests import digest
 from .records import ActionRecord, CorruptEntry, Entry, parse
 from .store import Store
 
+# Every call to a remote runs in a thread named so: its network use is the cache's own (direct mode and run's recorder tell it apart).
+THREAD_PREFIX = "lowercache-remote "
 log = logging.getLogger("lowercache")
 
 ENV_REMOTE = "LOWERCACHE_REMOTE"
@@ -656,7 +658,7 @@ class Guarded:
             finally:
                 done.set()
 
-        threading.Thread(target=run, name=f"lowercache-remote {what}", daemon=True).start()
+        threading.Thread(target=run, name=f"{THREAD_PREFIX}{what}", daemon=True).start()
         if not done.wait(self.deadline):
             raise RemoteTimeout(f"{what} took over {self.deadline:g} s")
         if "error" in outcome:
