@@ -253,7 +253,7 @@ def _why_not(entry: Entry, command: Command, settings: Settings, env: dict[str, 
     if record.get("status") != "confirmed":
         return f"the record is {record.get('status')}: {record.get('reason')}"
     _check(record)
-    if record.get("python") != python_identity() or not _runs_our_python(command.argv, env):
+    if record.get("python") != python_identity() or not _runs_our_python(command.argv, env, command.cwd):
         return "the command's interpreter changed"
     why = identity_changed(record.get("identity"), identity(settings, env))
     if why is not None:
@@ -274,18 +274,53 @@ def _why_not(entry: Entry, command: Command, settings: Settings, env: dict[str, 
     return None
 
 
-def _runs_our_python(argv: list[str], env: dict[str, str]) -> bool:
+def _runs_our_python(argv: list[str], env: dict[str, str], cwd: str) -> bool:
     """Whether the command starts lowercache's own interpreter (its file, in its directory: the same venv).
 
     Only then does the record's interpreter identity describe the process a
-    re-run would start; a shim (pyenv's ``python`` is a shell script) or
-    another venv's ``python`` is run every time.
+    re-run would start; another venv's ``python`` is run every time. A pyenv
+    shim (a shell script choosing the interpreter by ``.python-version`` and
+    ``PYENV_VERSION``) is asked which interpreter it would start, here and now.
     """
     found = shutil.which(argv[0], path=env.get("PATH")) if argv else None
     if found is None:
         return False
+    shim = _pyenv_shim(found)
+    if shim is not None:
+        found = _pyenv_which(shim, os.path.basename(found), env, cwd)
+        if found is None:
+            return False
     ours = os.path.abspath(sys.executable)
     return os.path.dirname(os.path.abspath(found)) == os.path.dirname(ours) and os.path.realpath(found) == os.path.realpath(ours)
+
+
+# The lines of a pyenv shim that name its root and the pyenv it hands over to.
+_SHIM_ROOT = re.compile(rb'^export PYENV_ROOT="([^"]+)"$', re.M)
+_SHIM_EXEC = re.compile(rb'^exec "([^"]+/libexec/pyenv)" exec "\$program" "\$@"$', re.M)
+
+
+def _pyenv_shim(path: str) -> tuple[str, str] | None:
+    """``(PYENV_ROOT, pyenv)`` when ``path`` is a pyenv shim, else None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return None
+    root, pyenv = _SHIM_ROOT.search(head), _SHIM_EXEC.search(head)
+    if not head.startswith(b"#!") or root is None or pyenv is None:
+        return None
+    return os.fsdecode(root.group(1)), os.fsdecode(pyenv.group(1))
+
+
+def _pyenv_which(shim: tuple[str, str], program: str, env: dict[str, str], cwd: str) -> str | None:
+    """The interpreter the shim would start in ``cwd`` with ``env`` (``pyenv which``), or None if pyenv cannot say."""
+    root, pyenv = shim
+    try:
+        done = subprocess.run([pyenv, "which", program], cwd=cwd, env={**env, "PYENV_ROOT": root}, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.strip().splitlines()
+    return lines[-1] if done.returncode == 0 and len(lines) == 1 and os.path.isabs(lines[0]) else None
 
 
 def _replay(entry: Entry, command: Command) -> None:
@@ -438,7 +473,7 @@ def _unrecordable(code: int, out: bytes, err: bytes, observation: Any, command: 
         return f"the command printed more than {MAX_STREAM} bytes on a stream, or its reader went away"
     if not isinstance(observation, dict):
         return "the command was not seen (not a Python process, or it left through os._exit or exec)"
-    if observation.get("python") != python_identity() or not _runs_our_python(command.argv, env):
+    if observation.get("python") != python_identity() or not _runs_our_python(command.argv, env, command.cwd):
         return "the command does not start lowercache's own Python (its interpreter could change unseen)"
     if observation.get("refused"):
         return f"the command {observation['refused'][0]}"

@@ -200,3 +200,50 @@ def test_the_caches_own_remote_traffic_does_not_stop_a_record(tmp_path, cache_di
     explained = _explain(project, cache_dir)
     assert "hit: replayed 1 files" in explained, explained
     assert (project / "result.txt").read_text() == "abc"
+
+
+def _fake_pyenv(tmp_path, interpreter: str):
+    """A pyenv laid out as pyenv lays itself out: a shim handing over to ``libexec/pyenv``, which picks ``interpreter``."""
+    root = tmp_path / "pyenv"
+    (root / "shims").mkdir(parents=True)
+    (root / "libexec").mkdir()
+    shim = root / "shims" / "python"
+    shim.write_text(
+        "#!/usr/bin/env bash\nset -e\n\nprogram=\"${0##*/}\"\n\n"
+        f'export PYENV_ROOT="{root}"\n'
+        f'exec "{root}/libexec/pyenv" exec "$program" "$@"\n'
+    )
+    pyenv = root / "libexec" / "pyenv"
+    pyenv.write_text(
+        "#!/usr/bin/env bash\n"
+        f'if [ "$1" = which ]; then echo "{interpreter}"; exit 0; fi\n'
+        f'shift 2; exec "{sys.executable}" "$@"\n'
+    )
+    for f in (shim, pyenv):
+        f.chmod(0o755)
+    return {"PATH": f"{root / 'shims'}{os.pathsep}{os.environ['PATH']}"}
+
+
+def _run_shim(project, cache_dir, env, explain=False):
+    return subprocess.run(
+        [sys.executable, "-m", "lowercache.cli", "run", *(["--explain"] if explain else []), "--", "python", "script.py", "X"],
+        cwd=project, capture_output=True, env={**os.environ, "LOWERCACHE_DIR": str(cache_dir), **env}, timeout=120,
+    )
+
+
+def test_a_pyenv_shim_that_starts_lowercaches_python_is_replayed(tmp_path, cache_dir):
+    project = _project(tmp_path)
+    env = _fake_pyenv(tmp_path, sys.executable)
+    runs = [_run_shim(project, cache_dir, env) for _ in range(3)]
+    assert all(r.returncode == 0 and r.stdout == b"wrote X\n" for r in runs), runs[-1].stderr
+    assert "hit: replayed 1 files" in _run_shim(project, cache_dir, env, explain=True).stdout.decode()
+    assert Store(cache_dir).counters().get("count/run/hit") == 1
+
+
+def test_a_pyenv_shim_that_would_start_another_python_runs_every_time(tmp_path, cache_dir):
+    project = _project(tmp_path)
+    env = _fake_pyenv(tmp_path, "/usr/bin/python3-elsewhere")
+    runs = [_run_shim(project, cache_dir, env) for _ in range(3)]
+    assert all(r.returncode == 0 and r.stdout == b"wrote X\n" for r in runs), runs[-1].stderr
+    assert "lowercache's own Python" in _run_shim(project, cache_dir, env, explain=True).stdout.decode()
+    assert Store(cache_dir).counters().get("count/run/hit") is None
