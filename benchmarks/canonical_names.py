@@ -100,20 +100,20 @@ def compare(model: str, target_name: str, canonical: type) -> dict[str, Any]:
     samples = models.calibration_samples(example)
     edge, spec = census.pipeline_input(export(module, example), target, example, samples)
     original = {n.name for n in edge.graph_module.graph.nodes if n.op == "placeholder"}
-    passes = census._pipeline(spec, edge)
+    passes = census.pipeline_passes(spec, edge)
     split = [type(p).__name__ for p in passes].index("FuseViewCopyTransformPass")
     with TosaLoweringContext(spec.tosa_spec):
         state = edge
         for graph_pass in passes[:split]:
-            state, _ = census._run_pass(graph_pass, state)
+            state, _ = census.run_pass(graph_pass, state)
         results = []
         for scrambled in (False, True):
             program = copy.deepcopy(state)
             minted = scramble(program, original) if scrambled else 0
-            for graph_pass in census._pipeline(spec, program)[split:]:
-                program, _ = census._run_pass(graph_pass, program)
+            for graph_pass in census.pipeline_passes(spec, program)[split:]:
+                program, _ = census.run_pass(graph_pass, program)
             stock = form(program)
-            program, _ = census._run_pass(canonical(program), program)
+            program, _ = census.run_pass(canonical(program), program)
             results.append((minted, stock, form(program)))
     (_, stock_a, canon_a), (minted, stock_b, canon_b) = results
 

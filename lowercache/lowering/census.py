@@ -99,7 +99,7 @@ def pipeline_input(program: torch.export.ExportedProgram, target: Target, exampl
     raise ValueError("the model has no partition for this target")
 
 
-def _pipeline(compile_spec: Any, program: Any) -> list[Any]:
+def pipeline_passes(compile_spec: Any, program: Any) -> list[Any]:
     """The TOSA pipeline's pass instances for ``program``, built as stock builds them, not run."""
     from executorch.backends.arm._passes.arm_pass_manager import ArmPassManager
 
@@ -109,7 +109,7 @@ def _pipeline(compile_spec: Any, program: Any) -> list[Any]:
     return list(manager.passes)
 
 
-def _run_pass(graph_pass: Any, program: Any) -> tuple[Any, bool]:
+def run_pass(graph_pass: Any, program: Any) -> tuple[Any, bool]:
     """One pass on ``program`` as the Arm pass manager runs each of its passes (adapter, then recompile)."""
     from executorch.backends.arm._passes.arm_pass_manager import _ExportedProgramGraphPassAdapter
 
@@ -230,7 +230,7 @@ def run_census(edge_program: Any, compile_spec: Any, depth: int = 1) -> dict[str
     from executorch.backends.arm.tosa.specification import TosaLoweringContext
 
     reference = copy.deepcopy(edge_program)
-    passes = _pipeline(compile_spec, edge_program)
+    passes = pipeline_passes(compile_spec, edge_program)
     state, rows = edge_program, []
     first_regions = [r.name for r in regions.cut(state.graph_module, depth)]
     pipelines: dict[str, list[Any]] = {}  # per region, built once as stock builds one per program
@@ -250,7 +250,7 @@ def _census_one(index: int, graph_pass: Any, state: Any, compile_spec: Any, dept
     # Two copies of each region as the pass finds it: the pass may change the whole graph in place.
     alone_inputs = {r: (regions.extract(state, members, r), regions.extract(state, members, r)) for r in names} if applicable else {}
     start = time.perf_counter()
-    result, modified = _run_pass(graph_pass, state)
+    result, modified = run_pass(graph_pass, state)
     seconds = time.perf_counter() - start
     row: dict[str, Any] = {"index": index, "pass": name, "seconds": round(seconds, 5), "result": result}
     if not applicable:
@@ -262,8 +262,8 @@ def _census_one(index: int, graph_pass: Any, state: Any, compile_spec: Any, dept
         for region, (program, spare) in alone_inputs.items():
             try:
                 if region not in pipelines:
-                    pipelines[region] = _pipeline(compile_spec, program)
-                alone, alone_modified = _run_pass(_same_pass(pipelines[region], index, graph_pass), program)
+                    pipelines[region] = pipeline_passes(compile_spec, program)
+                alone, alone_modified = run_pass(_same_pass(pipelines[region], index, graph_pass), program)
                 touched = touched or alone_modified
                 verdict = compare(result, after, region, alone)
             except Exception as e:  # noqa: BLE001 - a pass that cannot run on the region alone
@@ -367,13 +367,13 @@ def _retry(
         if producers:
             regions.adopt_input_facts(spare, _whole_inputs(result, after, region))
             supplied.append(INPUT_FACTS)
-        fresh = _same_pass(_pipeline(compile_spec, spare), index, graph_pass)
+        fresh = _same_pass(pipeline_passes(compile_spec, spare), index, graph_pass)
         if whole_modified and not alone_modified:
             _force_retrace(fresh)
             supplied.append(RAN_ON_GRAPH)
         if not supplied:
             return first
-        second = compare(result, after, region, _run_pass(fresh, spare)[0])
+        second = compare(result, after, region, run_pass(fresh, spare)[0])
     except Exception:  # noqa: BLE001 - the supplied facts do not explain it either
         return first
     if second["class"] == GLOBAL:
