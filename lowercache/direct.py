@@ -76,6 +76,13 @@ _WRITES = ("os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.truncate", "os.
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
+def opens_to_write(args: tuple[Any, ...]) -> bool:
+    """Whether an ``open`` audit event's arguments (path, mode, flags) open the file to change it."""
+    flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+    mode = args[1] if isinstance(args[1], str) else ""
+    return bool(flags & _WRITE_FLAGS) or any(c in mode for c in "wax+")
+
+
 # -- where paths are: relative to the project root where they can be -----------------------------
 
 
@@ -413,9 +420,7 @@ class Recorder:
                 if isinstance(args[0], int) and args[0] > 2:
                     self.refuse("opened a file descriptor")
                 return
-            flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
-            mode = args[1] if isinstance(args[1], str) else ""
-            if flags & _WRITE_FLAGS or any(c in mode for c in "wax+"):
+            if opens_to_write(args):
                 self.wrote(path)
             elif self._user(path):
                 self.paths.add(path)

@@ -46,6 +46,7 @@ from .direct import (
     identity_changed,
     inputs_changed,
     listen,
+    opens_to_write,
     path_state,
     project_root,
     put_status,
@@ -123,11 +124,8 @@ class CommandRecorder(Recorder):
             else:
                 self.refuse("listed a directory outside any Python frame")
             return
-        if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
-            flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
-            mode = args[1] if isinstance(args[1], str) else ""
-            if not (flags & (os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC) or any(c in mode for c in "wax+")):
-                self.opened.add(os.path.abspath(os.fsdecode(args[0])))
+        if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)) and not opens_to_write(args):
+            self.opened.add(os.path.abspath(os.fsdecode(args[0])))
         super().event(event, args)
 
     def wrote(self, path: str) -> None:
