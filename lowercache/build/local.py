@@ -54,9 +54,14 @@ def run_blocking(args: list[str], cwd: str, syspath: list[str]) -> dict[str, Any
     except BaseException:
         _stop([proc])
         raise
-    result = {"code": proc.returncode, "seconds": time.perf_counter() - started, "host": socket.gethostname()}
-    if proc.returncode != 0:
-        result["error"] = error_line(proc.returncode, stderr)
+    return _result(proc.returncode, started, stderr)
+
+
+def _result(code: int, started: float, stderr: str) -> dict[str, Any]:
+    """A finished worker as the scheduler reads it: exit code, seconds, host, and the one-line cause of a failure."""
+    result: dict[str, Any] = {"code": code, "seconds": time.perf_counter() - started, "host": socket.gethostname()}
+    if code != 0:
+        result["error"] = error_line(code, stderr)
     return result
 
 
@@ -117,12 +122,12 @@ class LocalExecutor:
         return results
 
     def _result(self, r: _Running) -> dict[str, Any]:
-        result: dict[str, Any] = {"code": r.proc.returncode, "seconds": time.perf_counter() - r.started, "host": socket.gethostname()}
+        stderr = ""
         if r.proc.returncode != 0:
             r.stderr.seek(0)
-            result["error"] = error_line(r.proc.returncode, r.stderr.read().decode(errors="replace"))
+            stderr = r.stderr.read().decode(errors="replace")
         r.stderr.close()
-        return result
+        return _result(r.proc.returncode, r.started, stderr)
 
     def cancel(self) -> list[Pair]:
         """Stop every running worker as Ctrl-C would; the pairs stopped."""

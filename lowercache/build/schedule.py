@@ -200,9 +200,7 @@ def _settle(pair: Pair, raw: dict[str, Any], executor: str, options: Options, cw
 
 
 def _summary(rows: list[dict[str, Any]], seconds: float, changes: Optional[list[str]], result: Result, emit: Callable[[str], None]) -> None:
-    counts = {o: sum(r["outcome"] == o for r in rows) for o in ("hit", "miss", "failed", "skipped")}
-    emit(f"{len(rows)} pairs in {seconds:.1f}s: {counts['hit']} from the cache, {counts['miss']} lowered, "
-         f"{counts['failed']} failed, {counts['skipped']} not run")
+    emit(report.tally(rows, f" in {seconds:.1f}s"))
     for r in rows:
         if r["outcome"] == "failed":
             emit(f"failed: {r['model']} on {r['target']}: {r.get('error')}")
