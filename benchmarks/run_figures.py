@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lowercache.bench.process import timed
+
 MODELS = Path(__file__).resolve().parent.parent / "lowercache" / "bench" / "models.py"
 PHASES = ("cold", "warm, first re-run", "warm (replayed)", "one block edited")
 
@@ -34,15 +36,6 @@ def model_source(model: str, edit: str | None) -> str:
 def aot(target: str) -> list[str]:
     return ["-m", "executorch.backends.arm.scripts.aot_arm_compiler", "--model_name=model.py", "--delegate", "--quantize",
             f"--target={target}", "--output=out"]
-
-
-def timed(cmd: list[str], cwd: Path, env: dict[str, str]) -> float:
-    start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, timeout=3600)
-    seconds = time.perf_counter() - start
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.decode()[-2000:]}")
-    return seconds
 
 
 def one(model: str, target: str, root: Path) -> dict[str, tuple[float, float, bool]]:
@@ -64,10 +57,10 @@ def one(model: str, target: str, root: Path) -> dict[str, tuple[float, float, bo
             (project / "model.py").write_text(text)
             time.sleep(0.1)
         if edit not in plain:
-            seconds = timed([sys.executable, *aot(target)], project, plain_env)
+            seconds = timed([sys.executable, *aot(target)], plain_env, project, timeout=3600)
             plain[edit] = (seconds, pte.read_bytes())
             pte.unlink()
-        seconds = timed(lc, project, lc_env)
+        seconds = timed(lc, lc_env, project, timeout=3600)
         results[phase] = (plain[edit][0], seconds, pte.read_bytes() == plain[edit][1])
     return results
 

@@ -102,10 +102,10 @@ def lowercache_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "lowercache.cli"]
 
 
-def timed(cmd: list[str], env: dict[str, str], cwd: Path) -> float:
+def timed(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = 7200) -> float:
     """Wall seconds of one command, fork to exit; a failure stops the benchmark with the command's last words."""
     start = time.perf_counter()
-    done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=7200)
+    done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     seconds = time.perf_counter() - start
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-2000:]}")
