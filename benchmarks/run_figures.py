@@ -2,12 +2,14 @@
 
     python benchmarks/run_figures.py [--models tiny_cnn,transformer_block] [--target ethos-u55-128] [--repeat 1]
 
-For each model, in a fresh project directory whose ``model.py`` defines ``ModelUnderTest`` and
+For each model, in fresh project directories whose ``model.py`` defines ``ModelUnderTest`` and
 ``ModelInputs`` from the benchmark's seeded builders (an edit rewrites its last line, as a user edits a
-file), with an empty cache: the plain command, then under ``lowercache run``: cold, the first re-run (it
-confirms the record: the script runs, its Arm steps served), a warm re-run (replayed), and one block's
-structure edited. Every .pte is compared byte for byte with the plain command's for the same model text.
-Prints a Markdown table and the load (``uptime``) before and after.
+file): the plain command, then under ``lowercache run`` twice over, each with an empty cache of its own:
+as a new process (``--no-server``) and in a child of the warm server (started once beforehand, in a
+socket directory of the benchmark's own; its start is timed apart). Each goes through the phases cold,
+the first re-run (it confirms the record: the script runs, its Arm steps served), a warm re-run
+(replayed), and one block's structure edited. Every .pte is compared byte for byte with the plain
+command's for the same model text. Prints a Markdown table and the load (``uptime``) before and after.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from lowercache.bench.process import timed
 
 MODELS = Path(__file__).resolve().parent.parent / "lowercache" / "bench" / "models.py"
 PHASES = ("cold", "warm, first re-run", "warm (replayed)", "one block edited")
+MODES = {"new process": ["--no-server"], "warm server": []}
 
 
 def model_source(model: str, edit: str | None) -> str:
@@ -38,30 +41,45 @@ def aot(target: str) -> list[str]:
             f"--target={target}", "--output=out"]
 
 
-def one(model: str, target: str, root: Path) -> dict[str, tuple[float, float, bool]]:
-    """Per phase: plain seconds, lowercache run seconds, bytes equal."""
-    project = root / "project"
-    project.mkdir(parents=True)
-    pte = project / "out" / f"model_arm_delegate_{target}.pte"
-    user = {k: v for k, v in os.environ.items() if not k.startswith("LOWERCACHE_")}
-    plain_env = {**user, "PYTHONPATH": user.get("PYTHONPATH", "")}
-    lc_env = {**user, "PYTHONPATH": os.pathsep.join(p for p in (str(MODELS.parents[2]), user.get("PYTHONPATH", "")) if p),
-              "LOWERCACHE_DIR": str(root / "cache"), "LOWERCACHE_CONFIG": str(root / "none.toml")}
-    lc = [sys.executable, "-m", "lowercache.cli", "run", "--", sys.executable, *aot(target)]
-    results: dict[str, tuple[float, float, bool]] = {}
+def user_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("LOWERCACHE_")}
+
+
+def lc_env(root: Path, cache: Path) -> dict[str, str]:
+    """lowercache from this checkout, a cache, no config file, the benchmark's own server socket directory."""
+    user = user_env()
+    return {**user, "PYTHONPATH": os.pathsep.join(p for p in (str(MODELS.parents[2]), user.get("PYTHONPATH", "")) if p),
+            "LOWERCACHE_DIR": str(cache), "LOWERCACHE_CONFIG": str(root / "none.toml"), "XDG_RUNTIME_DIR": str(root / "run")}
+
+
+def write_model(project: Path, model: str, edit: str | None) -> None:
+    text = model_source(model, edit)
+    if not (project / "model.py").exists() or (project / "model.py").read_text() != text:
+        (project / "model.py").write_text(text)
+        time.sleep(0.1)
+
+
+def one(model: str, target: str, root: Path) -> dict[tuple[str, str], tuple[float, float, bool]]:
+    """Per mode and phase: plain seconds, lowercache run seconds, bytes equal."""
+    pte = Path("out") / f"model_arm_delegate_{target}.pte"
     plain: dict[str | None, tuple[float, bytes]] = {}
-    for phase in PHASES:
-        edit = "structure" if phase == "one block edited" else None
-        text = model_source(model, edit)
-        if not (project / "model.py").exists() or (project / "model.py").read_text() != text:
-            (project / "model.py").write_text(text)
-            time.sleep(0.1)
-        if edit not in plain:
-            seconds = timed([sys.executable, *aot(target)], plain_env, project, timeout=3600)
-            plain[edit] = (seconds, pte.read_bytes())
-            pte.unlink()
-        seconds = timed(lc, lc_env, project, timeout=3600)
-        results[phase] = (plain[edit][0], seconds, pte.read_bytes() == plain[edit][1])
+    for edit in (None, "structure"):
+        project = root / "plain"
+        project.mkdir(exist_ok=True)
+        write_model(project, model, edit)
+        seconds = timed([sys.executable, *aot(target)], user_env(), project, timeout=3600)
+        plain[edit] = (seconds, (project / pte).read_bytes())
+        (project / pte).unlink()
+    results: dict[tuple[str, str], tuple[float, float, bool]] = {}
+    for mode, flags in MODES.items():
+        project = root / mode.replace(" ", "-")
+        project.mkdir()
+        lc = [sys.executable, "-m", "lowercache.cli", "run", *flags, "--", sys.executable, *aot(target)]
+        for phase in PHASES:
+            edit = "structure" if phase == "one block edited" else None
+            write_model(project, model, edit)
+            seconds = timed(lc, lc_env(root, root / f"cache-{project.name}"), project, timeout=3600)
+            results[(mode, phase)] = (plain[edit][0], seconds, (project / pte).read_bytes() == plain[edit][1])
     return results
 
 
@@ -76,21 +94,27 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     args = parser.parse_args()
     print(f"load before: {uptime()}")
-    lines = ["| model | phase | plain aot_arm_compiler (s) | lowercache run (s) | speed-up | bytes equal |", "|---|---|---:|---:|---:|---|"]
-    for model in args.models.split(","):
-        reps = []
-        for _ in range(args.repeat):
-            root = Path(tempfile.mkdtemp(prefix="lc-run-figures-"))
-            try:
-                reps.append(one(model, args.target, root))
-            finally:
-                shutil.rmtree(root, ignore_errors=True)
-        for phase in PHASES:
-            plain = statistics.median(r[phase][0] for r in reps)
-            run = statistics.median(r[phase][1] for r in reps)
-            equal = all(r[phase][2] for r in reps)
-            lines.append(f"| {model} | {phase} | {plain:.2f} | {run:.2f} | {plain / run:.1f}x | {'yes' if equal else '**NO**'} |")
-            print(lines[-1], flush=True)
+    root = Path(tempfile.mkdtemp(prefix="lcrf", dir="/tmp"))  # short: a socket path holds at most 107 bytes
+    (root / "run").mkdir(mode=0o700)
+    server = [sys.executable, "-m", "lowercache.cli", "server"]
+    try:
+        print(f"server start (once): {timed([*server, 'start'], lc_env(root, root / 'cache'), root, timeout=600):.1f} s", flush=True)
+        lines = ["| model | phase | plain aot_arm_compiler (s) | `run`, new process (s) | `run`, warm server (s) | speed-up, new process / warm server | bytes equal |",
+                 "|---|---|---:|---:|---:|---:|---|"]
+        for model in args.models.split(","):
+            reps = []
+            for i in range(args.repeat):
+                reps.append(one(model, args.target, Path(tempfile.mkdtemp(prefix=f"{model}-{i}-", dir=root))))
+            for phase in PHASES:
+                plain = statistics.median(r[("new process", phase)][0] for r in reps)
+                new, warm = (statistics.median(r[(mode, phase)][1] for r in reps) for mode in MODES)
+                equal = all(r[(mode, phase)][2] for r in reps for mode in MODES)
+                lines.append(f"| {model} | {phase} | {plain:.2f} | {new:.2f} | {warm:.2f} | {plain / new:.1f}x / {plain / warm:.1f}x | "
+                             f"{'yes' if equal else '**NO**'} |")
+                print(lines[-1], flush=True)
+    finally:
+        subprocess.run([*server, "stop"], env=lc_env(root, root / "cache"), capture_output=True, timeout=300)
+        shutil.rmtree(root, ignore_errors=True)
     print(f"load after: {uptime()}")
     print("\n".join(lines))
 

@@ -459,6 +459,7 @@ def run(
     remote: Optional[str] = RemoteUrl,
     outs: List[Path] = typer.Option([], "--out", metavar="DIR", help="A directory outside the working directory the command may write (replayed like the rest)."),
     explain: bool = typer.Option(False, "--explain", help="Say what the latest run of this command did with its record, and why; run nothing."),
+    no_server: bool = typer.Option(False, "--no-server", help=r"Run the command as a new process, not in a child of the warm server \[env: LOWERCACHE_SERVER=0]."),
 ) -> None:
     """Run a command (e.g. `lowercache run -- python export.py`): replayed from its record when nothing it read changed, else run with its Arm lowering cached (docs/run.md)."""
     from .replay import Command, explain as explain_command, run as run_command
@@ -468,7 +469,7 @@ def run(
         _fail("nothing to run; usage: lowercache run -- python script.py", 2)
     command = Command(argv=list(ctx.args), outs=[str(o) for o in outs])
     try:
-        settings = _settings(cache_dir, remote=remote)
+        settings = _settings(cache_dir, remote=remote, server=False if no_server else None)
         env = command_env(settings)
     except LowercacheError as e:
         _fail(str(e), 2)

@@ -275,6 +275,74 @@ def _relay(sock: socket.socket) -> int:
     raise ServerLost("the server closed the connection")
 
 
+def exec_through_server(argv: list[str], env: dict[str, str], executable: str, hook_dir: str, fds: list[int],
+                        settings: Settings) -> tuple[int | None, str]:
+    """Run a ``python`` command in a child of the warm server, writing to ``fds`` (its descriptors 0-2); for ``lowercache run``.
+
+    Returns the command's exit status (negative for a signal, as
+    ``subprocess`` gives it), or None and why when it has to run as a new
+    process: no server, or one that cannot stand in for a new interpreter
+    here (``pyexec.why_not``). Ctrl-C is passed on to the command.
+    """
+    if not settings.server or not hasattr(socket, "SO_PEERCRED"):
+        return None, "the server is off"
+    request = {"op": "exec", "argv": argv, "cwd": os.getcwd(), "env": env, "executable": executable, "hook_dir": hook_dir,
+               "umask": _umask(), "timeout": None}
+    sock = _connected(settings, request, "running the command as a new process")
+    if sock is None:
+        return None, "no server"
+    with sock:
+        try:
+            line = json.dumps(request).encode() + b"\n"
+            sent = socket.send_fds(sock, [line], fds)
+            sock.sendall(line[sent:])
+            sock.settimeout(None)
+            frame = _one_frame(sock)
+        except (ServerLost, OSError, ValueError) as e:
+            warn(f"the lowering server stopped during the command ({e}); running it as a new process")
+            return None, "the server stopped"
+    if "exit" in frame:
+        return int(frame["exit"]), ""
+    if "declined" in frame:
+        return None, str(frame["declined"])
+    return None, "the server was being replaced"
+
+
+def _one_frame(sock: socket.socket) -> dict[str, Any]:
+    """The server's one reply to an exec request; a Ctrl-C meanwhile is passed on (the command runs in another session)."""
+    buffer = b""
+    while b"\n" not in buffer:
+        try:
+            chunk = sock.recv(1 << 16)
+        except KeyboardInterrupt:
+            send(sock, {"op": "signal"})
+            continue
+        if not chunk or len(buffer) > MAX_LINE:
+            raise ServerLost("the server closed the connection")
+        buffer += chunk
+    frame = json.loads(buffer.split(b"\n", 1)[0])
+    if not isinstance(frame, dict):
+        raise ServerLost("a reply that is not a JSON object")
+    return frame
+
+
+def _connected(settings: Settings, request: dict[str, Any], fallback: str) -> socket.socket | None:
+    """A connection to a current server (started if need be), its identity put in ``request``; None, with a warning, if none."""
+    try:
+        hello = ensure_server(settings)
+        request["identity"] = hello["identity"]
+        return _connect(private_dir() / SOCKET_NAME, 10.0)
+    except Exception as e:  # noqa: BLE001  (whatever keeps the server away, the command still runs)
+        warn(f"no lowering server ({e}); {fallback}")
+        return None
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
+
+
 def run_through_server(args: list[str]) -> int | None:
     """Run the command line in a child of the warm server; its exit code, or None to run it in this process."""
     if "--no-server" in args[: args.index("--") if "--" in args else len(args)]:
@@ -301,12 +369,8 @@ def run_through_server(args: list[str]) -> int | None:
         **_terminal(),
     }
     for attempt in range(2):
-        try:
-            hello = ensure_server(settings)
-            request["identity"] = hello["identity"]
-            sock = _connect(private_dir() / SOCKET_NAME, 10.0)
-        except Exception as e:  # noqa: BLE001  (whatever keeps the server away, the command still runs)
-            warn(f"no lowering server ({e}); running in this process")
+        sock = _connected(settings, request, "running in this process")
+        if sock is None:
             return None
         with sock:
             try:

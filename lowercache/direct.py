@@ -768,7 +768,7 @@ def put_status(store: Any, name: str, outcome: str, reason: str) -> None:
 def status_lines(store: Any, name: Callable[[str], str], prefix: str = "") -> list[str]:
     """The remembered lookup and record outcomes (``name("lookup")``, ``name("record")``), one line each."""
     lines = []
-    for which, label in (("lookup", "latest lookup"), ("record", "latest record")):
+    for which, label in (("lookup", "latest lookup"), ("process", "latest run"), ("record", "latest record")):
         status = store.get_record(name(which))
         if isinstance(status, dict):
             lines.append(f"{prefix}{label}: {status.get('outcome')}: {status.get('reason')}")

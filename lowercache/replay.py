@@ -33,9 +33,11 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
+from . import pyexec
 from .cache.digests import digest, digest_json
+from .client import exec_through_server
 from .cache.store import Entry
 from .config import Settings, load_settings
 from .direct import (
@@ -55,6 +57,8 @@ from .direct import (
 from .errors import LowercacheError
 
 KIND = "run"
+# On the wrapped command's PYTHONPATH: its sitecustomize starts the recorder and the Arm hooks (runhook.py).
+HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run")
 RECORD_VERSION = 1
 # Handed to the wrapped process only (it removes them before the script runs).
 ENV_RECORD = "LOWERCACHE_RUN_RECORD"
@@ -71,6 +75,7 @@ class Command:
     argv: list[str]
     outs: list[str] = field(default_factory=list)
     cwd: str = field(default_factory=os.getcwd)
+    process: str = ""  # how it last ran: in a child of the warm server, or as a new process and why
 
     @property
     def root(self) -> str:
@@ -178,14 +183,25 @@ def python_identity() -> dict[str, str]:
     return {"executable": os.path.abspath(sys.executable), "prefix": sys.prefix, "version": sys.version}
 
 
-def record_in_process() -> None:
-    """Called by ``lowercache/_run/sitecustomize.py``: record this process for the ``lowercache run`` that started it."""
+def record_in_process(at_exit: bool = True, warm: dict[str, Any] | None = None) -> Callable[[], None] | None:
+    """Record this process for the ``lowercache run`` that started it (``lowercache/_run/sitecustomize.py`` calls this).
+
+    Returns the function that hands the observation over, registered as the
+    first exit handler unless ``at_exit`` is false (a child of the warm
+    server calls it itself, after every other). ``warm``: in such a child,
+    the variables and module names the server's imports read and looked up,
+    which a new process would have read itself.
+    """
     where = os.environ.pop(ENV_RECORD, None)
     outs = os.environ.pop(ENV_OUT, "")
     if not where:
-        return
+        return None
     cwd = os.getcwd()
     recorder = CommandRecorder(project_root(cwd), load_settings(), [cwd, *(o for o in outs.split(os.pathsep) if o)])
+    if warm is not None:
+        recorder.lookups.update(warm["lookups"])
+        for name in warm["env"]:
+            recorder.read_env(name)
     listen(recorder)
     if sys.stdin is not None:
         sys.stdin = _WatchedStdin(sys.stdin, recorder)
@@ -201,7 +217,9 @@ def record_in_process() -> None:
         except Exception:  # noqa: BLE001 - a lowercache fault never changes the command's output
             pass
 
-    atexit.register(dump)  # registered first, so it runs after every other exit handler
+    if at_exit:
+        atexit.register(dump)  # registered first, so it runs after every other exit handler
+    return dump
 
 
 # -- in ``lowercache run`` -------------------------------------------------------------------------------
@@ -273,7 +291,11 @@ def _why_not(entry: Entry, command: Command, settings: Settings, env: dict[str, 
 
 
 def _runs_our_python(argv: list[str], env: dict[str, str], cwd: str) -> bool:
-    """Whether the command starts lowercache's own interpreter (its file, in its directory: the same venv).
+    return _our_python(argv, env, cwd) is not None
+
+
+def _our_python(argv: list[str], env: dict[str, str], cwd: str) -> str | None:
+    """The interpreter the command starts, when it is lowercache's own (its file, in its directory: the same venv); else None.
 
     Only then does the record's interpreter identity describe the process a
     re-run would start; another venv's ``python`` is run every time. A pyenv
@@ -282,14 +304,16 @@ def _runs_our_python(argv: list[str], env: dict[str, str], cwd: str) -> bool:
     """
     found = shutil.which(argv[0], path=env.get("PATH")) if argv else None
     if found is None:
-        return False
+        return None
     shim = _pyenv_shim(found)
     if shim is not None:
         found = _pyenv_which(shim, os.path.basename(found), env, cwd)
         if found is None:
-            return False
+            return None
     ours = os.path.abspath(sys.executable)
-    return os.path.dirname(os.path.abspath(found)) == os.path.dirname(ours) and os.path.realpath(found) == os.path.realpath(ours)
+    if os.path.dirname(os.path.abspath(found)) == os.path.dirname(ours) and os.path.realpath(found) == os.path.realpath(ours):
+        return os.path.abspath(found)
+    return None
 
 
 # The lines of a pyenv shim that name its root and the pyenv it hands over to.
@@ -348,42 +372,69 @@ def _replay(entry: Entry, command: Command) -> None:
 def _tee(source: Any, sink: Any, kept: list[bytes], full: list[bool]) -> None:
     """Copy a child's stream to ours as it comes, keeping a copy (up to :data:`MAX_STREAM`)."""
     size = 0
-    while chunk := os.read(source.fileno(), 65536):
-        try:
-            sink.write(chunk)
-            sink.flush()
-        except OSError:  # our reader went away (``| head``): the command sees its pipe close, as it would
-            full[0] = True
-            source.close()
-            return
-        if size + len(chunk) <= MAX_STREAM:
-            kept.append(chunk)
-        else:
-            full[0] = True
-        size += len(chunk)
+    with source:
+        while chunk := os.read(source.fileno(), 65536):
+            try:
+                sink.write(chunk)
+                sink.flush()
+            except OSError:  # our reader went away (``| head``): the command sees its pipe close, as it would
+                full[0] = True
+                return
+            if size + len(chunk) <= MAX_STREAM:
+                kept.append(chunk)
+            else:
+                full[0] = True
+            size += len(chunk)
 
 
-def _run_child(argv: list[str], env: dict[str, str]) -> tuple[int, bytes, bytes]:
-    """Run the command, its output passed through as it comes and kept; its exit code."""
-    child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def _run_child(command: Command, env: dict[str, str], settings: Settings) -> tuple[int, bytes, bytes]:
+    """Run the command, its output passed through as it comes and kept; its exit code.
+
+    A ``python`` command runs in a child of the warm server when it can stand
+    in for a new process (``pyexec.py``), writing to the same pipes; else, or
+    with no server, as a new process.
+    """
+    pipes = [os.pipe(), os.pipe()]
     out: list[bytes] = []
     err: list[bytes] = []
     full = [False]
-    threads = [threading.Thread(target=_tee, args=(child.stdout, sys.stdout.buffer, out, full), daemon=True),
-               threading.Thread(target=_tee, args=(child.stderr, sys.stderr.buffer, err, full), daemon=True)]
+    threads = [threading.Thread(target=_tee, args=(os.fdopen(pipes[0][0], "rb", 0), sys.stdout.buffer, out, full), daemon=True),
+               threading.Thread(target=_tee, args=(os.fdopen(pipes[1][0], "rb", 0), sys.stderr.buffer, err, full), daemon=True)]
     for t in threads:
         t.start()
-    while True:
-        try:
-            code = child.wait()
-            break
-        except KeyboardInterrupt:
-            continue  # the child got the signal too; its exit code says what it did
+    try:
+        code, why = None, "not a python command lowercache's interpreter runs"
+        python = _our_python(command.argv, env, command.cwd) if pyexec.parse(command.argv) is not None else None
+        if python is not None:
+            stdin = 0 if _usable(0) else os.open(os.devnull, os.O_RDONLY)
+            code, why = exec_through_server(command.argv, env, python, HOOK_DIR, [stdin, pipes[0][1], pipes[1][1]], settings)
+            if stdin:
+                os.close(stdin)
+        command.process = "in a child of the warm server" if code is not None else f"as a new process ({why})"
+        if code is None:
+            child = subprocess.Popen(command.argv, env=env, stdout=pipes[0][1], stderr=pipes[1][1])
+            while True:
+                try:
+                    code = child.wait()
+                    break
+                except KeyboardInterrupt:
+                    continue  # the child got the signal too; its exit code says what it did
+    finally:
+        for _, write_end in pipes:
+            os.close(write_end)  # the tees end once the command and everything it started closed theirs
     for t in threads:
         t.join()
     if full[0]:
         return code, b"", b"\0too long"  # or not all passed through: not recorded
     return code, b"".join(out), b"".join(err)
+
+
+def _usable(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
 
 
 def run(command: Command, settings: Settings, env: dict[str, str]) -> int:
@@ -399,9 +450,9 @@ def run(command: Command, settings: Settings, env: dict[str, str]) -> int:
     try:
         entry = _lookup(store, command, settings, env) if store is not None else None
         if entry is not None:
-            return _answer(store, command, entry, env)
+            return _answer(store, command, entry, env, settings)
         if store is None or not store.writable:
-            return _run_child(command.argv, env)[0]
+            return _run_child(command, env, settings)[0]
         return _record(store, command, settings, env)
     finally:
         if store is not None:
@@ -422,14 +473,14 @@ def _lookup(store: Any, command: Command, settings: Settings, env: dict[str, str
     return entry
 
 
-def _answer(store: Any, command: Command, entry: Entry, env: dict[str, str]) -> int:
+def _answer(store: Any, command: Command, entry: Entry, env: dict[str, str], settings: Settings) -> int:
     started = time.perf_counter()
     try:
         _replay(entry, command)
     except OSError as e:  # the command itself would have written these: it runs and says what is wrong
         print(f"lowercache: warning: replay failed ({e}); running the command", file=sys.stderr)
         _set_status(store, command, "lookup", "not used", f"writing its files failed ({e})")
-        return _run_child(command.argv, env)[0]
+        return _run_child(command, env, settings)[0]
     for stream, name in ((sys.stdout, "stdout"), (sys.stderr, "stderr")):
         with contextlib.suppress(BrokenPipeError):
             stream.buffer.write(entry.blobs[name])
@@ -445,8 +496,9 @@ def _record(store: Any, command: Command, settings: Settings, env: dict[str, str
         where = os.path.join(tmp, "observation.json")
         child_env = {**env, ENV_RECORD: where, ENV_OUT: os.pathsep.join(os.path.abspath(o) for o in command.outs)}
         started = time.perf_counter()
-        code, out, err = _run_child(command.argv, child_env)
+        code, out, err = _run_child(command, child_env, settings)
         cost = time.perf_counter() - started
+        _set_status(store, command, "process", "ran", command.process)
         try:
             with open(where) as f:
                 observation = json.load(f)

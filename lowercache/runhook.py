@@ -20,14 +20,13 @@ import sys
 from typing import Any
 
 from .config import Settings
-
-_HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run")
+from .replay import HOOK_DIR
 
 
 def command_env(settings: Settings) -> dict[str, str]:
     """The environment for the wrapped command: hook on the path, settings pinned."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_HOOK_DIR, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (HOOK_DIR, env.get("PYTHONPATH", "")) if p)
     env["LOWERCACHE_RUN"] = "1"
     env["LOWERCACHE_DIR"] = str(settings.cache_dir)
     env["LOWERCACHE_MAX_SIZE"] = str(settings.max_size)

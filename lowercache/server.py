@@ -33,9 +33,10 @@ import tempfile
 import time
 import traceback
 import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
-from . import client
+from . import client, pyexec
 from .config import load_settings
 
 _PR_SET_PDEATHSIG = 1
@@ -56,6 +57,20 @@ class _Request:
         self.timed_out = False
         self.close_when_sent = False
         self.gone = False
+        self.fds: list[int] = []  # an exec request's descriptors 0-2, passed by the client (SCM_RIGHTS)
+
+    @property
+    def execs(self) -> bool:
+        """A wrapped ``python`` command (``lowercache run``), not a lowercache command line."""
+        return bool(self.message) and self.message.get("op") == "exec"
+
+    def close_fds(self) -> None:
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
 
 
 def _rss_bytes() -> int:
@@ -93,12 +108,13 @@ def _signal_error(status: int) -> str:
 class Server:
     """The accept loop, the children and the queue."""
 
-    def __init__(self, listener: socket.socket, identity: dict[str, Any], threads: int, idle_timeout: float, jobs: int) -> None:
+    def __init__(self, listener: socket.socket, identity: dict[str, Any], warm: Warm, idle_timeout: float, jobs: int) -> None:
         self.listener = listener
         self.path = listener.getsockname()
         self.inode = os.stat(self.path).st_ino
         self.identity = identity
-        self.threads = threads
+        self.warm = warm
+        self.threads = warm.threads
         self.idle_timeout = idle_timeout
         self.jobs = max(1, jobs)
         self.selector = selectors.DefaultSelector()
@@ -195,17 +211,19 @@ class Server:
             self._flush(request)
         if mask & selectors.EVENT_READ and not request.gone:
             try:
-                chunk = request.conn.recv(1 << 16)
+                chunk, fds, _, _ = socket.recv_fds(request.conn, 1 << 16, 3)
             except BlockingIOError:
                 return
             except OSError:
-                chunk = b""
+                chunk, fds = b"", []
+            request.fds += fds
             if not chunk:
                 self._client_gone(request)
                 return
-            if request.message is not None:
-                return  # nothing more is expected; a running request only watches for the client leaving
             request.inbox += chunk
+            if request.message is not None:
+                self._signal(request)  # a running request only watches for the client leaving, or its Ctrl-C
+                return
             if b"\n" in request.inbox:
                 self._handle(request, request.inbox.split(b"\n", 1)[0])
             elif len(request.inbox) > client.MAX_LINE:
@@ -227,15 +245,52 @@ class Server:
         elif op == "stop":
             self.stop()  # the socket path is free before the reply: a replacement may bind it at once
             self._reply(request, {"pid": os.getpid(), "stopping": True, "running": len(self.running), "queued": len(self.queue)})
-        elif op == "run":
+        elif op in ("run", "exec"):
             if message.get("identity") != self.identity or self.stopping:
                 self._reply(request, {"stale": True})
                 return
+            if op == "exec":
+                why = self._cannot_exec(request)
+                if why is not None:
+                    self._reply(request, {"declined": why})
+                    return
             self.last_active = time.monotonic()
             self.queue.append(request)
             self._start_queued()
         else:
             self._reply(request, {"error": f"unknown request {op!r}"})
+
+    def _cannot_exec(self, request: _Request) -> str | None:
+        """Why this child could not stand in for the new ``python`` process the client would start, or None."""
+        message = request.message or {}
+        invocation = pyexec.parse([str(a) for a in message.get("argv") or []])
+        env, cwd = message.get("env"), message.get("cwd")
+        if invocation is None or not isinstance(env, dict) or not isinstance(cwd, str) or not isinstance(message.get("executable"), str):
+            return "not a command this server can run"
+        if len(request.fds) != 3:
+            return "the client's standard streams did not arrive"
+        if self.warm.base_path is None:
+            return "this server's module search path is not a new interpreter's"
+        return pyexec.why_not(invocation, cwd, {str(k): str(v) for k, v in env.items()}, self.warm.start_env,
+                              self.warm.read_env, self.warm.imported, str(message.get("hook_dir") or ""))
+
+    def _signal(self, request: _Request) -> None:
+        """A running exec request's client asks for SIGINT (its Ctrl-C) to reach the command, as it would a new process."""
+        lines = request.inbox.split(b"\n")
+        request.inbox = lines.pop()
+        if len(request.inbox) > client.MAX_LINE:
+            self._client_gone(request)
+            return
+        for line in lines:
+            try:
+                asked = json.loads(line)
+            except ValueError:
+                continue
+            if request.execs and request.pid and isinstance(asked, dict) and asked.get("op") == "signal":
+                try:
+                    os.killpg(request.pid, signal.SIGINT)
+                except OSError:
+                    pass
 
     def status(self) -> dict[str, Any]:
         return {
@@ -288,6 +343,7 @@ class Server:
         self._close(request)
 
     def _close(self, request: _Request) -> None:
+        request.close_fds()
         fd = request.conn.fileno()
         if fd >= 0 and self.requests.pop(fd, None) is not None:
             self.selector.unregister(request.conn)
@@ -300,8 +356,10 @@ class Server:
             self._fork(self.queue.popleft())
 
     def _fork(self, request: _Request) -> None:
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+        """A child for the request: a lowercache command (its output relayed as frames) or, for exec, a ``python`` command
+        writing straight to the client's own descriptors."""
+        out_r, out_w = os.pipe() if not request.execs else (-1, -1)
+        err_r, err_w = os.pipe() if not request.execs else (-1, -1)
         parent = os.getpid()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
@@ -311,18 +369,25 @@ class Server:
             try:
                 own = [self.listener.fileno(), self.selector.fileno(), out_r, err_r]
                 own += [r.conn.fileno() for r in self.requests.values()]
+                own += [fd for r in self.requests.values() if r is not request for fd in r.fds]
                 own += [fd for r in self.running.values() for fd in (*r.pipes, r.pidfd)]
-                code = _child(request.message or {}, parent, out_w, err_w, [fd for fd in own if fd >= 0], self.threads)
+                inherited = [fd for fd in own if fd >= 0]
+                if request.execs:
+                    code = _exec_child(request.message or {}, parent, request.fds, inherited, self.warm)
+                else:
+                    code = _child(request.message or {}, parent, out_w, err_w, inherited, self.threads)
             finally:
                 os._exit(code)
         try:
             os.setpgid(pid, pid)  # as the child does itself: whichever runs first, a kill reaches the whole group
         except OSError:
             pass
-        os.close(out_w)
-        os.close(err_w)
+        request.close_fds()  # the child has them: the client sees end of file once the command and what it started are gone
         request.pid = pid
-        request.pipes = {out_r: 1, err_r: 2}
+        if not request.execs:
+            os.close(out_w)
+            os.close(err_w)
+            request.pipes = {out_r: 1, err_r: 2}
         timeout = request.message.get("timeout") if request.message else None
         request.deadline = time.monotonic() + timeout if isinstance(timeout, (int, float)) and timeout > 0 else None
         self.running[pid] = request
@@ -392,7 +457,9 @@ class Server:
         self.served += 1
         self.last_active = time.monotonic()
         code = os.waitstatus_to_exitcode(status)
-        if request.timed_out:
+        if request.execs and not request.timed_out:
+            reply = {"exit": code}  # as a new process's status: negative for a signal
+        elif request.timed_out:
             reply = {"exit": 1, "error": f"the lowering took longer than the request timeout ({request.message.get('timeout')} s, LOWERCACHE_SERVER_TIMEOUT) and was stopped"}
         elif code < 0:
             reply = {"exit": 1, "error": _signal_error(code)}
@@ -404,8 +471,8 @@ class Server:
         self._start_queued()
 
 
-def _child(message: dict[str, Any], parent: int, out_w: int, err_w: int, inherited: list[int], threads: int) -> int:
-    """In the forked child: become the client's process, run the CLI, return its exit code. Never returns into the server."""
+def _detach(parent: int, inherited: list[int]) -> None:
+    """A forked child's first steps: a process group of its own, death with the server, default signals, none of its descriptors."""
     os.setpgid(0, 0)
     _die_with_parent(parent)
     for number in (signal.SIGTERM, signal.SIGCHLD):
@@ -416,6 +483,11 @@ def _child(message: dict[str, Any], parent: int, out_w: int, err_w: int, inherit
             os.close(fd)
         except OSError:
             pass
+
+
+def _child(message: dict[str, Any], parent: int, out_w: int, err_w: int, inherited: list[int], threads: int) -> int:
+    """In the forked child: become the client's process, run the CLI, return its exit code. Never returns into the server."""
+    _detach(parent, inherited)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(out_w, 1)
@@ -450,6 +522,32 @@ def _child(message: dict[str, Any], parent: int, out_w: int, err_w: int, inherit
     return code or 0
 
 
+def _exec_child(message: dict[str, Any], parent: int, fds: list[int], inherited: list[int], warm: Warm) -> int:
+    """In the forked child: be the new ``python`` process ``lowercache run`` would have started (``pyexec.py``)."""
+    _detach(parent, inherited)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    from .errors import show_warnings_in_one_line
+    from .replay import record_in_process
+    from .runhook import activate_in_process
+
+    invocation = pyexec.parse([str(a) for a in message["argv"]])
+    assert invocation is not None and warm.base_path is not None  # checked by _cannot_exec before the fork
+    pyexec.streams(invocation.unbuffered)
+    _become_client(message, warm.threads)
+    if isinstance(message.get("umask"), int):
+        os.umask(message["umask"] & 0o777)
+    # what lowercache/_run/sitecustomize.py does in a new process, with the server's imports' reads added to the record
+    dump = record_in_process(at_exit=False, warm={"env": warm.read_env, "lookups": warm.lookups})
+    show_warnings_in_one_line()
+    activate_in_process()
+    return pyexec.run(invocation, [str(a) for a in message["argv"]], str(message["executable"]), warm.base_path,
+                      warm.installed, dump)
+
+
 def _become_client(message: dict[str, Any], threads: int) -> None:
     """The client's working directory, environment, import path, terminal and thread count."""
     import torch
@@ -465,8 +563,9 @@ def _become_client(message: dict[str, Any], threads: int) -> None:
     if all(ttys):  # rich asks isatty of its stream, a pipe here; these say what the client's streams are
         os.environ.setdefault("TTY_COMPATIBLE", "1")
         os.environ.setdefault("TTY_INTERACTIVE", "1")
-    sys.path[:] = [str(p) for p in message.get("path") or sys.path]
-    sys.argv = ["lowercache", *map(str, message.get("argv") or [])]
+    if message.get("op") != "exec":  # a wrapped command's path and arguments are pyexec's
+        sys.path[:] = [str(p) for p in message.get("path") or sys.path]
+        sys.argv = ["lowercache", *map(str, message.get("argv") or [])]
     torch.set_num_threads(_thread_count(threads))
     try:
         with open("/proc/self/oom_score_adj", "w") as f:
@@ -487,14 +586,54 @@ def _thread_count(default: int) -> int:
     return default
 
 
-def _warm_up() -> int:
-    """Import the stack single-threaded and lower a tiny model into a throwaway cache; torch's default thread count."""
+@dataclass
+class Warm:
+    """What the warm-up left that a child standing in for a new ``python`` process needs (``pyexec.py``)."""
+
+    threads: int  # torch's default thread count, before the server set one
+    start_env: dict[str, str]  # the environment as the server started
+    base_path: list[str] | None  # sys.path as the interpreter started, without sys.path[0] (None: unknown)
+    read_env: list[str] = field(default_factory=list)  # variables the imports and the warm-up read
+    lookups: list[str] = field(default_factory=list)  # module names they looked up
+    imported: dict[str, list[str]] = field(default_factory=dict)  # top-level names of those and of every module imported, where found
+    installed: tuple[str, ...] = ()  # directories of installed code (stdlib, site-packages, lowercache)
+
+
+def _installed_dirs() -> tuple[str, ...]:
+    import site
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    dirs = {paths[name] for name in ("stdlib", "platstdlib", "purelib", "platlib")} | set(site.getsitepackages())
+    dirs.add(os.path.dirname(os.path.abspath(__file__)))
+    return tuple(os.path.join(os.path.normpath(d), "") for d in dirs)
+
+
+def _warm_up(warm: Warm) -> None:
+    """Import the stack single-threaded and lower a tiny model into a throwaway cache, listening to what it reads."""
+    from .direct import listen
+    from .replay import CommandRecorder
+
+    settings = load_settings()
+    recorder = CommandRecorder("/", settings, [])
+    listen(recorder)
+    try:
+        _import_and_lower(warm)
+    finally:
+        recorder.close()
+    warm.read_env = sorted(recorder.env)
+    warm.lookups = sorted(recorder.lookups)
+    warm.imported = pyexec.found_in(dict(sys.modules), recorder.lookups)
+    warm.installed = _installed_dirs()
+
+
+def _import_and_lower(warm: Warm) -> None:
     from . import quiet
 
     with quiet.captured(import_torch=True) as imports:  # what a new process's imports hold back, its children count too
         import torch
 
-        threads = torch.get_num_threads()
+        warm.threads = torch.get_num_threads()
         torch.set_num_threads(1)  # a fork after the intra-op pool ran can hang the child
         import executorch.backends.arm.ethosu  # noqa: F401
         import executorch.backends.arm.quantizer  # noqa: F401
@@ -514,7 +653,6 @@ def _warm_up() -> int:
         module, example = models.tiny_cnn()
         settings = load_settings(cache_dir=scratch, disable=False, read_only=False, remote="")
         api.lower(module, example, target="ethos-u55-128", settings=settings)
-    return threads
 
 
 def _listen(path: str) -> socket.socket:
@@ -542,15 +680,18 @@ def _listen(path: str) -> socket.socket:
 
 def main() -> None:
     """``python -m lowercache.server``: warm up, then serve until stopped or idle."""
+    # sys.path as ``python -c`` started it, '' first, with this lowercache put in front by client._spawn's code
+    base_path = sys.path[2:] if sys.path[1:2] == [""] else None
+    warm = Warm(threads=1, start_env=dict(os.environ), base_path=base_path)
     settings = load_settings()
     identity = client.identity(settings)  # before the imports: a source edited meanwhile makes this server stale
     directory = client.private_dir()
-    threads = _warm_up()
+    _warm_up(warm)
     gc.collect()
     gc.freeze()  # children share the warm heap instead of copying pages the collector would touch
     listener = _listen(os.fspath(directory / client.SOCKET_NAME))
     print(f"lowercache server {os.getpid()} listening at {listener.getsockname()}", file=sys.stderr, flush=True)
-    Server(listener, identity, threads, settings.server_idle_timeout, settings.server_jobs).serve()
+    Server(listener, identity, warm, settings.server_idle_timeout, settings.server_jobs).serve()
 
 
 if __name__ == "__main__":

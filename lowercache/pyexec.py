@@ -1,0 +1,274 @@
+"""Run ``python script.py`` or ``python -m module`` in a child of the warm server, as a new interpreter would.
+
+``lowercache run -- python export.py`` sends the command to the warm server
+(``server.py``), whose children have torch, ExecuTorch's Arm backend and
+torchao imported already, so the script does not pay for the imports. This
+module is what lets such a child stand in for the process ``python`` would
+have started:
+
+- which command lines qualify (:func:`parse`): a script or ``-m module``,
+  with at most ``-u`` and ``-B``; anything else runs as a new process;
+- when the warm process cannot stand in (:func:`why_not`): a variable that
+  the interpreter's start, torch's native code or the server's imports read
+  differs from the server's, or a file in the script's directory (or on
+  ``PYTHONPATH``) would shadow a module the server imported or looked for;
+- the interpreter's own start and exit (:func:`run`): ``__main__``,
+  ``sys.argv``, ``sys.path[0]``, fresh standard streams, torch's default
+  random generators seeded afresh, the exit code of ``SystemExit``
+  or an uncaught exception (through ``sys.excepthook``, without this
+  module's frames), non-daemon threads joined, exit handlers, and files left
+  open in the user's modules flushed.
+
+Imports nothing heavy: the client uses :func:`parse` before any server exists.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import gc
+import importlib
+import importlib.machinery
+import io
+import os
+import random
+import runpy
+import signal
+import sys
+import threading
+import types
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+# Variables read before any Python code runs (the interpreter's start, torch's and the OpenMP,
+# MKL and C libraries' native code): a child of the server started with the server's values.
+_STARTUP_PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH", "ATEN_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_",
+                     "MALLOC_", "GLIBC_", "LC_", "EXECUTORCH")
+_STARTUP_NAMES = ("HOME", "LANG")
+# The child sets these itself (server.py's thread count); lowercache's own settings are read fresh in the child.
+_SET_BY_CHILD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """A ``python`` command line this module can stand in for."""
+
+    script: str | None
+    module: str | None
+    args: list[str]
+    unbuffered: bool = False
+    no_bytecode: bool = False
+
+    def main_dir(self, cwd: str) -> str:
+        """``sys.path[0]``: the script's directory (links resolved), or the working directory for ``-m``."""
+        if self.module is not None:
+            return cwd
+        return os.path.dirname(os.path.realpath(os.path.join(cwd, self.script or "")))
+
+
+def parse(argv: list[str]) -> Invocation | None:
+    """``argv`` (the interpreter first) as an :class:`Invocation`, or None when it is anything else (``-c``, ``-X``, ``-W``, stdin...)."""
+    flags: set[str] = set()
+    for i, arg in enumerate(argv[1:], start=1):
+        if arg == "-m" or (arg.startswith("-m") and len(arg) > 2):
+            module = arg[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
+            rest = argv[i + 1:] if arg != "-m" else argv[i + 2:]
+            return Invocation(None, module, rest, "u" in flags, "B" in flags) if module else None
+        if arg.startswith("-") and len(arg) > 1 and set(arg[1:]) <= {"u", "B"}:
+            flags.update(arg[1:])
+            continue
+        if arg.startswith("-"):
+            return None
+        return Invocation(arg, None, argv[i + 1:], "u" in flags, "B" in flags)
+    return None
+
+
+def without_dir(pythonpath: str | None, directory: str) -> str | None:
+    """``PYTHONPATH`` without ``directory`` (``lowercache run``'s hook), None when nothing is left."""
+    if pythonpath is None:
+        return None
+    kept = [p for p in pythonpath.split(os.pathsep) if p and os.path.abspath(p) != os.path.abspath(directory)]
+    return os.pathsep.join(kept) or None
+
+
+def why_not(invocation: Invocation, cwd: str, env: dict[str, str], start_env: dict[str, str], read: Iterable[str],
+            imported: dict[str, list[str]], hook_dir: str) -> str | None:
+    """Why a child of the server cannot stand in for a new ``python`` process here, or None when it can.
+
+    ``start_env``: the server's environment as it started; ``read``: the
+    variables its imports and warm-up read; ``imported``: the top-level
+    module names it imported or looked for, each with the directories it
+    was found in (none: not found); ``hook_dir``: the directory ``lowercache
+    run`` puts on ``PYTHONPATH`` (its ``sitecustomize``).
+    """
+    if invocation.script is not None:
+        path = os.path.join(cwd, invocation.script)
+        if not os.path.isfile(path):
+            return f"{invocation.script} is not a file"
+        if zipfile.is_zipfile(path):
+            return f"{invocation.script} is a zip archive"
+    names = set(read) | {n for n in (*start_env, *env) if n.startswith(_STARTUP_PREFIXES) or n in _STARTUP_NAMES}
+    for name in sorted(names):
+        if name.startswith("LOWERCACHE_") or name in _SET_BY_CHILD:
+            continue
+        mine = without_dir(env.get(name), hook_dir) if name == "PYTHONPATH" else env.get(name)
+        if mine != start_env.get(name):
+            return f"environment variable {name} differs from the server's"
+    pythonpath = without_dir(env.get("PYTHONPATH"), hook_dir)
+    for directory in [invocation.main_dir(cwd), *(pythonpath.split(os.pathsep) if pythonpath else [])]:
+        directory = os.path.normpath(os.path.join(cwd, directory))
+        try:
+            entries = os.listdir(directory)
+        except OSError:
+            continue
+        names = {e: _module_name(directory, e) for e in entries}
+        shadows = sorted(e for e, name in names.items() if name in imported and directory not in imported[name])
+        if shadows:
+            return f"{os.path.join(directory, shadows[0])} would shadow a module the server imported"
+    return None
+
+
+def found_in(modules: dict[str, Any], looked_up: Iterable[str]) -> dict[str, list[str]]:
+    """Top-level module names, each with the search-path directories its module came from (none: looked up, not found)."""
+    found: dict[str, set[str]] = {name.split(".")[0]: set() for name in looked_up}
+    for name, module in modules.items():
+        if "." in name or module is None:
+            continue
+        places = list(getattr(module, "__path__", None) or [])  # a package's directories: their parent is the entry
+        origin = getattr(module, "__file__", None)
+        dirs = {os.path.dirname(os.path.normpath(p)) for p in places if isinstance(p, str)}
+        if isinstance(origin, str) and not places:
+            dirs.add(os.path.dirname(os.path.normpath(origin)))
+        found.setdefault(name, set()).update(dirs)
+    return {name: sorted(dirs) for name, dirs in found.items()}
+
+
+def _module_name(directory: str, entry: str) -> str | None:
+    """The top-level module name ``entry`` of a search-path directory provides (a package, a namespace, a source or extension file)."""
+    for suffix in importlib.machinery.all_suffixes():
+        if entry.endswith(suffix) and len(entry) > len(suffix):
+            return entry[: -len(suffix)]
+    return entry if "." not in entry and os.path.isdir(os.path.join(directory, entry)) else None
+
+
+def streams(unbuffered: bool) -> None:
+    """New standard streams on descriptors 0-2, as the interpreter makes them (pipes: block buffered; stderr: line buffered).
+
+    Made before anything wraps them (``lowercache run``'s recorder watches ``sys.stdin``)."""
+    def text(fd: int, mode: str, template: Any, buffered: bool, line: bool) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, mode, closefd=False)
+        stream: Any = raw
+        if buffered:
+            stream = io.BufferedReader(raw) if mode == "rb" else io.BufferedWriter(raw)
+        return io.TextIOWrapper(stream, encoding=template.encoding, errors=template.errors,
+                                line_buffering=line, write_through=not buffered)
+
+    tty = [os.isatty(fd) for fd in (0, 1, 2)]
+    sys.stdin = sys.__stdin__ = text(0, "rb", sys.__stdin__ or sys.stdin, True, tty[0])
+    sys.stdout = sys.__stdout__ = text(1, "wb", sys.__stdout__ or sys.stdout, not unbuffered, tty[1])
+    sys.stderr = sys.__stderr__ = text(2, "wb", sys.__stderr__ or sys.stderr, not unbuffered, True)
+
+
+def _reseed() -> None:
+    """Random generators seeded from the OS, as a new process seeds them (torch's, Python's, NumPy's); forked, they are the server's."""
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
+
+
+def _exit_code(e: SystemExit) -> int:
+    """``SystemExit``'s code as the interpreter turns it into an exit status (a message is printed, status 1)."""
+    code = e.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        print(code, file=sys.stderr)
+    except Exception:  # noqa: BLE001 - as the interpreter, print what can be printed
+        pass
+    return 1
+
+
+def _uncaught(e: BaseException) -> None:
+    """Print an uncaught exception through ``sys.excepthook``, without this module's frames in the traceback."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    e.__traceback__ = tb  # the default hook prints the exception's own traceback
+    try:
+        sys.excepthook(type(e), e, tb)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _run_script(path: str, main: types.ModuleType) -> None:
+    with open(path, "rb") as f:
+        source = f.read()
+    code = compile(source, path, "exec", dont_inherit=True)
+    main.__dict__.update(__file__=path, __cached__=None, __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    exec(code, main.__dict__)
+
+
+def _user_module(module: Any, installed: tuple[str, ...]) -> bool:
+    origin = getattr(module, "__file__", None)
+    return isinstance(origin, str) and not os.path.abspath(origin).startswith(installed)
+
+
+def run(invocation: Invocation, argv: list[str], executable: str, base_path: list[str], installed: tuple[str, ...],
+        dump: Callable[[], None] | None) -> int:
+    """Be ``python`` running ``invocation`` in this (forked) process; the exit status, or death by SIGINT as ``python`` dies.
+
+    Call with the client's working directory, environment and descriptors
+    0-2 in place, and :func:`streams` made on them. ``base_path``: ``sys.path`` after the interpreter's start,
+    without ``sys.path[0]``. ``installed``: directories whose modules are not
+    the user's (their files are not flushed by hand at exit). ``dump``:
+    called last, after every exit handler (``lowercache run``'s recorder).
+    """
+    sys.executable = executable
+    sys.orig_argv = list(argv)
+    sys.dont_write_bytecode = invocation.no_bytecode or sys.dont_write_bytecode
+    cwd = os.getcwd()
+    sys.path[:] = [invocation.main_dir(cwd), *base_path]
+    importlib.invalidate_caches()
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__builtins__=builtins, __package__=None, __spec__=None)
+    sys.modules["__main__"] = main
+    _reseed()
+    before = set(sys.modules)
+    code, interrupted = 0, False
+    try:
+        if invocation.module is not None:
+            sys.argv = ["-m", *invocation.args]
+            runpy._run_module_as_main(invocation.module, alter_argv=True)  # what ``python -m`` itself calls
+        else:
+            sys.argv = [invocation.script or "", *invocation.args]
+            _run_script(os.path.abspath(invocation.script or ""), main)
+    except SystemExit as e:
+        code = _exit_code(e)
+    except BaseException as e:  # noqa: BLE001 - the interpreter's own top level
+        _uncaught(e)
+        code, interrupted = 1, isinstance(e, KeyboardInterrupt)
+    threading._shutdown()  # type: ignore[attr-defined]  (the interpreter joins non-daemon threads at exit so)
+    atexit._run_exitfuncs()
+    for name in [n for n in sys.modules if n not in before] + ["__main__"]:
+        module = sys.modules.get(name)
+        if module is not None and (name == "__main__" or _user_module(module, installed)):
+            module.__dict__.clear()  # files a module left open are flushed as the interpreter's exit would
+    gc.collect()
+    if dump is not None:
+        dump()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code

@@ -1,0 +1,215 @@
+"""``lowercache run`` through the warm server: the wrapped ``python`` runs in a forked child that stands in for a new process.
+
+Each case runs the same command with ``--no-server`` (a new process, as
+before) and through a real server, and compares what a user can see: exit
+status, stdout, stderr, the files written and their modes. Where the child
+cannot stand in (a variable the server's start read differs, a file that
+would shadow a module the server imported), the command runs as a new
+process and ``--explain`` says why.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from . import test_server
+from .test_server import WAIT, Server
+
+PY = sys.executable
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import torch
+    print("argv", sys.argv, __name__, __file__)
+    print("path0", sys.path[0], "exe", sys.executable)
+    print("threads", torch.get_num_threads())
+    with open("out.txt", "w") as f:
+        f.write("hello " + " ".join(sys.argv[1:]))
+    print("to stderr", file=sys.stderr)
+    sys.exit(3)
+    """
+)
+
+FAILING = textwrap.dedent(
+    """
+    import sys
+    import helper_module
+    print("read", repr(sys.stdin.read()))
+
+    def inner():
+        raise ValueError("boom")
+
+    inner()
+    """
+)
+# A file left open in a module: the interpreter's exit flushes it.
+HELPER_MODULE = 'LEFT_OPEN = open("left_open.txt", "w")\nLEFT_OPEN.write("flushed at exit")\n'
+
+TOOL = textwrap.dedent(
+    """
+    import sys, warnings
+    warnings.warn("careful")
+    print("tool", sys.argv[1:], __name__, __file__.endswith("tool.py"))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = Server(tmp_path_factory.mktemp("runserver"))
+    server.start()
+    yield server
+    server.close()
+    while test_server._SNAPSHOT:
+        import shutil
+
+        shutil.rmtree(test_server._SNAPSHOT.pop(), ignore_errors=True)
+
+
+def run(server: Server, project: Path, *argv: str, flags: tuple[str, ...] = (), stdin: bytes = b"", **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lowercache.cli", "run", *flags, "--", *argv], cwd=project, input=stdin,
+                          env={**server.env, **env}, capture_output=True, timeout=WAIT, umask=0o027)
+
+
+def explain(server: Server, project: Path, *argv: str) -> str:
+    return run(server, project, *argv, flags=("--explain",)).stdout.decode()
+
+
+def both(server: Server, project: Path, *argv: str, outputs: tuple[str, ...] = (), **kwargs) -> list[tuple]:
+    """The command as a new process, then through the server: (status, stdout, stderr, {file: (bytes, mode)}) for each."""
+    seen = []
+    for flags in (("--no-server",), ()):
+        result = run(server, project, *argv, flags=flags, **kwargs)
+        files = {}
+        for name in outputs:
+            path = project / name
+            files[name] = (path.read_bytes(), path.stat().st_mode & 0o777)
+            path.unlink()
+        seen.append((result.returncode, result.stdout, result.stderr, files))
+    return seen
+
+
+def project_with(tmp_path: Path, files: dict[str, str]) -> Path:
+    project = tmp_path / "project"
+    for name, text in files.items():
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(text)
+    return project
+
+
+def test_a_script_sees_and_leaves_what_a_new_process_would(server, tmp_path):
+    project = project_with(tmp_path, {"script.py": SCRIPT})
+    new, served = both(server, project, PY, "script.py", "a b", "c", outputs=("out.txt",))
+    assert new == served
+    status, stdout, stderr, files = served
+    assert status == 3 and stderr == b"to stderr\n" and files["out.txt"] == (b"hello a b c", 0o640)
+    assert f"path0 {project}".encode() in stdout and b"argv ['script.py', 'a b', 'c'] __main__" in stdout
+    assert "latest run: ran: in a child of the warm server" in explain(server, project, PY, "script.py", "a b", "c")
+
+
+def test_an_uncaught_exception_stdin_and_a_file_left_open(server, tmp_path):
+    project = project_with(tmp_path, {"failing.py": FAILING, "helper_module.py": HELPER_MODULE})
+    new, served = both(server, project, PY, "failing.py", outputs=("left_open.txt",), stdin=b"some input")
+    assert new == served
+    status, stdout, stderr, files = served
+    assert status == 1 and stdout == b"read 'some input'\n" and files["left_open.txt"][0] == b"flushed at exit"
+    assert stderr.decode().splitlines()[:2] == ["Traceback (most recent call last):", f'  File "{project}/failing.py", line 9, in <module>']
+    assert "lowercache" not in stderr.decode()  # no frame of the code standing in for the interpreter
+
+
+def test_a_script_that_reads_standard_input_is_not_recorded(server, tmp_path):
+    project = project_with(tmp_path, {"echo.py": "import sys\nprint(sys.stdin.read().upper())\n"})
+    result = run(server, project, PY, "echo.py", stdin=b"typed")
+    assert result.returncode == 0 and result.stdout == b"TYPED\n"
+    lines = explain(server, project, PY, "echo.py")
+    assert "in a child of the warm server" in lines and "latest record: none: the command read standard input" in lines
+
+
+def test_python_dash_m(server, tmp_path):
+    project = project_with(tmp_path, {"pkg/__init__.py": "", "pkg/tool.py": TOOL})
+    new, served = both(server, project, PY, "-m", "pkg.tool", "x")
+    assert new == served
+    assert served[0] == 0 and served[1] == b"tool ['x'] __main__ True\n" and b"UserWarning: careful" in served[2]
+    assert "in a child of the warm server" in explain(server, project, PY, "-m", "pkg.tool", "x")
+
+
+def test_unseeded_generators_are_seeded_per_run_as_in_new_processes(server, tmp_path):
+    """Forked children would all inherit the server's generator state; a new process seeds torch's from the OS."""
+    project = project_with(tmp_path, {"draw.py": "import random, torch\nprint(torch.randn(4).tolist(), random.random())\n"})
+    draws = {run(server, project, PY, "draw.py").stdout for _ in range(2)}
+    assert len(draws) == 2
+    assert "in a child of the warm server" in explain(server, project, PY, "draw.py")
+
+
+def test_a_variable_read_at_start_that_differs_runs_a_new_process(server, tmp_path):
+    project = project_with(tmp_path, {"hashes.py": "print(hash('lowercache'))\n"})
+    fixed = run(server, project, PY, "hashes.py", PYTHONHASHSEED="7")
+    assert fixed.returncode == 0
+    assert fixed.stdout == subprocess.run([sys.executable, "hashes.py"], cwd=project, capture_output=True,
+                                          env={**os.environ, "PYTHONHASHSEED": "7"}).stdout
+    assert ("as a new process (environment variable PYTHONHASHSEED differs from the server's)"
+            in explain(server, project, PY, "hashes.py"))
+
+
+def test_a_file_that_would_shadow_a_module_the_server_imported_runs_a_new_process(server, tmp_path):
+    """sympy is imported by the server (torch imports it); in a new process the script's own sympy.py wins."""
+    project = project_with(tmp_path, {"uses.py": "import sympy\nprint(sympy.MINE)\n", "sympy.py": "MINE = 'the user module'\n"})
+    result = run(server, project, PY, "uses.py")
+    assert result.returncode == 0 and result.stdout == b"the user module\n", result.stderr
+    assert "sympy.py would shadow a module the server imported" in explain(server, project, PY, "uses.py")
+
+
+def test_ctrl_c_reaches_the_command(server, tmp_path):
+    project = project_with(tmp_path, {"wait.py": textwrap.dedent(
+        """
+        import sys, time
+        print("waiting", flush=True)
+        try:
+            time.sleep(120)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            sys.exit(5)
+        """)})
+    client = subprocess.Popen([sys.executable, "-m", "lowercache.cli", "run", "--", PY, "wait.py"], cwd=project,
+                              env=server.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    assert client.stdout.readline() == b"waiting\n"
+    time.sleep(0.5)
+    os.killpg(client.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the foreground group
+    stdout, _ = client.communicate(timeout=60)
+    assert client.returncode == 5 and stdout == b"interrupted\n"
+    assert "in a child of the warm server" in explain(server, project, PY, "wait.py")
+
+
+def test_aot_arm_compiler_through_the_server_writes_the_plain_bytes_and_is_recorded(server, tmp_path):
+    """ExecuTorch's own script in a child of the server: the plain command's .pte, recorded there, confirmed, replayed; an edit too."""
+    from .test_run_aot import AOT, PTE, _plain, _write_model
+
+    project = tmp_path / "project"
+    project.mkdir()
+    _write_model(project, "torch.relu")
+    expected = _plain(project)
+    for outcome in ("recorded", "confirmed", "replayed"):
+        result = run(server, project, PY, *AOT)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert (project / PTE).read_bytes() == expected, outcome
+        assert b"NPU operators" in result.stdout
+        if outcome == "recorded":
+            assert "in a child of the warm server" in explain(server, project, PY, *AOT)
+    assert "latest lookup: hit" in explain(server, project, PY, *AOT)
+
+    _write_model(project, "torch.sigmoid")
+    edited = _plain(project)
+    assert edited != expected
+    assert run(server, project, PY, *AOT).returncode == 0
+    assert (project / PTE).read_bytes() == edited
+    lines = explain(server, project, PY, *AOT)
+    assert "model.py changed" in lines and "in a child of the warm server" in lines
