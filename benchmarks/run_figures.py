@@ -78,8 +78,13 @@ def one(model: str, target: str, root: Path) -> dict[tuple[str, str], tuple[floa
         for phase in PHASES:
             edit = "structure" if phase == "one block edited" else None
             write_model(project, model, edit)
-            seconds = timed(lc, lc_env(root, root / f"cache-{project.name}"), project, timeout=3600)
+            env = lc_env(root, root / f"cache-{project.name}")
+            seconds = timed(lc, env, project, timeout=3600)
             results[(mode, phase)] = (plain[edit][0], seconds, (project / pte).read_bytes() == plain[edit][1])
+            explained = subprocess.run([*lc[:4], "--explain", *lc[4:]], env=env, cwd=project, capture_output=True, text=True).stdout
+            ran = next((line for line in explained.splitlines() if line.startswith("latest run:")), "")
+            if mode == "warm server" and "as a new process" in ran and phase != "warm (replayed)":
+                print(f"note: {model} {phase}: {ran}", flush=True)
     return results
 
 
