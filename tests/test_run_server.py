@@ -213,3 +213,18 @@ def test_aot_arm_compiler_through_the_server_writes_the_plain_bytes_and_is_recor
     assert (project / PTE).read_bytes() == edited
     lines = explain(server, project, PY, *AOT)
     assert "model.py changed" in lines and "in a child of the warm server" in lines
+
+
+def test_executorchs_arm_op_tests_through_the_server_have_the_plain_outcomes(server, tmp_path):
+    """``python -m pytest`` in a child of the server: pytest's own start (plugins, capture, fixtures) as in a new process."""
+    from .test_run_optests import OPS, PYTEST, TESTS, _outcomes
+
+    if not os.path.isdir(OPS):
+        pytest.skip("this ExecuTorch wheel ships no Arm op tests")
+    plain = subprocess.run(PYTEST, cwd=OPS, capture_output=True, timeout=600)
+    expected = _outcomes(plain)
+    assert len(expected) == len(TESTS), plain.stdout.decode()[-2000:]
+    for _ in ("cold", "warm"):
+        result = run(server, Path(OPS), *PYTEST)
+        assert (result.returncode, _outcomes(result)) == (plain.returncode, expected)
+        assert "in a child of the warm server" in explain(server, Path(OPS), *PYTEST)
