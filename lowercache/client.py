@@ -295,16 +295,17 @@ def exec_through_server(argv: list[str], env: dict[str, str], executable: str, h
         try:
             line = json.dumps(request).encode() + b"\n"
             sent = socket.send_fds(sock, [line], fds)
-            sock.sendall(line[sent:])
+            if sent < len(line):
+                sock.sendall(line[sent:])
             sock.settimeout(None)
             frame = _one_frame(sock)
         except (ServerLost, OSError, ValueError) as e:
             warn(f"the lowering server stopped during the command ({e}); running it as a new process")
             return None, "the server stopped"
-    if "exit" in frame:
-        return int(frame["exit"]), ""
     if "declined" in frame:
         return None, str(frame["declined"])
+    if "exit" in frame:
+        return int(frame["exit"]), ""
     return None, "the server was being replaced"
 
 

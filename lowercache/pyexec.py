@@ -221,7 +221,7 @@ def _user_module(module: Any, installed: tuple[str, ...]) -> bool:
 
 
 def run(invocation: Invocation, argv: list[str], executable: str, base_path: list[str], installed: tuple[str, ...],
-        dump: Callable[[], None] | None) -> int:
+        dump: Callable[[], None] | None, started: Callable[[], None] = lambda: None) -> int:
     """Be ``python`` running ``invocation`` in this (forked) process; the exit status, or death by SIGINT as ``python`` dies.
 
     Call with the client's working directory, environment and descriptors
@@ -229,6 +229,7 @@ def run(invocation: Invocation, argv: list[str], executable: str, base_path: lis
     without ``sys.path[0]``. ``installed``: directories whose modules are not
     the user's (their files are not flushed by hand at exit). ``dump``:
     called last, after every exit handler (``lowercache run``'s recorder).
+    ``started``: called just before the command's own code runs.
     """
     sys.executable = executable
     sys.orig_argv = list(argv)
@@ -242,6 +243,7 @@ def run(invocation: Invocation, argv: list[str], executable: str, base_path: lis
     _reseed()
     before = set(sys.modules)
     code, interrupted = 0, False
+    started()
     try:
         if invocation.module is not None:
             sys.argv = ["-m", *invocation.args]

@@ -58,6 +58,7 @@ class _Request:
         self.close_when_sent = False
         self.gone = False
         self.fds: list[int] = []  # an exec request's descriptors 0-2, passed by the client (SCM_RIGHTS)
+        self.started = -1  # an exec request's child writes S here once the command starts, or E and why it could not
 
     @property
     def execs(self) -> bool:
@@ -225,7 +226,8 @@ class Server:
                 self._signal(request)  # a running request only watches for the client leaving, or its Ctrl-C
                 return
             if b"\n" in request.inbox:
-                self._handle(request, request.inbox.split(b"\n", 1)[0])
+                line, request.inbox = request.inbox.split(b"\n", 1)
+                self._handle(request, line)
             elif len(request.inbox) > client.MAX_LINE:
                 self._close(request)
 
@@ -286,11 +288,16 @@ class Server:
                 asked = json.loads(line)
             except ValueError:
                 continue
-            if request.execs and request.pid and isinstance(asked, dict) and asked.get("op") == "signal":
+            if not (request.execs and isinstance(asked, dict) and asked.get("op") == "signal"):
+                continue
+            if request.pid:
                 try:
                     os.killpg(request.pid, signal.SIGINT)
                 except OSError:
                     pass
+            elif request in self.queue:  # not started yet: it ends as a new process would, killed by the signal
+                self.queue.remove(request)
+                self._reply(request, {"exit": -signal.SIGINT})
 
     def status(self) -> dict[str, Any]:
         return {
@@ -360,6 +367,7 @@ class Server:
         writing straight to the client's own descriptors."""
         out_r, out_w = os.pipe() if not request.execs else (-1, -1)
         err_r, err_w = os.pipe() if not request.execs else (-1, -1)
+        started_r, started_w = os.pipe() if request.execs else (-1, -1)
         parent = os.getpid()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
@@ -367,13 +375,13 @@ class Server:
         if pid == 0:
             code = 1
             try:
-                own = [self.listener.fileno(), self.selector.fileno(), out_r, err_r]
+                own = [self.listener.fileno(), self.selector.fileno(), out_r, err_r, started_r]
                 own += [r.conn.fileno() for r in self.requests.values()]
                 own += [fd for r in self.requests.values() if r is not request for fd in r.fds]
-                own += [fd for r in self.running.values() for fd in (*r.pipes, r.pidfd)]
+                own += [fd for r in self.running.values() for fd in (*r.pipes, r.pidfd, r.started)]
                 inherited = [fd for fd in own if fd >= 0]
                 if request.execs:
-                    code = _exec_child(request.message or {}, parent, request.fds, inherited, self.warm)
+                    code = _exec_child(request.message or {}, parent, request.fds, inherited, self.warm, started_w)
                 else:
                     code = _child(request.message or {}, parent, out_w, err_w, inherited, self.threads)
             finally:
@@ -384,6 +392,9 @@ class Server:
             pass
         request.close_fds()  # the child has them: the client sees end of file once the command and what it started are gone
         request.pid = pid
+        if request.execs:
+            os.close(started_w)
+            request.started = started_r
         if not request.execs:
             os.close(out_w)
             os.close(err_w)
@@ -457,18 +468,32 @@ class Server:
         self.served += 1
         self.last_active = time.monotonic()
         code = os.waitstatus_to_exitcode(status)
-        if request.execs and not request.timed_out:
-            reply = {"exit": code}  # as a new process's status: negative for a signal
+        if request.execs:
+            reply = self._exec_reply(request, code)
         elif request.timed_out:
             reply = {"exit": 1, "error": f"the lowering took longer than the request timeout ({request.message.get('timeout')} s, LOWERCACHE_SERVER_TIMEOUT) and was stopped"}
         elif code < 0:
             reply = {"exit": 1, "error": _signal_error(code)}
         else:
             reply = {"exit": code}
-        if reply["exit"]:
+        if reply.get("exit", 1):
             self.failed += 1
         self._reply(request, reply)
         self._start_queued()
+
+
+    def _exec_reply(self, request: _Request, code: int) -> dict[str, Any]:
+        """The command's status (negative for a signal, as a new process's); declined if the child died before the command started."""
+        try:
+            said = os.read(request.started, 4096)
+        except OSError:
+            said = b""
+        os.close(request.started)
+        request.started = -1
+        if said.startswith(b"S"):
+            return {"exit": code}
+        why = said[1:].decode("utf-8", "replace") if said.startswith(b"E") else f"status {code}"
+        return {"declined": f"the server's child could not start the command ({why})"}
 
 
 def _detach(parent: int, inherited: list[int]) -> None:
@@ -522,30 +547,47 @@ def _child(message: dict[str, Any], parent: int, out_w: int, err_w: int, inherit
     return code or 0
 
 
-def _exec_child(message: dict[str, Any], parent: int, fds: list[int], inherited: list[int], warm: Warm) -> int:
-    """In the forked child: be the new ``python`` process ``lowercache run`` would have started (``pyexec.py``)."""
-    _detach(parent, inherited)
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-    for fd in fds:
-        if fd > 2:
-            os.close(fd)
-    from .errors import show_warnings_in_one_line
-    from .replay import record_in_process
-    from .runhook import activate_in_process
+def _exec_child(message: dict[str, Any], parent: int, fds: list[int], inherited: list[int], warm: Warm, started: int) -> int:
+    """In the forked child: be the new ``python`` process ``lowercache run`` would have started (``pyexec.py``).
 
-    invocation = pyexec.parse([str(a) for a in message["argv"]])
-    assert invocation is not None and warm.base_path is not None  # checked by _cannot_exec before the fork
-    pyexec.streams(invocation.unbuffered)
-    _become_client(message, warm.threads)
-    if isinstance(message.get("umask"), int):
-        os.umask(message["umask"] & 0o777)
-    # what lowercache/_run/sitecustomize.py does in a new process, with the server's imports' reads added to the record
-    dump = record_in_process(at_exit=False, warm={"env": warm.read_env, "lookups": warm.lookups})
-    show_warnings_in_one_line()
-    activate_in_process()
+    ``started`` gets ``S`` just before the command's own code runs. A fault
+    before that writes ``E`` and why, and the client runs the command as a
+    new process instead: nothing of the command has run.
+    """
+    try:
+        _detach(parent, inherited)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        invocation = pyexec.parse([str(a) for a in message["argv"]])
+        assert invocation is not None and warm.base_path is not None  # checked by _cannot_exec before the fork
+        pyexec.streams(invocation.unbuffered)
+        _become_client(message, warm.threads)
+        if isinstance(message.get("umask"), int):
+            os.umask(message["umask"] & 0o777)
+    except BaseException as e:  # noqa: BLE001
+        os.write(started, b"E" + f"{type(e).__name__}: {e}".encode()[:4000])
+        return 1
+    dump = None
+    try:  # what lowercache/_run/sitecustomize.py does in a new process, with the server's imports' reads added to the record
+        from .errors import show_warnings_in_one_line
+        from .replay import record_in_process
+        from .runhook import activate_in_process
+
+        dump = record_in_process(at_exit=False, warm={"env": warm.read_env, "lookups": warm.lookups})
+        show_warnings_in_one_line()
+        activate_in_process()
+    except Exception as e:  # noqa: BLE001 - as in a new process: never break the wrapped program
+        print(f"lowercache: warning: caching is off for this process ({e})", file=sys.stderr)
+
+    def now_started() -> None:
+        os.write(started, b"S")
+        os.close(started)
+
     return pyexec.run(invocation, [str(a) for a in message["argv"]], str(message["executable"]), warm.base_path,
-                      warm.installed, dump)
+                      warm.installed, dump, now_started)
 
 
 def _become_client(message: dict[str, Any], threads: int) -> None:
