@@ -228,3 +228,28 @@ def test_executorchs_arm_op_tests_through_the_server_have_the_plain_outcomes(ser
         result = run(server, Path(OPS), *PYTEST)
         assert (result.returncode, _outcomes(result)) == (plain.returncode, expected)
         assert "in a child of the warm server" in explain(server, Path(OPS), *PYTEST)
+
+
+def test_a_child_that_fails_before_the_command_starts_is_declined(server, tmp_path, monkeypatch):
+    """A fault in the child before the command's code runs: the server says so, the client runs a new process, nothing ran twice."""
+    import json
+    import socket
+
+    from lowercache import client
+
+    project = project_with(tmp_path, {"marker.py": "open('ran', 'w').close()\n"})
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(server.run))
+    identity = client.ask({"op": "hello"})["identity"]
+    directory = os.open(project, os.O_RDONLY)  # as standard input: the child cannot make a stream of it
+    read_end, write_end = os.pipe()
+    request = {"op": "exec", "argv": [PY, "marker.py"], "cwd": str(project), "env": dict(server.env), "executable": PY,
+               "hook_dir": "", "umask": 0o022, "timeout": None, "identity": identity}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(client.private_dir() / client.SOCKET_NAME))
+        socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], [directory, write_end, write_end])
+        for fd in (directory, write_end):
+            os.close(fd)
+        reply = json.loads(sock.makefile("rb").readline())
+    os.close(read_end)
+    assert "declined" in reply and "could not start the command (IsADirectoryError" in reply["declined"], reply
+    assert not (project / "ran").exists()
