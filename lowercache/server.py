@@ -454,10 +454,11 @@ class Server:
             pid, status = request.pid, 0
         if pid == 0:
             return
-        try:
-            os.killpg(request.pid, signal.SIGKILL)  # whatever the request started and left behind
-        except OSError:
-            pass
+        if not request.execs:  # a wrapped command's own background processes outlive it, as they would a new process
+            try:
+                os.killpg(request.pid, signal.SIGKILL)  # whatever the request started and left behind
+            except OSError:
+                pass
         for fd in list(request.pipes):  # the child is gone: all it wrote is in the pipe
             self._drain(request, fd)
         if request.pidfd >= 0:

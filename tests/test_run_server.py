@@ -253,3 +253,17 @@ def test_a_child_that_fails_before_the_command_starts_is_declined(server, tmp_pa
     os.close(read_end)
     assert "declined" in reply and "could not start the command (IsADirectoryError" in reply["declined"], reply
     assert not (project / "ran").exists()
+
+
+def test_a_process_the_command_leaves_running_outlives_it_as_it_would_a_new_process(server, tmp_path):
+    script = ("import subprocess\n"
+              "p = subprocess.Popen(['sleep', '30'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+              "open('pid', 'w').write(str(p.pid))\n")
+    project = project_with(tmp_path, {"leaves.py": script})
+    assert run(server, project, PY, "leaves.py").returncode == 0
+    pid = int((project / "pid").read_text())
+    try:
+        assert test_server.alive(pid)
+        assert "in a child of the warm server" in explain(server, project, PY, "leaves.py")
+    finally:
+        os.kill(pid, signal.SIGKILL)
