@@ -257,6 +257,9 @@ class Server:
                     self._reply(request, {"declined": why})
                     return
             self.last_active = time.monotonic()
+            if op == "exec":  # a new process would not wait for a slot either: server_jobs bounds lowerings
+                self._fork(request)
+                return
             self.queue.append(request)
             self._start_queued()
         else:
@@ -295,9 +298,6 @@ class Server:
                     os.killpg(request.pid, signal.SIGINT)
                 except OSError:
                     pass
-            elif request in self.queue:  # not started yet: it ends as a new process would, killed by the signal
-                self.queue.remove(request)
-                self._reply(request, {"exit": -signal.SIGINT})
 
     def status(self) -> dict[str, Any]:
         return {
@@ -359,7 +359,7 @@ class Server:
     # children
 
     def _start_queued(self) -> None:
-        while self.queue and len(self.running) < self.jobs:
+        while self.queue and sum(not r.execs for r in self.running.values()) < self.jobs:
             self._fork(self.queue.popleft())
 
     def _fork(self, request: _Request) -> None:

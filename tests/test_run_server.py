@@ -267,3 +267,21 @@ def test_a_process_the_command_leaves_running_outlives_it_as_it_would_a_new_proc
         assert "in a child of the warm server" in explain(server, project, PY, "leaves.py")
     finally:
         os.kill(pid, signal.SIGKILL)
+
+
+def test_a_wrapped_command_does_not_wait_for_a_lowering_slot(tmp_path):
+    """server_jobs bounds lowerings; a script run by hand would not queue behind another, so a wrapped one does not either."""
+    own = Server(tmp_path / "jobs1", LOWERCACHE_SERVER_JOBS="1")
+    try:
+        own.start()
+        project = project_with(tmp_path, {"slow.py": "import time\ntime.sleep(20)\n", "quick.py": "print('done')\n"})
+        slow = subprocess.Popen([sys.executable, "-m", "lowercache.cli", "run", "--", PY, "slow.py"], cwd=project, env=own.env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(2)
+        started = time.monotonic()
+        quick = run(own, project, PY, "quick.py")
+        assert quick.stdout == b"done\n" and time.monotonic() - started < 15 and slow.poll() is None
+        assert "in a child of the warm server" in explain(own, project, PY, "quick.py")
+        assert slow.wait(timeout=120) == 0
+    finally:
+        own.close()
