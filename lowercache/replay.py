@@ -180,7 +180,8 @@ class _WatchedStdin:
 
 
 def python_identity() -> dict[str, str]:
-    return {"executable": os.path.abspath(sys.executable), "prefix": sys.prefix, "version": sys.version}
+    """The interpreter as a file, not as named: ``python`` and ``python3`` in one venv are one interpreter (``_our_python``)."""
+    return {"executable": os.path.realpath(sys.executable), "prefix": sys.prefix, "version": sys.version}
 
 
 def record_in_process(at_exit: bool = True, warm: dict[str, Any] | None = None) -> Callable[[], None] | None:

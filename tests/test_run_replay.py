@@ -202,6 +202,25 @@ def test_the_caches_own_remote_traffic_does_not_stop_a_record(tmp_path, cache_di
     assert (project / "result.txt").read_text() == "abc"
 
 
+def test_another_name_of_lowercaches_interpreter_is_replayed(tmp_path, cache_dir):
+    """``python3 script.py`` when lowercache runs on ``python`` (or the reverse): one interpreter, so the command is replayed."""
+    here = os.path.dirname(sys.executable)
+    names = [f"python{v}" for v in ("", "3", f"3.{sys.version_info.minor}")]
+    alias = next((os.path.join(here, n) for n in names if os.path.join(here, n) != sys.executable
+                  and os.path.realpath(os.path.join(here, n)) == os.path.realpath(sys.executable)), None)
+    if alias is None:
+        pytest.skip("no other name of this interpreter in its directory")
+    project = _project(tmp_path)
+    env = {**os.environ, "LOWERCACHE_DIR": str(cache_dir)}
+    for _ in range(3):
+        result = subprocess.run([sys.executable, "-m", "lowercache.cli", "run", "--", alias, "script.py", "X"], cwd=project,
+                                capture_output=True, env=env, timeout=120)
+        assert result.returncode == 0 and (project / "out" / "result.txt").read_text() == "ABCX-"
+    explained = subprocess.run([sys.executable, "-m", "lowercache.cli", "run", "--explain", "--", alias, "script.py", "X"],
+                               cwd=project, capture_output=True, env=env, timeout=120).stdout.decode()
+    assert "latest lookup: hit" in explained, explained
+
+
 def _fake_pyenv(tmp_path, interpreter: str):
     """A pyenv laid out as pyenv lays itself out: a shim handing over to ``libexec/pyenv``, which picks ``interpreter``."""
     root = tmp_path / "pyenv"
