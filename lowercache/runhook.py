@@ -135,9 +135,13 @@ def activate_in_process() -> None:
         from .config import load_settings
         from .speedups import registry
 
+        from .lowering import reexport
+
         registry.select(load_settings().speedups)
         steps.set_fallback(_process_session)
         arm.install_permanently(name)
+        if not reexport.script_patch.originals:
+            reexport.script_patch.enable()  # the script's own re-export after convert_pt2e, as a step
 
     already = [m for m in HOOK_MODULES if m in sys.modules]
     for name in already:

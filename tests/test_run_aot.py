@@ -42,8 +42,8 @@ def _write_model(project, act: str) -> None:
     time.sleep(0.1)
 
 
-def _plain(project) -> bytes:
-    result = subprocess.run([sys.executable, *AOT], cwd=project, capture_output=True, timeout=600)
+def _plain(project, aot: list[str] = AOT) -> bytes:
+    result = subprocess.run([sys.executable, *aot], cwd=project, capture_output=True, timeout=600)
     assert result.returncode == 0, result.stderr
     data = (project / PTE).read_bytes()
     (project / PTE).unlink()
@@ -76,3 +76,29 @@ def test_aot_arm_compiler_is_replayed_byte_for_byte_and_an_edit_runs_again(tmp_p
     _run(project, cache_dir)
     assert (project / PTE).read_bytes() == edited
     assert "model.py changed" in _run(project, cache_dir, "--explain").stdout.decode()
+
+
+def test_the_scripts_re_export_after_convert_is_lowers_step_and_a_weights_edit_hits(tmp_path, cache_dir):
+    """aot_arm_compiler --non_strict_export ends its quantization with ``torch.export.export(convert_pt2e(...), inputs)``,
+    ``lower``'s own re-export: under ``run`` it goes through the ``reexport`` step. A re-run is served the stored program
+    and its partition's TOSA step still hits (the served program keys as a fresh one); a weights edit fills the template.
+    Every .pte is the plain script's."""
+    project = tmp_path / "project"
+    project.mkdir()
+    seeded = MODEL.replace("ACT", "torch.relu").replace("torch.manual_seed(0)\nModelUnderTest = Tiny().eval()",
+                                                        "torch.manual_seed(SEED)\nModelUnderTest = Tiny().eval()\ntorch.manual_seed(0)")
+    assert "SEED" in seeded
+    aot = [*AOT, "--non_strict_export"]
+    expected = {}
+    for seed, outcomes in ((1, {"reexport/miss": 1, "tosa/miss": 1}), (1, {"reexport/hit": 1, "tosa/hit": 1}),
+                           (2, {"reexport/hit": 2, "tosa/miss": 2})):
+        (project / "model.py").write_text(seeded.replace("SEED", str(seed)))
+        time.sleep(0.1)
+        if seed not in expected:
+            expected[seed] = _plain(project, aot)
+        result = subprocess.run([sys.executable, "-m", "lowercache.cli", "run", "--", sys.executable, *aot], cwd=project,
+                                capture_output=True, env={**os.environ, "LOWERCACHE_DIR": str(cache_dir)}, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert (project / PTE).read_bytes() == expected[seed], seed
+        counters = Store(cache_dir).counters()
+        assert all(counters.get(f"count/{name}") == n for name, n in outcomes.items()), counters

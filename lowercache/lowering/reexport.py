@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import operator
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -49,9 +49,10 @@ from ..cache.hashing import (
     op_name,
     tensor_bytes,
 )
-from ..cache.steps import Session
+from ..cache.steps import Session, current_session
 from ..cache.store import Entry
 from ..cache.toolchain import toolchain_parts
+from ..speedups.patching import AttributePatch
 
 log = logging.getLogger("lowercache")
 
@@ -318,13 +319,18 @@ def export(
     spec_digest: str,
     session: Session,
     storing: bool,
+    exporter: Callable[..., torch.export.ExportedProgram] | None = None,
 ) -> tuple[torch.export.ExportedProgram, Entry]:
-    """The stage's re-export through the ``reexport`` step: the program, and the stage's entry."""
+    """The stage's re-export through the ``reexport`` step: the program, and the stage's entry.
+
+    ``exporter``: the unpatched ``torch.export.export`` (``lowercache run``).
+    """
     parts = template_parts(converted, example_inputs) if storing else None
     made: list[tuple[torch.export.ExportedProgram, Entry]] = []
+    run_export = exporter or torch.export.export
 
     def compute() -> Entry:
-        program = torch.export.export(converted, tuple(example_inputs))
+        program = run_export(converted, tuple(example_inputs))
         stored = programstore.encode_or_note(program, spec_digest, storing)
         made.append((program, stored))
         if parts is None:
@@ -351,3 +357,29 @@ def export(
         if usable_format:
             session.replace("reexport", parts, fresh)
         return made[0]
+
+
+def _in_script(mod: Any, args: Any, kwargs: Any = None, **options: Any) -> torch.export.ExportedProgram:
+    """``torch.export.export`` inside ``lowercache run``: a converted model's re-export is the ``reexport`` step.
+
+    A script's quantization ends as ``lower``'s does, with
+    ``torch.export.export(convert_pt2e(...), inputs)``. That call, exactly
+    so (non-strict, no other option), is the same step with the same key
+    as ``lower``'s: an unchanged model or a weights edit is served as
+    ``lower`` serves it, and the two share entries. Any other call is
+    torch's own. A strict export is not served: its program carries
+    dynamo's ``example_value`` metadata, which the stored form does not
+    rebuild (measured: the partitions' TOSA keys then differ from a fresh
+    strict export's, though their bytes do not).
+    """
+    original = script_patch.originals[torch.export]
+    session = current_session()
+    if (session is None or kwargs or any(v for k, v in options.items() if k != "strict") or options.get("strict")
+            or not isinstance(args, tuple) or not isinstance(mod, torch.fx.GraphModule)
+            or not any(_is_filled(n) for n in mod.graph.nodes)):
+        return original(mod, args, kwargs, **options)
+    return export(mod, args, "", session, session.store is not None, exporter=original)[0]
+
+
+# On for the life of a ``lowercache run`` process (runhook.py), never in ``lower``'s own flow.
+script_patch = AttributePatch(lambda: [torch.export], "export", _in_script)
