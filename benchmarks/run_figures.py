@@ -1,6 +1,7 @@
 """``lowercache run`` in front of ExecuTorch's aot_arm_compiler, as a shell times whole commands.
 
     python benchmarks/run_figures.py [--models tiny_cnn,transformer_block] [--target ethos-u55-128] [--repeat 1]
+        [--edit structure|weights] [--non-strict]
 
 For each model, in fresh project directories whose ``model.py`` defines ``ModelUnderTest`` and
 ``ModelInputs`` from the benchmark's seeded builders (an edit rewrites its last line, as a user edits a
@@ -8,7 +9,9 @@ file): the plain command, then under ``lowercache run`` twice over, each with an
 as a new process (``--no-server``) and in a child of the warm server (started once beforehand, in a
 socket directory of the benchmark's own; its start is timed apart). Each goes through the phases cold,
 the first re-run (it confirms the record: the script runs, its Arm steps served), a warm re-run
-(replayed), and one block's structure edited. Every .pte is compared byte for byte with the plain
+(replayed), and one block edited (its structure, or with ``--edit weights`` its weights). ``--non-strict``
+passes aot_arm_compiler's ``--non_strict_export``: its re-export after ``convert_pt2e`` is then ``lower``'s own
+``reexport`` step under ``run``. Every .pte is compared byte for byte with the plain
 command's for the same model text. Prints a Markdown table and the load (``uptime``) before and after.
 """
 
@@ -36,9 +39,9 @@ def model_source(model: str, edit: str | None) -> str:
     return MODELS.read_text() + f"\n\nEDIT = {edit!r}\nModelUnderTest, ModelInputs = MODELS[{model!r}](edit=EDIT)\n"
 
 
-def aot(target: str) -> list[str]:
+def aot(target: str, flags: list[str]) -> list[str]:
     return ["-m", "executorch.backends.arm.scripts.aot_arm_compiler", "--model_name=model.py", "--delegate", "--quantize",
-            f"--target={target}", "--output=out"]
+            f"--target={target}", "--output=out", *flags]
 
 
 def user_env() -> dict[str, str]:
@@ -59,24 +62,24 @@ def write_model(project: Path, model: str, edit: str | None) -> None:
         time.sleep(0.1)
 
 
-def one(model: str, target: str, root: Path) -> dict[tuple[str, str], tuple[float, float, bool]]:
+def one(model: str, target: str, root: Path, edited: str, flags: list[str]) -> dict[tuple[str, str], tuple[float, float, bool]]:
     """Per mode and phase: plain seconds, lowercache run seconds, bytes equal."""
     pte = Path("out") / f"model_arm_delegate_{target}.pte"
     plain: dict[str | None, tuple[float, bytes]] = {}
-    for edit in (None, "structure"):
+    for edit in (None, edited):
         project = root / "plain"
         project.mkdir(exist_ok=True)
         write_model(project, model, edit)
-        seconds = timed([sys.executable, *aot(target)], user_env(), project, timeout=3600)
+        seconds = timed([sys.executable, *aot(target, flags)], user_env(), project, timeout=3600)
         plain[edit] = (seconds, (project / pte).read_bytes())
         (project / pte).unlink()
     results: dict[tuple[str, str], tuple[float, float, bool]] = {}
-    for mode, flags in MODES.items():
+    for mode, mode_flags in MODES.items():
         project = root / mode.replace(" ", "-")
         project.mkdir()
-        lc = [sys.executable, "-m", "lowercache.cli", "run", *flags, "--", sys.executable, *aot(target)]
+        lc = [sys.executable, "-m", "lowercache.cli", "run", *mode_flags, "--", sys.executable, *aot(target, flags)]
         for phase in PHASES:
-            edit = "structure" if phase == "one block edited" else None
+            edit = edited if phase == "one block edited" else None
             write_model(project, model, edit)
             env = lc_env(root, root / f"cache-{project.name}")
             seconds = timed(lc, env, project, timeout=3600)
@@ -97,7 +100,10 @@ def main() -> None:
     parser.add_argument("--models", default="tiny_cnn,transformer_block")
     parser.add_argument("--target", default="ethos-u55-128")
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--edit", choices=("structure", "weights"), default="structure")
+    parser.add_argument("--non-strict", action="store_true", help="aot_arm_compiler --non_strict_export")
     args = parser.parse_args()
+    flags = ["--non_strict_export"] if args.non_strict else []
     print(f"load before: {uptime()}")
     root = Path(tempfile.mkdtemp(prefix="lcrf", dir="/tmp"))  # short: a socket path holds at most 107 bytes
     (root / "run").mkdir(mode=0o700)
@@ -109,7 +115,7 @@ def main() -> None:
         for model in args.models.split(","):
             reps = []
             for i in range(args.repeat):
-                reps.append(one(model, args.target, Path(tempfile.mkdtemp(prefix=f"{model}-{i}-", dir=root))))
+                reps.append(one(model, args.target, Path(tempfile.mkdtemp(prefix=f"{model}-{i}-", dir=root)), args.edit, flags))
             for phase in PHASES:
                 plain = statistics.median(r[("new process", phase)][0] for r in reps)
                 new, warm = (statistics.median(r[(mode, phase)][1] for r in reps) for mode in MODES)
