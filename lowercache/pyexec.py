@@ -112,8 +112,10 @@ def why_not(invocation: Invocation, cwd: str, env: dict[str, str], start_env: di
     for name in sorted(names):
         if name.startswith("LOWERCACHE_") or name in _SET_BY_CHILD:
             continue
-        mine = without_dir(env.get(name), hook_dir) if name == "PYTHONPATH" else env.get(name)
-        if mine != start_env.get(name):
+        mine, theirs = env.get(name), start_env.get(name)
+        if name == "PYTHONPATH":  # empty entries and the hook's directory say nothing
+            mine, theirs = without_dir(mine, hook_dir), without_dir(theirs, hook_dir)
+        if mine != theirs:
             return f"environment variable {name} differs from the server's"
     pythonpath = without_dir(env.get("PYTHONPATH"), hook_dir)
     for directory in [invocation.main_dir(cwd), *(pythonpath.split(os.pathsep) if pythonpath else [])]:
@@ -122,8 +124,8 @@ def why_not(invocation: Invocation, cwd: str, env: dict[str, str], start_env: di
             entries = os.listdir(directory)
         except OSError:
             continue
-        names = {e: _module_name(directory, e) for e in entries}
-        shadows = sorted(e for e, name in names.items() if name in imported and directory not in imported[name])
+        provides = {e: _module_name(directory, e) for e in entries}
+        shadows = sorted(e for e, name in provides.items() if name in imported and directory not in imported[name])
         if shadows:
             return f"{os.path.join(directory, shadows[0])} would shadow a module the server imported"
     return None
