@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .config import Settings, load_settings
 from .errors import LowercacheError
@@ -115,11 +115,17 @@ def send(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.sendall(json.dumps(message, separators=(",", ":")).encode() + b"\n")
 
 
-def frames(sock: socket.socket) -> Iterator[dict[str, Any]]:
-    """JSON objects, one a line, until the other end closes."""
+def frames(sock: socket.socket, on_interrupt: Callable[[], None] | None = None) -> Iterator[dict[str, Any]]:
+    """JSON objects, one a line, until the other end closes; ``on_interrupt``: called on Ctrl-C while waiting, which goes on."""
     buffer = b""
     while True:
-        chunk = sock.recv(1 << 16)
+        try:
+            chunk = sock.recv(1 << 16)
+        except KeyboardInterrupt:
+            if on_interrupt is None:
+                raise
+            on_interrupt()
+            continue
         if not chunk:
             return
         buffer += chunk
@@ -298,7 +304,10 @@ def exec_through_server(argv: list[str], env: dict[str, str], executable: str, h
             if sent < len(line):
                 sock.sendall(line[sent:])
             sock.settimeout(None)
-            frame = _one_frame(sock)
+            # the command runs in another session: a Ctrl-C here is passed on to it
+            frame = next(frames(sock, on_interrupt=lambda: send(sock, {"op": "signal"})), None)
+            if frame is None:
+                raise ServerLost("the server closed the connection")
         except (ServerLost, OSError, ValueError) as e:
             warn(f"the lowering server stopped during the command ({e}); running it as a new process")
             return None, "the server stopped"
@@ -307,24 +316,6 @@ def exec_through_server(argv: list[str], env: dict[str, str], executable: str, h
     if "exit" in frame:
         return int(frame["exit"]), ""
     return None, "the server was being replaced"
-
-
-def _one_frame(sock: socket.socket) -> dict[str, Any]:
-    """The server's one reply to an exec request; a Ctrl-C meanwhile is passed on (the command runs in another session)."""
-    buffer = b""
-    while b"\n" not in buffer:
-        try:
-            chunk = sock.recv(1 << 16)
-        except KeyboardInterrupt:
-            send(sock, {"op": "signal"})
-            continue
-        if not chunk or len(buffer) > MAX_LINE:
-            raise ServerLost("the server closed the connection")
-        buffer += chunk
-    frame = json.loads(buffer.split(b"\n", 1)[0])
-    if not isinstance(frame, dict):
-        raise ServerLost("a reply that is not a JSON object")
-    return frame
 
 
 def _connected(settings: Settings, request: dict[str, Any], fallback: str) -> socket.socket | None:

@@ -75,7 +75,6 @@ class Command:
     argv: list[str]
     outs: list[str] = field(default_factory=list)
     cwd: str = field(default_factory=os.getcwd)
-    process: str = ""  # how it last ran: in a child of the warm server, or as a new process and why
 
     @property
     def root(self) -> str:
@@ -388,8 +387,8 @@ def _tee(source: Any, sink: Any, kept: list[bytes], full: list[bool]) -> None:
             size += len(chunk)
 
 
-def _run_child(command: Command, env: dict[str, str], settings: Settings) -> tuple[int, bytes, bytes]:
-    """Run the command, its output passed through as it comes and kept; its exit code.
+def _run_child(command: Command, env: dict[str, str], settings: Settings) -> tuple[int, bytes, bytes, str]:
+    """Run the command, its output passed through as it comes and kept; its exit code, output, and how it ran.
 
     A ``python`` command runs in a child of the warm server when it can stand
     in for a new process (``pyexec.py``), writing to the same pipes; else, or
@@ -411,7 +410,7 @@ def _run_child(command: Command, env: dict[str, str], settings: Settings) -> tup
             code, why = exec_through_server(command.argv, env, python, HOOK_DIR, [stdin, pipes[0][1], pipes[1][1]], settings)
             if stdin:
                 os.close(stdin)
-        command.process = "in a child of the warm server" if code is not None else f"as a new process ({why})"
+        how = "in a child of the warm server" if code is not None else f"as a new process ({why})"
         if code is None:
             child = subprocess.Popen(command.argv, env=env, stdout=pipes[0][1], stderr=pipes[1][1])
             while True:
@@ -426,8 +425,8 @@ def _run_child(command: Command, env: dict[str, str], settings: Settings) -> tup
     for t in threads:
         t.join()
     if full[0]:
-        return code, b"", b"\0too long"  # or not all passed through: not recorded
-    return code, b"".join(out), b"".join(err)
+        return code, b"", b"\0too long", how  # or not all passed through: not recorded
+    return code, b"".join(out), b"".join(err), how
 
 
 def _usable(fd: int) -> bool:
@@ -497,9 +496,9 @@ def _record(store: Any, command: Command, settings: Settings, env: dict[str, str
         where = os.path.join(tmp, "observation.json")
         child_env = {**env, ENV_RECORD: where, ENV_OUT: os.pathsep.join(os.path.abspath(o) for o in command.outs)}
         started = time.perf_counter()
-        code, out, err = _run_child(command, child_env, settings)
+        code, out, err, how = _run_child(command, child_env, settings)
         cost = time.perf_counter() - started
-        _set_status(store, command, "process", "ran", command.process)
+        _set_status(store, command, "process", "ran", how)
         try:
             with open(where) as f:
                 observation = json.load(f)

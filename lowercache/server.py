@@ -115,7 +115,6 @@ class Server:
         self.inode = os.stat(self.path).st_ino
         self.identity = identity
         self.warm = warm
-        self.threads = warm.threads
         self.idle_timeout = idle_timeout
         self.jobs = max(1, jobs)
         self.selector = selectors.DefaultSelector()
@@ -383,7 +382,7 @@ class Server:
                 if request.execs:
                     code = _exec_child(request.message or {}, parent, request.fds, inherited, self.warm, started_w)
                 else:
-                    code = _child(request.message or {}, parent, out_w, err_w, inherited, self.threads)
+                    code = _child(request.message or {}, parent, out_w, err_w, inherited, self.warm.threads)
             finally:
                 os._exit(code)
         try:
