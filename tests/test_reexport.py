@@ -12,6 +12,7 @@ import lowercache
 from lowercache.lowering import flow, programstore, quantize, reexport
 from lowercache.bench import models
 from lowercache.cache.store import Store
+from lowercache.cache.hashing import canon, node_form
 from lowercache.lowering.targets import resolve
 
 from .conftest import reference
@@ -186,3 +187,56 @@ def test_graphs_that_could_read_tensor_values_are_not_keyed():
     with converted.graph.inserting_before(output):
         converted.graph.call_function(torch.ops.aten._local_scalar_dense.default, (attr,))
     assert reexport.template_parts(converted, example) is None  # item() of a constant: a value the key leaves out
+
+
+def _key_forms(program) -> list:
+    return [node_form(n) for n in program.graph.nodes]
+
+
+@pytest.mark.parametrize("model", ["tiny_cnn", "transformer_block"])
+def test_strict_template_restores_dynamos_metadata_on_a_weights_edit(model):
+    """A strict export (aot_arm_compiler's default) is keyed apart, and a served one gets back what a fresh strict
+    export carries that the stored form drops: ``tensor_meta``, ``example_value`` and ``eager_input_vals`` on nodes,
+    dynamo's entries in the module's ``meta``."""
+    base, example = _converted(model, None)
+    edited, _ = _converted(model, "weights")
+    strict_parts = reexport.template_parts(base, example, strict=True)
+    assert strict_parts != reexport.template_parts(base, example)
+    assert "strict" not in reexport.template_parts(base, example)  # lower's non-strict key is unchanged
+    program = torch.export.export(base, tuple(example), strict=True)
+    template = reexport.make_template(base, program, programstore.encode(program, "spec"), strict=True)
+    assert template is not None and "derived" in template.meta
+    fresh = torch.export.export(edited, tuple(example), strict=True)
+    entry, doc = reexport.fill(template, edited, example, "spec")
+    served = programstore.decode(entry, doc)
+    assert _key_forms(served) != _key_forms(fresh)  # without restoring, the partitions' keys would differ
+    reexport.restore(served, template.meta["derived"])
+    assert _key_forms(served) == _key_forms(fresh)
+    assert canon(served.graph_module.meta) == canon(fresh.graph_module.meta)
+    assert any("example_value" in n.meta for n in served.graph.nodes)
+    assert all(n.meta["example_value"] is n.meta["val"] for n in served.graph.nodes if "example_value" in n.meta)
+
+
+def test_strict_template_is_not_kept_unless_restoring_is_exact():
+    converted, example = _converted("tiny_cnn", None)
+    program = torch.export.export(converted, tuple(example), strict=True)
+    stored = programstore.encode(program, "spec")
+    node = next(n for n in program.graph.nodes if "tensor_meta" in n.meta)
+    node.meta["tensor_meta"] = node.meta["tensor_meta"]._replace(requires_grad=True)  # not what ``val`` gives
+    assert reexport.make_template(converted, program, stored, strict=True) is None
+    del node.meta["tensor_meta"]
+    program.graph_module.meta["unstorable"] = object()
+    assert reexport.make_template(converted, program, stored, strict=True) is None
+
+
+def test_restore_refuses_a_record_that_does_not_fit():
+    converted, example = _converted("tiny_cnn", None)
+    program = torch.export.export(converted, tuple(example), strict=True)
+    template = reexport.make_template(converted, program, programstore.encode(program, "spec"), strict=True)
+    record = template.meta["derived"]
+    entry, doc = reexport.fill(template, converted, example, "spec")
+    with pytest.raises(programstore.FormatError, match="nodes"):
+        reexport.restore(programstore.decode(entry, doc), {**record, "nodes": record["nodes"][:-1]})
+    entry, doc = reexport.fill(template, converted, example, "spec")
+    with pytest.raises(programstore.FormatError, match="unknown metadata"):
+        reexport.restore(programstore.decode(entry, doc), {**record, "nodes": [["code"]] * len(record["nodes"])})

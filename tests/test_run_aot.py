@@ -9,6 +9,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from lowercache.cache.store import Store
 
 MODEL = textwrap.dedent(
@@ -78,17 +80,19 @@ def test_aot_arm_compiler_is_replayed_byte_for_byte_and_an_edit_runs_again(tmp_p
     assert "model.py changed" in _run(project, cache_dir, "--explain").stdout.decode()
 
 
-def test_the_scripts_re_export_after_convert_is_lowers_step_and_a_weights_edit_hits(tmp_path, cache_dir):
-    """aot_arm_compiler --non_strict_export ends its quantization with ``torch.export.export(convert_pt2e(...), inputs)``,
-    ``lower``'s own re-export: under ``run`` it goes through the ``reexport`` step. A re-run is served the stored program
-    and its partition's TOSA step still hits (the served program keys as a fresh one); a weights edit fills the template.
-    Every .pte is the plain script's."""
+@pytest.mark.parametrize("export", ["strict", "non-strict"])
+def test_the_scripts_re_export_after_convert_is_lowers_step_and_a_weights_edit_hits(tmp_path, cache_dir, export):
+    """aot_arm_compiler ends its quantization with ``torch.export.export(convert_pt2e(...), inputs)``, ``lower``'s own
+    re-export (strict by default, as ``lower``'s with --non_strict_export): under ``run`` it goes through the
+    ``reexport`` step. A re-run is served the stored program and its partition's TOSA step still hits (the served
+    program keys as a fresh one, dynamo's metadata included); a weights edit fills the template. Every .pte is the
+    plain script's."""
     project = tmp_path / "project"
     project.mkdir()
     seeded = MODEL.replace("ACT", "torch.relu").replace("torch.manual_seed(0)\nModelUnderTest = Tiny().eval()",
                                                         "torch.manual_seed(SEED)\nModelUnderTest = Tiny().eval()\ntorch.manual_seed(0)")
     assert "SEED" in seeded
-    aot = [*AOT, "--non_strict_export"]
+    aot = [*AOT, "--non_strict_export"] if export == "non-strict" else AOT
     expected = {}
     for seed, outcomes in ((1, {"reexport/miss": 1, "tosa/miss": 1}), (1, {"reexport/hit": 1, "tosa/hit": 1}),
                            (2, {"reexport/hit": 2, "tosa/miss": 2})):

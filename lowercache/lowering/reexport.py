@@ -27,6 +27,15 @@ two stock exports of one graph in one process already differ in
 (``from_node`` graph ids; torch's ``_torchdynamo_disable`` markers in
 ``custom``, which depend on what the process traced before). Neither
 reaches an output byte; the tests compare the rest with a fresh export.
+
+A strict export (dynamo's, aot_arm_compiler's default) is its own key
+(``strict`` part). Its program carries metadata the stored form drops and a
+script may read: ``tensor_meta``, ``example_value`` and ``eager_input_vals``
+on nodes, and dynamo's entries in the module's ``meta``. Its template
+records which nodes carry which (``_derived_record``); a hit derives them
+again from the rebuilt ``val`` as the trace did (``restore``). The template
+is only kept when the stored program, so restored, has every node's key form
+and the module's ``meta`` of the fresh export.
 """
 
 from __future__ import annotations
@@ -68,6 +77,12 @@ _LIFTED_KINDS = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
 # pt2e's per-node annotation, read by prepare_pt2e: the trace neither reads
 # nor copies it, and it is the largest part of hashing a converted graph.
 _KEY_IGNORED_META = IGNORED_META | {"quantization_annotation"}
+
+
+# Node metadata a strict export leaves that the stored form does not carry,
+# each a function of rebuilt ``val``s; and ``val`` itself, which the rebuilt
+# output node has and a fresh one lacks.
+_DERIVED_META = ("tensor_meta", "example_value", "eager_input_vals", "val")
 
 
 def _is_filled(node: torch.fx.Node) -> bool:
@@ -119,7 +134,9 @@ def _plain_graph_module(module: Any) -> bool:
     return cls is torch.fx.GraphModule or (own and cls.__bases__ == (torch.fx.GraphModule,))
 
 
-def template_parts(converted: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, str] | None:
+def template_parts(
+    converted: torch.fx.GraphModule, example_inputs: Sequence[Any], strict: bool = False
+) -> dict[str, str] | None:
     """Key parts of the re-export, literals and tensor values left out; None if it cannot be keyed."""
     if not _plain_graph_module(converted) or converted._forward_hooks or converted._forward_pre_hooks:
         return None
@@ -156,6 +173,8 @@ def template_parts(converted: torch.fx.GraphModule, example_inputs: Sequence[Any
     except (Unhashable, AttributeError):
         return None
     parts["step"] = REEXPORT_VERSION
+    if strict:  # only then, so that ``lower``'s non-strict key is unchanged
+        parts["strict"] = "true"
     parts.update(toolchain_parts())
     return parts
 
@@ -257,8 +276,95 @@ def _filled_doc_nodes(doc: dict[str, Any]) -> list[dict[str, dict[str, Any]]]:
     return filled
 
 
+def _plain_json(value: Any) -> bool:
+    if value is None or type(value) in (bool, int, str):
+        return True
+    if type(value) is list:
+        return all(_plain_json(v) for v in value)
+    return type(value) is dict and all(type(k) is str and _plain_json(v) for k, v in value.items())
+
+
+def _derived_record(program: torch.export.ExportedProgram) -> dict[str, Any]:
+    """Which nodes carry which ``_DERIVED_META`` key, and the module's ``meta``; Unhashable if that cannot be stored."""
+    module: dict[str, Any] = {}
+    for key, value in program.graph_module.meta.items():
+        if key == "dynamo_compile_id" and type(value).__name__ == "CompileId":
+            module[key] = {"compile_id": [value.frame_id, value.frame_compile_id, value.compiled_autograd_id]}
+        elif _plain_json(value):
+            module[key] = {"value": value}
+        else:
+            raise Unhashable(f"module metadata {key} of type {type(value).__name__}")
+    nodes = [[key for key in _DERIVED_META if key in node.meta] for node in program.graph.nodes]
+    return {"nodes": nodes, "module": module}
+
+
+def _eager_input_vals(node: torch.fx.Node) -> Any:
+    """What the trace records for a stride-sensitive operator: its inputs' fake values (``proxy_tensor``)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import extract_val
+
+    def value(arg: Any) -> Any:
+        if not isinstance(arg, torch.fx.Node) or not isinstance(arg.meta.get("val"), FakeTensor):
+            return None
+        return extract_val(arg.meta["val"])
+
+    return torch.fx.node.map_aggregate((node.args, node.kwargs), value)
+
+
+def restore(program: torch.export.ExportedProgram, record: dict[str, Any]) -> None:
+    """Give a rebuilt strict export the metadata a fresh one has (``_derived_record``); FormatError if it does not fit."""
+    from torch._guards import CompileId
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    nodes = list(program.graph.nodes)
+    if not isinstance(record.get("nodes"), list) or len(record["nodes"]) != len(nodes):
+        raise programstore.FormatError("the template's metadata does not match the program's nodes")
+    for node, keys in zip(nodes, record["nodes"]):
+        if not isinstance(keys, list) or not set(keys) <= set(_DERIVED_META):
+            raise programstore.FormatError("unknown metadata in the template")
+        if "val" not in keys:
+            node.meta.pop("val", None)
+        value = node.meta.get("val")
+        if ("val" in keys) != ("val" in node.meta) or ("tensor_meta" in keys and not isinstance(value, torch.Tensor)):
+            raise programstore.FormatError(f"{node.name}: no value to derive metadata from")
+        if "tensor_meta" in keys:
+            node.meta["tensor_meta"] = _extract_tensor_metadata(value)
+        if "example_value" in keys:
+            node.meta["example_value"] = value
+        if "eager_input_vals" in keys:
+            node.meta["eager_input_vals"] = _eager_input_vals(node)
+    module: dict[str, Any] = {}
+    for key, stored in record.get("module", {}).items():
+        if "compile_id" in stored:
+            frame_id, frame_compile_id, autograd_id = stored["compile_id"]
+            module[key] = CompileId(
+                frame_id=frame_id, frame_compile_id=frame_compile_id, compiled_autograd_id=autograd_id
+            )
+        else:
+            module[key] = stored["value"]
+    program.graph_module.meta.clear()
+    program.graph_module.meta.update(module)
+
+
+def _key_forms(program: torch.export.ExportedProgram) -> list:
+    return [node_form(node) for node in program.graph.nodes]
+
+
+def _restores_exactly(program: torch.export.ExportedProgram, stored: Entry, record: dict[str, Any]) -> bool:
+    """Whether the stored program, rebuilt and restored, is the fresh strict export in every key form and in its module's ``meta``."""
+    try:
+        rebuilt = programstore.decode(stored)
+        restore(rebuilt, record)
+        return _key_forms(rebuilt) == _key_forms(program) and canon(rebuilt.graph_module.meta) == canon(
+            program.graph_module.meta
+        )
+    except (programstore.FormatError, Unhashable) as err:
+        log.debug("strict re-export not templated (%s)", err)
+        return False
+
+
 def make_template(
-    converted: torch.fx.GraphModule, program: torch.export.ExportedProgram, stored: Entry
+    converted: torch.fx.GraphModule, program: torch.export.ExportedProgram, stored: Entry, strict: bool = False
 ) -> Entry | None:
     """The template of an exported program and its stored form; None if filling it would not be exact."""
     if not _corresponds(converted, program):
@@ -275,7 +381,14 @@ def make_template(
     tensors = [
         [name, _record_only(r)] for name, r in stored.meta["tensors"].items() if not name.startswith("example_inputs/")
     ]
-    meta = {"format": REEXPORT_VERSION, "tensors": tensors}
+    meta: dict[str, Any] = {"format": REEXPORT_VERSION, "tensors": tensors}
+    if strict:
+        try:
+            meta["derived"] = _derived_record(program)
+        except Unhashable:
+            return None
+        if not _restores_exactly(program, stored, meta["derived"]):
+            return None
     return Entry(meta=meta, blobs={"program.json": stored.blobs["program.json"]})
 
 
@@ -320,24 +433,27 @@ def export(
     session: Session,
     storing: bool,
     exporter: Callable[..., torch.export.ExportedProgram] | None = None,
+    strict: bool = False,
 ) -> tuple[torch.export.ExportedProgram, Entry]:
     """The stage's re-export through the ``reexport`` step: the program, and the stage's entry.
 
-    ``exporter``: the unpatched ``torch.export.export`` (``lowercache run``).
+    ``exporter``: the unpatched ``torch.export.export`` (``lowercache run``);
+    ``strict``: the script's export is dynamo's.
     """
-    parts = template_parts(converted, example_inputs) if storing else None
+    parts = template_parts(converted, example_inputs, strict) if storing else None
     made: list[tuple[torch.export.ExportedProgram, Entry]] = []
     run_export = exporter or torch.export.export
+    options = {"strict": True} if strict else {}
 
     def compute() -> Entry:
-        program = run_export(converted, tuple(example_inputs))
+        program = run_export(converted, tuple(example_inputs), **options)
         stored = programstore.encode_or_note(program, spec_digest, storing)
         made.append((program, stored))
         if parts is None:
             return stored
         if not stored.meta.get("stored", True):
             return Entry(meta={"reason": stored.meta["reason"]})
-        template = make_template(converted, program, stored)
+        template = make_template(converted, program, stored, strict)
         return template if template is not None else Entry(meta={"reason": "export does not map node for node"})
 
     if parts is None:
@@ -347,8 +463,13 @@ def export(
     if made:
         return made[0]
     try:
+        if strict != ("derived" in template.meta):
+            raise programstore.FormatError("template of the other kind of export")
         entry, doc = fill(template, converted, example_inputs, spec_digest)
-        return programstore.decode(entry, doc), entry
+        program = programstore.decode(entry, doc)
+        if strict:
+            restore(program, template.meta["derived"])
+        return program, entry
     except Exception as err:  # a template that does not fill is a miss, never a crash
         usable_format = template.meta.get("format") == REEXPORT_VERSION
         if usable_format:
@@ -364,21 +485,20 @@ def _in_script(mod: Any, args: Any, kwargs: Any = None, **options: Any) -> torch
 
     A script's quantization ends as ``lower``'s does, with
     ``torch.export.export(convert_pt2e(...), inputs)``. That call, exactly
-    so (non-strict, no other option), is the same step with the same key
-    as ``lower``'s: an unchanged model or a weights edit is served as
-    ``lower`` serves it, and the two share entries. Any other call is
-    torch's own. A strict export is not served: its program carries
-    dynamo's ``example_value`` metadata, which the stored form does not
-    rebuild (measured: the partitions' TOSA keys then differ from a fresh
-    strict export's, though their bytes do not).
+    so (no option but ``strict``), is the same step as ``lower``'s: an
+    unchanged model or a weights edit is served as ``lower`` serves it. A
+    non-strict call has ``lower``'s key and shares its entries; a strict one
+    (aot_arm_compiler's default) is keyed apart, and its served program gets
+    back dynamo's metadata (``restore``). Any other call is torch's own.
     """
     original = script_patch.originals[torch.export]
     session = current_session()
-    if (session is None or kwargs or any(v for k, v in options.items() if k != "strict") or options.get("strict")
+    strict = options.get("strict", False)
+    if (session is None or kwargs or any(v for k, v in options.items() if k != "strict") or type(strict) is not bool
             or not isinstance(args, tuple) or not isinstance(mod, torch.fx.GraphModule)
             or not any(_is_filled(n) for n in mod.graph.nodes)):
         return original(mod, args, kwargs, **options)
-    return export(mod, args, "", session, session.store is not None, exporter=original)[0]
+    return export(mod, args, "", session, session.store is not None, exporter=original, strict=strict)[0]
 
 
 # On for the life of a ``lowercache run`` process (runhook.py), never in ``lower``'s own flow.
