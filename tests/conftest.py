@@ -18,8 +18,8 @@ from .servers import RedisServer, start_moto
 SMALL_TARGETS = ("tosa-int", "tosa-fp", "ethos-u55-128", "ethos-u55-256", "ethos-u85-256")
 
 
-def stock_pte(module, example_inputs, target: str, calibration=None, per_channel: bool = True) -> bytes:
-    """The .pte stock ExecuTorch produces, with no lowercache code involved."""
+def stock_pte(module, example_inputs, target: str, calibration=None, per_channel: bool = True, strict: bool = False) -> bytes:
+    """The .pte stock ExecuTorch produces, with no lowercache code involved; ``strict``: both exports dynamo's."""
     from executorch.backends.arm.ethosu import EthosUCompileSpec, EthosUPartitioner
     from executorch.backends.arm.quantizer import EthosUQuantizer, TOSAQuantizer, get_symmetric_quantization_config
     from executorch.backends.arm.tosa.compile_spec import TosaCompileSpec
@@ -27,7 +27,7 @@ def stock_pte(module, example_inputs, target: str, calibration=None, per_channel
     from executorch.exir import to_edge_transform_and_lower
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    ep = torch.export.export(module, example_inputs)
+    ep = torch.export.export(module, example_inputs, strict=strict)
     ethos = target.startswith("ethos-u")
     spec = EthosUCompileSpec(target) if ethos else TosaCompileSpec({"tosa-int": "TOSA-1.0+INT", "tosa-fp": "TOSA-1.0+FP"}[target])
     if target != "tosa-fp":
@@ -38,7 +38,7 @@ def stock_pte(module, example_inputs, target: str, calibration=None, per_channel
         prepared = prepare_pt2e(ep.module(check_guards=False), quantizer)
         for sample in calibration or [example_inputs]:
             prepared(*sample)
-        ep = torch.export.export(convert_pt2e(prepared), example_inputs)
+        ep = torch.export.export(convert_pt2e(prepared), example_inputs, strict=strict)
     partitioner = EthosUPartitioner(spec) if ethos else TOSAPartitioner(spec)
     edge = to_edge_transform_and_lower(ep, partitioner=[partitioner])
     return edge.to_executorch().buffer

@@ -53,7 +53,7 @@ def _same_program(mine: torch.export.ExportedProgram, stock: torch.export.Export
     assert len(modes) == 1  # new nodes' values come from the program's own fake mode
 
 
-def _audit_calls(model: str, target: str) -> dict[str, int]:
+def _audit_calls(model: str, target: str, strict: bool = False) -> dict[str, int]:
     """Lower stock; at every call that would be skipped or localized, compare the real re-trace with ours."""
     original = torch.export.ExportedProgram.run_decompositions
     audited = {"skipped": 0, "localized": 0, "functionalized": 0}
@@ -87,7 +87,7 @@ def _audit_calls(model: str, target: str) -> dict[str, int]:
 
     torch.export.ExportedProgram.run_decompositions = audit
     try:
-        stock_pte(*models.MODELS[model](), target)
+        stock_pte(*models.MODELS[model](), target, strict=strict)
     finally:
         torch.export.ExportedProgram.run_decompositions = original
     return audited
@@ -107,6 +107,13 @@ def test_skipped_and_localized_calls_give_the_program_a_retrace_gives(model, tar
     assert audited["localized"] >= 1  # the second call: conv2d / transpose / _unsafe_view decomposed
     assert audited["skipped"] >= 1  # the third call, nothing left to decompose
     assert audited["functionalized"] == 1  # the first call, float parameters or not
+
+
+def test_a_strict_exports_programs_are_localized_too():
+    """Dynamo's ``example_value`` on lifted placeholders (aot_arm_compiler exports strict) is carried over
+    unchanged by a re-trace: such programs are skipped and localized as others, with the same result."""
+    audited = _audit_calls("residual_cnn", "ethos-u55-128", strict=True)
+    assert audited == {"skipped": 1, "localized": 1, "functionalized": 1}
 
 
 class _ConvertsAndReshapes(torch.nn.Module):

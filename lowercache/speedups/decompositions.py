@@ -93,6 +93,7 @@ _KNOWN_META = frozenset(
         "custom",
         "desc",
         "eager_input_vals",
+        "example_value",  # dynamo's, on a strict export's lifted placeholders
         "from_node",
         "nn_module_stack",
         "original_aten",
