@@ -49,7 +49,10 @@ def user_env() -> dict[str, str]:
 
 
 def lc_env(root: Path, cache: Path) -> dict[str, str]:
-    """lowercache from this checkout, a cache, no config file, the benchmark's own server socket directory."""
+    """lowercache from this checkout, a cache, no config file, the benchmark's own server socket directory.
+
+    ``root``: the benchmark's directory, whose ``run`` exists (the client falls back
+    to the user's default socket directory when ``XDG_RUNTIME_DIR`` does not)."""
     user = user_env()
     return {**user, "PYTHONPATH": os.pathsep.join(p for p in (str(MODELS.parents[2]), user.get("PYTHONPATH", "")) if p),
             "LOWERCACHE_DIR": str(cache), "LOWERCACHE_CONFIG": str(root / "none.toml"), "XDG_RUNTIME_DIR": str(root / "run")}
@@ -62,8 +65,11 @@ def write_model(project: Path, model: str, edit: str | None) -> None:
         time.sleep(0.1)
 
 
-def one(model: str, target: str, root: Path, edited: str, flags: list[str]) -> dict[tuple[str, str], tuple[float, float, bool]]:
-    """Per mode and phase: plain seconds, lowercache run seconds, bytes equal."""
+def one(
+    model: str, target: str, root: Path, edited: str, flags: list[str], bench_root: Path
+) -> dict[tuple[str, str], tuple[float, float, bool]]:
+    """Per mode and phase: plain seconds, lowercache run seconds, bytes equal. ``root``: this model's
+    directory; ``bench_root``: the benchmark's, whose server the warm-server rows use."""
     pte = Path("out") / f"model_arm_delegate_{target}.pte"
     plain: dict[str | None, tuple[float, bytes]] = {}
     for edit in (None, edited):
@@ -81,7 +87,7 @@ def one(model: str, target: str, root: Path, edited: str, flags: list[str]) -> d
         for phase in PHASES:
             edit = edited if phase == "one block edited" else None
             write_model(project, model, edit)
-            env = lc_env(root, root / f"cache-{project.name}")
+            env = lc_env(bench_root, root / f"cache-{project.name}")
             seconds = timed(lc, env, project, timeout=3600)
             results[(mode, phase)] = (plain[edit][0], seconds, (project / pte).read_bytes() == plain[edit][1])
             explained = subprocess.run([*lc[:4], "--explain", *lc[4:]], env=env, cwd=project, capture_output=True, text=True).stdout
@@ -115,7 +121,7 @@ def main() -> None:
         for model in args.models.split(","):
             reps = []
             for i in range(args.repeat):
-                reps.append(one(model, args.target, Path(tempfile.mkdtemp(prefix=f"{model}-{i}-", dir=root)), args.edit, flags))
+                reps.append(one(model, args.target, Path(tempfile.mkdtemp(prefix=f"{model}-{i}-", dir=root)), args.edit, flags, root))
             for phase in PHASES:
                 plain = statistics.median(r[("new process", phase)][0] for r in reps)
                 new, warm = (statistics.median(r[(mode, phase)][1] for r in reps) for mode in MODES)
