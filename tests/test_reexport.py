@@ -240,3 +240,6 @@ def test_restore_refuses_a_record_that_does_not_fit():
     entry, doc = reexport.fill(template, converted, example, "spec")
     with pytest.raises(programstore.FormatError, match="unknown metadata"):
         reexport.restore(programstore.decode(entry, doc), {**record, "nodes": [["code"]] * len(record["nodes"])})
+    entry, doc = reexport.fill(template, converted, example, "spec")
+    with pytest.raises(programstore.FormatError, match="module metadata"):
+        reexport.restore(programstore.decode(entry, doc), {**record, "module": {"dynamo_compile_id": {"compile_id": [0]}}})

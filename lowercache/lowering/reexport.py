@@ -335,13 +335,15 @@ def restore(program: torch.export.ExportedProgram, record: dict[str, Any]) -> No
             node.meta["eager_input_vals"] = _eager_input_vals(node)
     module: dict[str, Any] = {}
     for key, stored in record.get("module", {}).items():
-        if "compile_id" in stored:
-            frame_id, frame_compile_id, autograd_id = stored["compile_id"]
+        compile_id = stored.get("compile_id") if isinstance(stored, dict) else None
+        if isinstance(compile_id, list) and len(compile_id) == 3 and all(v is None or type(v) is int for v in compile_id):
             module[key] = CompileId(
-                frame_id=frame_id, frame_compile_id=frame_compile_id, compiled_autograd_id=autograd_id
+                frame_id=compile_id[0], frame_compile_id=compile_id[1], compiled_autograd_id=compile_id[2]
             )
-        else:
+        elif isinstance(stored, dict) and set(stored) == {"value"} and _plain_json(stored["value"]):
             module[key] = stored["value"]
+        else:
+            raise programstore.FormatError(f"module metadata {key} in a form the template does not write")
     program.graph_module.meta.clear()
     program.graph_module.meta.update(module)
 
