@@ -12,7 +12,9 @@ the first re-run (it confirms the record: the script runs, its Arm steps served)
 (replayed), and one block edited (its structure, or with ``--edit weights`` its weights). ``--non-strict``
 passes aot_arm_compiler's ``--non_strict_export``: its re-export after ``convert_pt2e`` is then ``lower``'s own
 ``reexport`` step under ``run``. Every .pte is compared byte for byte with the plain
-command's for the same model text. Prints a Markdown table and the load (``uptime``) before and after.
+command's for the same model text. Beside them, ``lowercache lower model.py:make`` through the same
+server: the model lowered once into an empty cache, then the same edit timed (the aim: an edit under
+``run`` as fast as ``lower`` with that edit). Prints Markdown tables and the load (``uptime``) before and after.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ from lowercache.bench.process import timed
 MODELS = Path(__file__).resolve().parent.parent / "lowercache" / "bench" / "models.py"
 PHASES = ("cold", "warm, first re-run", "warm (replayed)", "one block edited")
 MODES = {"new process": ["--no-server"], "warm server": []}
+LOWER_TARGETS = {"TOSA-1.0+INT": "tosa-int", "TOSA-1.0+FP": "tosa-fp"}  # aot_arm_compiler's names -> lower's
 
 
 def model_source(model: str, edit: str | None) -> str:
     """``model.py``: the benchmark's model builders, then the two names aot_arm_compiler reads; the edit on its own line."""
-    return MODELS.read_text() + f"\n\nEDIT = {edit!r}\nModelUnderTest, ModelInputs = MODELS[{model!r}](edit=EDIT)\n"
+    return (MODELS.read_text() + f"\n\nEDIT = {edit!r}\nModelUnderTest, ModelInputs = MODELS[{model!r}](edit=EDIT)\n"
+            "\n\ndef make():\n    return ModelUnderTest, ModelInputs\n")
 
 
 def aot(target: str, flags: list[str]) -> list[str]:
@@ -94,6 +98,14 @@ def one(
             ran = next((line for line in explained.splitlines() if line.startswith("latest run:")), "")
             if mode == "warm server" and "as a new process" in ran and phase != "warm (replayed)":
                 print(f"note: {model} {phase}: {ran}", flush=True)
+    project = root / "lower"
+    project.mkdir()
+    lower = [sys.executable, "-m", "lowercache.cli", "lower", "model.py:make", "-t", LOWER_TARGETS.get(target, target), "-o", "out"]
+    env = lc_env(bench_root, root / "cache-lower")
+    write_model(project, model, None)
+    timed(lower, env, project, timeout=3600)
+    write_model(project, model, edited)
+    results[("lower", "one block edited")] = (plain[edited][0], timed(lower, env, project, timeout=3600), True)
     return results
 
 
@@ -118,6 +130,8 @@ def main() -> None:
         print(f"server start (once): {timed([*server, 'start'], lc_env(root, root / 'cache'), root, timeout=600):.1f} s", flush=True)
         lines = ["| model | phase | plain aot_arm_compiler (s) | `run`, new process (s) | `run`, warm server (s) | speed-up, new process / warm server | bytes equal |",
                  "|---|---|---:|---:|---:|---:|---|"]
+        lowers = [f"| model | `lower`, {args.edit} edit, warm server (s) | `run`, same edit, warm server (s) | `run` / `lower` |",
+                  "|---|---:|---:|---:|"]
         for model in args.models.split(","):
             reps = []
             for i in range(args.repeat):
@@ -129,11 +143,17 @@ def main() -> None:
                 lines.append(f"| {model} | {phase} | {plain:.2f} | {new:.2f} | {warm:.2f} | {plain / new:.1f}x / {plain / warm:.1f}x | "
                              f"{'yes' if equal else '**NO**'} |")
                 print(lines[-1], flush=True)
+            edit_lower = statistics.median(r[("lower", "one block edited")][1] for r in reps)
+            edit_run = statistics.median(r[("warm server", "one block edited")][1] for r in reps)
+            lowers.append(f"| {model} | {edit_lower:.2f} | {edit_run:.2f} | {edit_run / edit_lower:.2f}x |")
+            print(lowers[-1], flush=True)
     finally:
         subprocess.run([*server, "stop"], env=lc_env(root, root / "cache"), capture_output=True, timeout=300)
         shutil.rmtree(root, ignore_errors=True)
     print(f"load after: {uptime()}")
     print("\n".join(lines))
+    print()
+    print("\n".join(lowers))
 
 
 if __name__ == "__main__":
