@@ -30,11 +30,12 @@ import time
 from pathlib import Path
 
 from lowercache.bench.process import timed
+from lowercache.lowering.targets import TOSA_TARGETS
 
 MODELS = Path(__file__).resolve().parent.parent / "lowercache" / "bench" / "models.py"
 PHASES = ("cold", "warm, first re-run", "warm (replayed)", "one block edited")
 MODES = {"new process": ["--no-server"], "warm server": []}
-LOWER_TARGETS = {"TOSA-1.0+INT": "tosa-int", "TOSA-1.0+FP": "tosa-fp"}  # aot_arm_compiler's names -> lower's
+LOWER_TARGETS = {aot_name: name for name, aot_name in TOSA_TARGETS.items()}  # aot_arm_compiler's names -> lower's
 
 
 def model_source(model: str, edit: str | None) -> str:

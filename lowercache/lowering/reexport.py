@@ -61,6 +61,7 @@ from ..cache.hashing import (
 from ..cache.steps import Session, current_session
 from ..cache.store import Entry
 from ..cache.toolchain import toolchain_parts
+from ..speedups.decompositions import eager_input_vals
 from ..speedups.patching import AttributePatch
 
 log = logging.getLogger("lowercache")
@@ -298,19 +299,6 @@ def _derived_record(program: torch.export.ExportedProgram) -> dict[str, Any]:
     return {"nodes": nodes, "module": module}
 
 
-def _eager_input_vals(node: torch.fx.Node) -> Any:
-    """What the trace records for a stride-sensitive operator: its inputs' fake values (``proxy_tensor``)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.fx.experimental.proxy_tensor import extract_val
-
-    def value(arg: Any) -> Any:
-        if not isinstance(arg, torch.fx.Node) or not isinstance(arg.meta.get("val"), FakeTensor):
-            return None
-        return extract_val(arg.meta["val"])
-
-    return torch.fx.node.map_aggregate((node.args, node.kwargs), value)
-
-
 def restore(program: torch.export.ExportedProgram, record: dict[str, Any]) -> None:
     """Give a rebuilt strict export the metadata a fresh one has (``_derived_record``); FormatError if it does not fit."""
     from torch._guards import CompileId
@@ -332,7 +320,7 @@ def restore(program: torch.export.ExportedProgram, record: dict[str, Any]) -> No
         if "example_value" in keys:
             node.meta["example_value"] = value
         if "eager_input_vals" in keys:
-            node.meta["eager_input_vals"] = _eager_input_vals(node)
+            node.meta["eager_input_vals"] = eager_input_vals(node)
     module: dict[str, Any] = {}
     for key, stored in record.get("module", {}).items():
         compile_id = stored.get("compile_id") if isinstance(stored, dict) else None

@@ -224,9 +224,9 @@ def apply_retrace_metadata(program: torch.export.ExportedProgram) -> None:
         node.meta = meta
 
 
-def _retrace_op_metadata(nodes: Any) -> None:
-    """``original_aten`` and ``eager_input_vals`` of operator nodes a re-trace carries over unchanged."""
-    from torch.fx.experimental.proxy_tensor import _should_save_eager_input_vals, extract_val
+def eager_input_vals(node: torch.fx.Node) -> Any:
+    """What a trace records as a stride-sensitive operator's ``eager_input_vals``: its inputs' values (``proxy_tensor``)."""
+    from torch.fx.experimental.proxy_tensor import extract_val
     from torch._subclasses.fake_tensor import FakeTensor
 
     def value(arg: Any) -> Any:
@@ -237,6 +237,13 @@ def _retrace_op_metadata(nodes: Any) -> None:
             return None
         return extract_val(val)
 
+    return torch.fx.node.map_aggregate((node.args, node.kwargs), value)
+
+
+def _retrace_op_metadata(nodes: Any) -> None:
+    """``original_aten`` and ``eager_input_vals`` of operator nodes a re-trace carries over unchanged."""
+    from torch.fx.experimental.proxy_tensor import _should_save_eager_input_vals
+
     for node in nodes:
         if _returns_nothing(node):
             node.meta.pop("val", None)
@@ -244,7 +251,7 @@ def _retrace_op_metadata(nodes: Any) -> None:
         if node.op == "call_function" and node.target is not operator.getitem:
             node.meta["original_aten"] = node.target
             if _should_save_eager_input_vals(node.target, (node.args, node.kwargs)):
-                node.meta["eager_input_vals"] = torch.fx.node.map_aggregate((node.args, node.kwargs), value)
+                node.meta["eager_input_vals"] = eager_input_vals(node)
 
 
 class Unsupported(Exception):
