@@ -260,7 +260,7 @@ _FLOW_PATCHES = {"qparams": qparams, "passes": passes, "partitionorder": partiti
 _ORDER = (
     "provenance", "paramsearch", "qparams", "histogram", "passes", "retrace", "fastcopy", "lazycode", "attrnames",
     "decompositions", "fakecache", "partitionorder", "signature", "treeiter", "dtypecheck", "callsite",
-    "deadcode", "ciaops",
+    "deadcode", "ciaops", "exportguards",
 )
 _enabled: list[Any] = []  # what _apply turned on, so _undo turns off the same
 

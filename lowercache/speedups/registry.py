@@ -151,6 +151,14 @@ SPEEDUPS: tuple[Speedup, ...] = (
         "tests/test_ciaops.py",
     ),
     Speedup(
+        "exportguards",
+        ("torch._dynamo.functional_export:_suggest_or_raise_constraint_violation", "torch._dynamo.guards:build_guard_function",
+         "torch._dynamo.guards:GuardBuilder.add_python_lambda_leaf_guard_to_root", "torch._dynamo.guards:CheckFunctionManager.__init__"),
+        "880d34a8fe6daf1f4d25db98f3070e2ad526c5a923b94245204a7cabf6d66458",
+        "The guards a strict export builds only to raise constraint violations are never called; their code skips CSE, as on dynamo's own fallback.",
+        "tests/test_exportguards.py",
+    ),
+    Speedup(
         "gcfreeze",
         (),
         "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
