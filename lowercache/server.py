@@ -23,6 +23,7 @@ import collections
 import ctypes
 import errno
 import gc
+import importlib
 import json
 import os
 import selectors
@@ -669,6 +670,19 @@ def _warm_up(warm: Warm) -> None:
     warm.installed = _installed_dirs()
 
 
+# What ExecuTorch's Arm export script (aot_arm_compiler, ``lowercache run``'s usual command) imports beyond
+# the flow: its devtools (which bring pandas), Cortex-M and model-registry modules, about 400 modules and
+# 0.2 s that each child would otherwise import again. Never the script itself: ``-m`` must find it unimported.
+SCRIPT_IMPORTS = (
+    "executorch.backends.arm.util._factory", "executorch.backends.arm.vgf", "executorch.backends.cortex_m.edge_compile_config",
+    "executorch.backends.cortex_m.passes.cortex_m_pass_manager", "executorch.backends.cortex_m.passes.replace_quant_nodes_pass",
+    "executorch.backends.cortex_m.quantizer.quantizer", "executorch.backends.cortex_m.target_config", "executorch.devtools",
+    "executorch.devtools.backend_debug", "executorch.devtools.bundled_program.config",
+    "executorch.devtools.bundled_program.serialize", "executorch.examples.models", "executorch.examples.models.model_factory",
+    "executorch.extension.export_util.utils", "tabulate",
+)
+
+
 def _import_and_lower(warm: Warm) -> None:
     from . import quiet
 
@@ -690,6 +704,12 @@ def _import_and_lower(warm: Warm) -> None:
         from . import api, verify  # noqa: F401
         from .bench import models
         from .lowering import loading  # noqa: F401
+
+        for name in SCRIPT_IMPORTS:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # another ExecuTorch release: its script imports something else, in the child
+                pass
     quiet.inherit(imports.lines)
     with quiet.captured(), tempfile.TemporaryDirectory(prefix="lowercache-warmup-") as scratch:
         module, example = models.tiny_cnn()
