@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch._dynamo import guards
@@ -12,6 +14,8 @@ from lowercache.lowering import programstore
 from lowercache.speedups import exportguards
 
 from .test_reexport import _without_varying_meta
+
+_CSE_NAME = re.compile(r"^\s*_var\d+ = ", re.MULTILINE)  # a name CSE gives a repeated sub-expression (``running_var`` is not one)
 
 
 def _strict(module: torch.nn.Module, example: tuple) -> torch.export.ExportedProgram:
@@ -29,15 +33,17 @@ def _forms(program: torch.export.ExportedProgram) -> tuple:
 
 @pytest.fixture
 def uncse_calls(monkeypatch):
-    """How many guard functions were generated without CSE."""
+    """Each guard function built inside a constraint check: its number of guard parts, and whether CSE named any."""
     calls = []
-    real = exportguards._guard_function_without_cse
+    real = guards.build_guard_function
 
     def counting(code_parts, closure_args):
-        calls.append(len(code_parts))
-        return real(code_parts, closure_args)
+        made = real(code_parts, closure_args)
+        if exportguards._dropping_now():
+            calls.append((len(code_parts), bool(_CSE_NAME.search(made[1]))))
+        return made
 
-    monkeypatch.setattr(exportguards, "_guard_function_without_cse", counting)
+    monkeypatch.setattr(guards, "build_guard_function", counting)
     return calls
 
 
@@ -51,7 +57,8 @@ def test_strict_export_is_unchanged(model, uncse_calls):
         assert exportguards.enabled()
         ours = _forms(_strict(module, example))
     assert not exportguards.enabled()
-    assert sum(uncse_calls) > 20  # the shape guards (one per static dimension) went through the skipped pass
+    assert sum(parts for parts, _ in uncse_calls) > 20  # the shape guards (one per static dimension) went through it
+    assert not any(named for _, named in uncse_calls)  # and CSE named nothing there
     assert ours == stock
 
 
@@ -68,8 +75,12 @@ def test_guard_code_outside_the_constraint_check_keeps_cse(uncse_calls):
 
 def test_guard_code_without_cse_decides_as_with_it():
     parts = ["L['x'].size()[0] == 2", "L['x'].size()[1] == 3", "L['x'].stride()[0] == 3"]
+    stock = guards.build_guard_function(parts, "")
+    with exportguards.active(), exportguards._dropping():
+        without = guards.build_guard_function(parts, "")
+    assert _CSE_NAME.search(stock[1]) and not _CSE_NAME.search(without[1])
     made = []
-    for _, code in (guards.build_guard_function(parts, ""), exportguards._guard_function_without_cse(parts, "")):
+    for _, code in (stock, without):
         scope: dict = {}
         exec(code, {}, scope)
         made.append(scope["___make_guard_fn"]())

@@ -14,19 +14,20 @@ there is one guard per dimension of every parameter. On MobileNetV2 this pass
 is 0.75 s of a 2.4 s export, and 0.35 s of the 2.1 s re-export after
 ``convert_pt2e``.
 
-While installed, and only inside that call, ``build_guard_function`` emits
-the guard function without CSE. This is the same if-chain dynamo falls back
-to itself when the pass hits the recursion limit. The shape guards are
-produced as before, so a constraint violation raises as before. What changes
-is the text of a function nobody calls, visible only in dynamo's debug log
-(``TORCH_LOGS=guards``). The four torch functions involved are pinned by a
-source digest (``registry.py``).
+While installed, and only inside that call, torch's CSE pass keeps every
+expression as written, so ``build_guard_function`` emits the plain if-chain
+it falls back to itself when the pass hits the recursion limit. The shape
+guards are produced as before, so a constraint violation raises as before.
+What changes is the text of a function nobody calls, visible only in
+dynamo's debug log (``TORCH_LOGS=guards``). The torch code involved is
+pinned by a source digest (``registry.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 from .patching import Patch
 
@@ -34,56 +35,53 @@ _originals: dict[str, Any] = {}
 _tls = threading.local()
 
 
-def _guard_function_without_cse(code_parts: list[str], closure_args: str) -> tuple[str, str]:
-    """``build_guard_function``'s output with an identity ``replace``, as on its RecursionError path."""
-    from torch._inductor.utils import IndentedBuffer
-
-    guard_body = IndentedBuffer()
-    for expr in code_parts:
-        guard_body.writeline(f"if not ({expr}):")
-        with guard_body.indent():
-            guard_body.writeline("return False")
-    guard = IndentedBuffer()
-    guard.writeline("def guard(L):")
-    with guard.indent():
-        guard.splice(guard_body)
-        guard.writeline("return True")
-    make_guard_fn = IndentedBuffer()
-    make_guard_fn.writeline(f"def ___make_guard_fn({closure_args}):")
-    with make_guard_fn.indent():
-        make_guard_fn.splice(guard)
-        make_guard_fn.writeline("return guard")
-    return guard_body.getvalue(), make_guard_fn.getvalue()
+def _dropping_now() -> bool:
+    """Whether this thread is inside a strict export's constraint check (its guards are dropped)."""
+    return getattr(_tls, "dropping", False)
 
 
-def _build_guard_function(code_parts: list[str], closure_args: str) -> tuple[str, str]:
-    if getattr(_tls, "discarded", False):
-        return _guard_function_without_cse(code_parts, closure_args)
-    return _originals["build"](code_parts, closure_args)
+@contextlib.contextmanager
+def _dropping() -> Iterator[None]:
+    outer = _dropping_now()
+    _tls.dropping = True
+    try:
+        yield
+    finally:
+        _tls.dropping = outer
 
 
 def _constraint_check(*args: Any, **kwargs: Any) -> None:
-    outer = getattr(_tls, "discarded", False)
-    _tls.discarded = True
-    try:
+    with _dropping():
         return _originals["check"](*args, **kwargs)
-    finally:
-        _tls.discarded = outer
+
+
+def _scoped_cse_pass(stock: type) -> type:
+    """Torch's ``PyExprCSEPass``, except that inside a constraint check it counts nothing and replaces nothing."""
+
+    class ScopedCSEPass(stock):  # type: ignore[misc, valid-type]
+        def count(self, exprs: list[str]) -> None:
+            if not _dropping_now():
+                super().count(exprs)
+
+        def replace(self, expr: str) -> tuple[list[str], str]:
+            return ([], expr) if _dropping_now() else super().replace(expr)
+
+    return ScopedCSEPass
 
 
 def _apply() -> None:
     from torch._dynamo import functional_export, guards
 
-    _originals["build"] = guards.build_guard_function
+    _originals["pass"] = guards.PyExprCSEPass
     _originals["check"] = functional_export._suggest_or_raise_constraint_violation
-    guards.build_guard_function = _build_guard_function
+    guards.PyExprCSEPass = _scoped_cse_pass(guards.PyExprCSEPass)
     functional_export._suggest_or_raise_constraint_violation = _constraint_check
 
 
 def _undo() -> None:
     from torch._dynamo import functional_export, guards
 
-    guards.build_guard_function = _originals.pop("build")
+    guards.PyExprCSEPass = _originals.pop("pass")
     functional_export._suggest_or_raise_constraint_violation = _originals.pop("check")
 
 
@@ -98,4 +96,4 @@ def enabled() -> bool:
     import sys
 
     guards = sys.modules.get("torch._dynamo.guards")
-    return guards is not None and guards.build_guard_function is _build_guard_function
+    return guards is not None and guards.PyExprCSEPass.__module__ == __name__

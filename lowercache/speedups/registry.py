@@ -152,9 +152,10 @@ SPEEDUPS: tuple[Speedup, ...] = (
     ),
     Speedup(
         "exportguards",
-        ("torch._dynamo.functional_export:_suggest_or_raise_constraint_violation", "torch._dynamo.guards:build_guard_function",
-         "torch._dynamo.guards:GuardBuilder.add_python_lambda_leaf_guard_to_root", "torch._dynamo.guards:CheckFunctionManager.__init__"),
-        "880d34a8fe6daf1f4d25db98f3070e2ad526c5a923b94245204a7cabf6d66458",
+        ("torch._dynamo.functional_export:_suggest_or_raise_constraint_violation", "torch._dynamo.guards:PyExprCSEPass",
+         "torch._dynamo.guards:build_guard_function", "torch._dynamo.guards:GuardBuilder.add_python_lambda_leaf_guard_to_root",
+         "torch._dynamo.guards:CheckFunctionManager.__init__"),
+        "9a3dcc39ee7313e71d360a4a4d8f61240c48907dacdccb214cedcb81139b2d39",
         "The guards a strict export builds only to raise constraint violations are never called; their code skips CSE, as on dynamo's own fallback.",
         "tests/test_exportguards.py",
     ),
