@@ -17,7 +17,9 @@ have started:
   random generators seeded afresh, the exit code of ``SystemExit``
   or an uncaught exception (through ``sys.excepthook``, without this
   module's frames), non-daemon threads joined, exit handlers, and files left
-  open in the user's modules flushed.
+  open in the user's modules flushed. The server's own ``weakref.finalize``
+  callbacks do not run at the child's exit: they are the server's (today,
+  250 torch.library registrations undone in memory, 0.04 s per command).
 
 Imports nothing heavy: the client uses :func:`parse` before any server exists.
 """
@@ -37,6 +39,7 @@ import signal
 import sys
 import threading
 import types
+import weakref
 import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -222,6 +225,12 @@ def _user_module(module: Any, installed: tuple[str, ...]) -> bool:
     return isinstance(origin, str) and not os.path.abspath(origin).startswith(installed)
 
 
+def _servers_finalizers_off() -> None:
+    """Keep the exit from running the finalizers registered before the command: the server's, not the command's."""
+    for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]  (CPython's list of live finalizers)
+        finalizer.atexit = False
+
+
 def run(invocation: Invocation, argv: list[str], executable: str, base_path: list[str], installed: tuple[str, ...],
         dump: Callable[[], None] | None, started: Callable[[], None] = lambda: None) -> int:
     """Be ``python`` running ``invocation`` in this (forked) process; the exit status, or death by SIGINT as ``python`` dies.
@@ -244,6 +253,7 @@ def run(invocation: Invocation, argv: list[str], executable: str, base_path: lis
     sys.modules["__main__"] = main
     _reseed()
     before = set(sys.modules)
+    _servers_finalizers_off()
     code, interrupted = 0, False
     started()
     try:

@@ -42,6 +42,23 @@ def command_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def run_command(argv: list[str], outs: list[str], cache_dir: str | None = None, remote: str | None = None,
+                no_server: bool = False) -> int:
+    """``lowercache run -- ARGV``: the command's exit code; for the CLI's ``run`` and its light path alike.
+
+    LowercacheError names what is wrong with the settings, or a command that cannot start.
+    """
+    from .config import load_settings
+    from .errors import LowercacheError
+    from .replay import Command, run
+
+    settings = load_settings(cache_dir=cache_dir, remote=remote, server=False if no_server else None)
+    try:
+        return run(Command(argv=list(argv), outs=list(outs)), settings, command_env(settings))
+    except OSError as e:
+        raise LowercacheError(f"cannot run {argv[0]}: {e.strerror or e}") from None
+
+
 _ARM = "executorch.backends.arm"
 
 

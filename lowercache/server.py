@@ -4,7 +4,7 @@ Started by the first client that needs it (:mod:`lowercache.client`), or by
 ``lowercache server start``. Each request runs in a child forked from the
 warm process: the child takes the client's working directory, environment,
 ``sys.path`` and terminal, runs the CLI exactly as a new process would
-(:func:`lowercache.cli.run_in_process`), and its stdout and stderr are
+(:func:`lowercache.cli.commands.run_in_process`), and its stdout and stderr are
 relayed to the client as JSON frames. The server never imports user code, so
 every child imports the model file (and the modules it imports) fresh. A
 child that crashes, hangs past the request timeout or is killed for memory
@@ -654,7 +654,7 @@ def _installed_dirs() -> tuple[str, ...]:
 
 def _warm_up(warm: Warm) -> None:
     """Import the stack single-threaded and lower a tiny model into a throwaway cache, listening to what it reads."""
-    from .direct import listen
+    from .direct import listen, remember_modules
     from .replay import CommandRecorder
 
     settings = load_settings()
@@ -668,6 +668,7 @@ def _warm_up(warm: Warm) -> None:
     warm.lookups = sorted(recorder.lookups)
     warm.imported = pyexec.found_in(dict(sys.modules), recorder.lookups)
     warm.installed = _installed_dirs()
+    remember_modules()
 
 
 # What ExecuTorch's Arm export script (aot_arm_compiler, ``lowercache run``'s usual command) imports beyond
@@ -703,9 +704,10 @@ def _import_and_lower(warm: Warm) -> None:
 
         from . import api, verify  # noqa: F401
         from .bench import models
+        from .cli import commands  # noqa: F401  (the typer commands a lower or verify child runs)
         from .lowering import loading  # noqa: F401
 
-        for name in SCRIPT_IMPORTS:
+        for name in ("typer._adapters", *SCRIPT_IMPORTS):  # typer's first parse imports pydantic there: 0.05 s per child
             try:
                 importlib.import_module(name)
             except ImportError:  # another ExecuTorch release: its script imports something else, in the child

@@ -251,7 +251,7 @@ def test_help_names_the_environment_variables():
     import typer.main
     from typer.testing import CliRunner
 
-    from lowercache.cli import app
+    from lowercache.cli.commands import app
 
     command = typer.main.get_command(app)
     runner = CliRunner()

@@ -278,3 +278,22 @@ def test_a_calibration_path_is_keyed_as_the_lowering_records_it():
     typed = direct.parse_lower(["lower", "m.py:f", "-t", "ethos-u55-128", "-o", "out", "--calibration", "./data//c.pt"])
     recorded = direct.Request(model="m.py:f", target="ethos-u55-128", out_dir="out", calibration=str(Path("./data//c.pt")))
     assert typed.key() == recorded.key()
+
+
+def test_module_files_looked_up_ahead_are_the_modules_own(tmp_path):
+    """The warm server looks up its modules' files once (``remember_modules``); a child's record must read the same
+    paths, and a module made later (or a new object under a remembered name) is looked up as it is now."""
+    import types
+
+    from lowercache import direct
+
+    direct.remember_modules()
+    for module in list(sys.modules.values()):
+        origin = getattr(module, "__file__", None)
+        assert direct._module_file(module) == (os.path.abspath(origin) if isinstance(origin, str) else None)
+    fresh = types.ModuleType("json")  # same name as a remembered module, another object
+    fresh.__file__ = str(tmp_path / "json.py")
+    assert direct._module_file(fresh) == str(tmp_path / "json.py")
+    relative = types.ModuleType("rel")
+    relative.__file__ = "rel.py"
+    assert direct._module_file(relative) == os.path.abspath("rel.py")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typer.main import get_command
 
 from lowercache import config
-from lowercache.cli import app
+from lowercache.cli.commands import app
 from lowercache.speedups import registry
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,7 @@
-"""The ``lowercache`` command line: a thin layer over :mod:`lowercache.api`.
+"""The ``lowercache`` commands (typer): a thin layer over :mod:`lowercache.api`.
+
+``lowercache/cli/__init__.py`` is the entry; it runs these unless a light
+path (direct mode, the warm server, ``run``) answers first.
 
 Errors a user can fix (missing file, bad factory, unknown target, unusable
 cache directory) print one line, ``lowercache: error: ...``, and exit 2.
@@ -22,7 +25,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import LowercacheError
+from ..errors import LowercacheError
 
 app = typer.Typer(
     help="Incremental, caching lowering of PyTorch models to Arm targets (TOSA, Ethos-U).",
@@ -38,7 +41,7 @@ CacheDir = typer.Option(None, "--cache-dir", help=r"Cache directory \[env: LOWER
 
 def _complete_target(incomplete: str) -> list[str]:
     """Shell completion for --target (no torch import: the names are plain data)."""
-    from .lowering.targets import TARGETS
+    from ..lowering.targets import TARGETS
 
     return [t for t in TARGETS if t.startswith(incomplete)]
 
@@ -61,7 +64,7 @@ NoDirect = typer.Option(False, "--no-direct", help=r"Do not answer from a direct
 
 
 def _setup_logging() -> None:
-    from .errors import show_warnings_in_one_line
+    from ..errors import show_warnings_in_one_line
 
     show_warnings_in_one_line()
 
@@ -119,7 +122,7 @@ def _fail_lowering(e: BaseException) -> None:
 @contextlib.contextmanager
 def _local_store(cache_dir: Optional[Path], **flags) -> Iterator:
     """The local store for housekeeping commands; a one-line error if it cannot be opened."""
-    from . import api
+    from .. import api
 
     try:
         store = api.open_store(_settings(cache_dir, disable=False, remote="", **flags))
@@ -132,7 +135,7 @@ def _local_store(cache_dir: Optional[Path], **flags) -> Iterator:
 
 
 def _settings(cache_dir: Optional[Path], **flags):
-    from .config import load_settings
+    from ..config import load_settings
 
     return load_settings(cache_dir=cache_dir, **flags)
 
@@ -154,9 +157,9 @@ def lower(
 ) -> None:
     """Lower MODEL for a target, serving unchanged work from the cache."""
 
-    from . import api, direct
-    from .lowering import loading
-    from .lowering.targets import resolve
+    from .. import api, direct
+    from ..lowering import loading
+    from ..lowering.targets import resolve
 
     try:
         settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote, direct=False if no_direct else None)
@@ -218,7 +221,7 @@ def _progress() -> Iterator[Any]:
 
 def _run_summary(artifacts: Any, written: list[Path], out_dir: Path) -> dict[str, Any]:
     """What ``--json`` prints: the outcome, step counts, time and files of one lowering."""
-    from .cache.steps import outcome_counts
+    from ..cache.steps import outcome_counts
 
     flow = next((r for r in artifacts.records if r["kind"] == "flow"), None)
     manifest = artifacts.manifest
@@ -238,7 +241,7 @@ def _print_summary(records: list[dict], stages: dict[str, float]) -> None:
     table = Table(title="lowercache steps")
     for column in ("step", "outcome", "seconds", "saved"):
         table.add_column(column)
-    from .cache.steps import BULK_KINDS, listed, outcome_counts
+    from ..cache.steps import BULK_KINDS, listed, outcome_counts
 
     for r in listed(records):
         table.add_row(f"{r['kind']}: {r['name']}", r["outcome"], f"{r['seconds']:.2f}", f"{r['saved']:.2f}")
@@ -265,8 +268,8 @@ def verify(
     no_server: bool = NoServer,
 ) -> None:
     """Lower with and without the cache (and in a fresh cache); fail on any byte difference."""
-    from .lowering import loading
-    from .verify import verify as run_verify
+    from ..lowering import loading
+    from ..verify import verify as run_verify
 
     try:
         settings = _settings(cache_dir, disable=False, remote=remote)
@@ -300,7 +303,7 @@ def watch(
     max_runs: Optional[int] = typer.Option(None, "--max-runs", hidden=True, min=1, help="Stop after N rounds of lowering (tests)."),
 ) -> None:
     """Lower MODEL again on every save of it or of a project file it read; print what ran and Vela's estimate deltas."""
-    from . import watch as watching
+    from .. import watch as watching
 
     options = [
         *(["--cache-dir", str(cache_dir)] if cache_dir else []),
@@ -320,6 +323,8 @@ def watch(
     def emit(line: str) -> None:
         print(line, flush=True)
 
+    from . import dispatch
+
     raise typer.Exit(watching.run(plan, dispatch, settings, emit))
 
 
@@ -337,7 +342,7 @@ def build(
     no_direct: bool = NoDirect,
 ) -> None:
     """Lower every (model, target) pair of the build file through the cache, in parallel; write build-report.json and .md."""
-    from .build import buildfile, schedule
+    from ..build import buildfile, schedule
 
     try:
         if executor not in ("local", "ray"):
@@ -358,7 +363,7 @@ def build(
 )
 def bench(ctx: typer.Context) -> None:
     """Benchmark stock ExecuTorch vs lowercache (options: see `lowercache bench --help`)."""
-    from .bench.harness import main as bench_main
+    from ..bench.harness import main as bench_main
 
     raise typer.Exit(bench_main(ctx.args))
 
@@ -394,9 +399,9 @@ def explain(
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Say which named key parts changed for the last miss of MODEL on a target."""
-    from . import direct
-    from .cache import history
-    from .lowering.targets import resolve
+    from .. import direct
+    from ..cache import history
+    from ..lowering.targets import resolve
 
     try:
         name = _model_name(model)
@@ -462,31 +467,29 @@ def run(
     no_server: bool = typer.Option(False, "--no-server", help=r"Run the command as a new process, not in a child of the warm server \[env: LOWERCACHE_SERVER=0]."),
 ) -> None:
     """Run a command (e.g. `lowercache run -- python export.py`): replayed from its record when nothing it read changed, else run with its Arm lowering cached, in a child of the warm server when that can stand in for a new python (docs/run.md)."""
-    from .replay import Command, explain as explain_command, run as run_command
-    from .runhook import command_env
-
     if not ctx.args:
         _fail("nothing to run; usage: lowercache run -- python script.py", 2)
-    command = Command(argv=list(ctx.args), outs=[str(o) for o in outs])
-    try:
-        settings = _settings(cache_dir, remote=remote, server=False if no_server else None)
-        env = command_env(settings)
-    except LowercacheError as e:
-        _fail(str(e), 2)
     if explain:
-        from .cache.tiers import open_store
+        from ..cache.tiers import open_store
+        from ..replay import Command, explain as explain_command
 
-        store = open_store(_settings(cache_dir, disable=False, remote="", read_only=True))
         try:
-            for line in explain_command(store, command):
+            _settings(cache_dir, remote=remote, server=False if no_server else None)  # a bad flag is an error here too
+            store = open_store(_settings(cache_dir, disable=False, remote="", read_only=True))
+        except LowercacheError as e:
+            _fail(str(e), 2)
+        try:
+            for line in explain_command(store, Command(argv=list(ctx.args), outs=[str(o) for o in outs])):
                 print(line)
         finally:
             store.close()
         return
+    from ..runhook import run_command
+
     try:
-        code = run_command(command, settings, env)
-    except OSError as e:
-        _fail(f"cannot run {ctx.args[0]}: {e.strerror or e}", 2)
+        code = run_command(list(ctx.args), [str(o) for o in outs], cache_dir=cache_dir, remote=remote, no_server=no_server)
+    except LowercacheError as e:
+        _fail(str(e), 2)
     raise typer.Exit(code)
 
 
@@ -496,7 +499,7 @@ def export_cmd(
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Pack every local cache entry into one archive (for CI caches that store one file)."""
-    from .cache.archive import export_entries
+    from ..cache.archive import export_entries
 
     with _local_store(cache_dir) as store:
         try:
@@ -512,7 +515,7 @@ def import_cmd(
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Load an archive made by `lowercache export`, checking every entry."""
-    from .cache.archive import import_entries
+    from ..cache.archive import import_entries
 
     with _local_store(cache_dir, read_only=False) as store:
         try:
@@ -525,13 +528,13 @@ def import_cmd(
 @app.command()
 def config(cache_dir: Optional[Path] = CacheDir) -> None:
     """Show the resolved settings and where each came from."""
-    from .config import config_path
+    from ..config import config_path
 
     try:
         settings = _settings(cache_dir)
     except LowercacheError as e:
         _fail(str(e), 2)
-    from .config import describe
+    from ..config import describe
 
     rows = [("config file", str(config_path()), "")] + describe(settings)
     width = max(len(name) for name, _, _ in rows)
@@ -544,8 +547,8 @@ def speedups() -> None:
     """List the exact speed-ups: on, off by setting (LOWERCACHE_SPEEDUPS), or off because the installed source differs."""
     from rich.table import Table
 
-    from .cache.toolchain import version
-    from .speedups import registry
+    from ..cache.toolchain import version
+    from ..speedups import registry
 
     try:
         registry.select(_settings(None).speedups)
@@ -573,7 +576,7 @@ app.add_typer(server_app, name="server")
 @server_app.command("start")
 def server_start() -> None:
     """Start the server, or replace one whose versions, sources or settings differ from this client's."""
-    from . import client
+    from .. import client
 
     try:
         hello = client.ensure_server(_settings(None))
@@ -587,7 +590,7 @@ def server_start() -> None:
 @server_app.command("stop")
 def server_stop() -> None:
     """Stop the server once the requests it accepted are done."""
-    from . import client
+    from .. import client
 
     try:
         reply = client.stop_server()
@@ -604,7 +607,7 @@ def server_stop() -> None:
 @server_app.command("status")
 def server_status() -> None:
     """Version, pid, uptime, requests served, memory; exit 1 when no server runs."""
-    from . import client
+    from .. import client
 
     try:
         reply = client.ask({"op": "status"})
@@ -642,35 +645,9 @@ def _options(
     _verbose = verbose
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    sys.exit(dispatch(list(sys.argv[1:] if argv is None else argv)))
-
-
-def dispatch(args: List[str]) -> object:
-    """Run a command line the way a new ``lowercache`` process does, and return its exit code (``watch`` runs its lowerings so)."""
-    from .errors import new_command
-
-    new_command()
-    command = next((a for a in args if not a.startswith("-")), None)
-    if command == "lower":  # direct mode: an unchanged lowering answered from its record, without torch (docs/direct-mode.md)
-        from .direct import serve
-
-        served = serve(args)
-        if served is not None:
-            return served
-    # then the warm server (docs/server.md)
-    from .client import SERVED, run_through_server
-
-    if command in SERVED:
-        served = run_through_server(args)
-        if served is not None:
-            return served
-    return run_in_process(args)
-
-
 def run_in_process(args: List[str]) -> object:
     """Run the command line in this process and return its exit code; a server's child runs this too."""
-    from . import quiet
+    from .. import quiet
 
     _setup_logging()
     command = next((a for a in args if not a.startswith("-")), None)
@@ -682,7 +659,3 @@ def run_in_process(args: List[str]) -> object:
             code = e.code
     quiet.print_held_back(noise, _verbose, failed=code not in (0, None))
     return code
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

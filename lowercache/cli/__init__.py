@@ -1,0 +1,115 @@
+"""The ``lowercache`` entry: answer from the lightest path that can, before typer is even imported.
+
+Every command pays its imports before the cache is asked. typer and rich
+cost about 0.07 s to import, and typer's first parse another 0.06 s (it
+builds pydantic adapters), so three paths that need neither come first:
+
+- ``lower`` answered from a direct-mode record (``direct.serve``);
+- ``lower`` and ``verify`` through the warm server (``client``), whose
+  child runs the commands below;
+- ``run -- COMMAND`` with only the options it usually has (``--out``,
+  ``--cache-dir``, ``--remote``, ``--no-server``), parsed here and run by
+  the same core as the typer command (``runhook.run_command``).
+
+Anything else (``--help``, ``--explain``, a global option, an unusual
+spelling) goes to the typer commands in :mod:`lowercache.cli.commands`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+# ``lowercache run``'s options that take a value, and its flags, as the light path accepts them.
+_RUN_VALUES = {"--out": "outs", "--cache-dir": "cache_dir", "--remote": "remote"}
+_RUN_FLAGS = {"--no-server": "no_server"}
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    sys.exit(dispatch(list(sys.argv[1:] if argv is None else argv)))
+
+
+def dispatch(args: List[str]) -> object:
+    """Run a command line the way a new ``lowercache`` process does, and return its exit code (``watch`` runs its lowerings so)."""
+    from ..errors import new_command
+
+    new_command()
+    command = next((a for a in args if not a.startswith("-")), None)
+    if command == "lower":  # direct mode: an unchanged lowering answered from its record, without torch (docs/direct-mode.md)
+        from ..direct import serve
+
+        served = serve(args)
+        if served is not None:
+            return served
+    if command == "run":
+        wrapped = parse_run(args)
+        if wrapped is not None:
+            return run_light(**wrapped)
+    # then the warm server (docs/server.md)
+    from ..client import SERVED, run_through_server
+
+    if command in SERVED:
+        served = run_through_server(args)
+        if served is not None:
+            return served
+    return run_in_process(args)
+
+
+def parse_run(args: List[str]) -> dict | None:
+    """``run [--out DIR]... [--cache-dir DIR] [--remote URL] [--no-server] -- COMMAND...`` as keyword arguments, or None.
+
+    None for anything the typer command should see: another option, a
+    missing ``--`` or command, an empty value, a value option given twice.
+    """
+    if not args or args[0] != "run" or "--" not in args:
+        return None
+    split = args.index("--")
+    options, argv = args[1:split], args[split + 1 :]
+    if not argv:
+        return None
+    found: dict = {"argv": argv, "outs": [], "cache_dir": None, "remote": None, "no_server": False}
+    i = 0
+    while i < len(options):
+        name, _, value = options[i].partition("=")
+        if name in _RUN_FLAGS and not _:
+            found[_RUN_FLAGS[name]] = True
+            i += 1
+            continue
+        if name not in _RUN_VALUES:
+            return None
+        if not _:
+            if i + 1 >= len(options):
+                return None
+            value = options[i + 1]
+            i += 1
+        i += 1
+        if not value or value.startswith("-"):
+            return None
+        key = _RUN_VALUES[name]
+        if key == "outs":
+            found["outs"].append(value)
+        elif found[key] is not None:
+            return None
+        else:
+            found[key] = value
+    return found
+
+
+def run_light(argv: List[str], outs: List[str], cache_dir: str | None, remote: str | None, no_server: bool) -> int:
+    """``lowercache run`` as the typer command runs it, with its one-line errors and exit code 2."""
+    from ..errors import LowercacheError, show_warnings_in_one_line
+    from ..runhook import run_command
+
+    show_warnings_in_one_line()
+    try:
+        return run_command(argv, outs, cache_dir=cache_dir, remote=remote, no_server=no_server)
+    except LowercacheError as e:
+        print(f"lowercache: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run_in_process(args: List[str]) -> object:
+    """Run the command line with the typer commands in this process; its exit code. A server's child runs this too."""
+    from .commands import run_in_process as run_commands
+
+    return run_commands(args)

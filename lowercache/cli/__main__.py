@@ -1,0 +1,5 @@
+"""``python -m lowercache.cli``: the ``lowercache`` command."""
+
+from . import main
+
+main()
