@@ -335,6 +335,19 @@ def _umask() -> int:
     return mask
 
 
+def _speedups_known(settings: Settings) -> bool:
+    """Whether the speedups setting names only known speed-ups: a server given another would fail its start."""
+    if settings.speedups == "all":  # the default, without importing the registry
+        return True
+    from .speedups.registry import parse
+
+    try:
+        parse(settings.speedups)
+    except LowercacheError:
+        return False
+    return True
+
+
 def run_through_server(args: list[str]) -> int | None:
     """Run the command line in a child of the warm server; its exit code, or None to run it in this process."""
     if "--no-server" in args[: args.index("--") if "--" in args else len(args)]:
@@ -345,7 +358,7 @@ def run_through_server(args: list[str]) -> int | None:
         settings = load_settings()
     except LowercacheError:
         return None  # the in-process path reports a bad setting in its one line
-    if not settings.server:
+    if not settings.server or not _speedups_known(settings):
         return None
     try:
         cwd = os.getcwd()

@@ -314,3 +314,18 @@ def test_a_wrapped_command_does_not_wait_for_a_lowering_slot(tmp_path):
         assert slow.wait(timeout=120) == 0
     finally:
         own.close()
+
+
+def test_an_unknown_speed_up_is_one_line_and_leaves_the_server_alone(server, tmp_path):
+    """``LOWERCACHE_SPEEDUPS`` naming no speed-up is the user's to fix: one line, exit 2, nothing run, and no server
+    replaced by one that cannot start (the client used to try, warn, and run the command anyway)."""
+    project = project_with(tmp_path, {"script.py": SCRIPT})
+    before = server.status()["pid"]
+    result = run(server, project, PY, "script.py", LOWERCACHE_SPEEDUPS="all,-nosuch")
+    assert result.returncode == 2 and result.stdout == b""
+    assert len(result.stderr.splitlines()) == 1 and result.stderr.startswith(b"lowercache: error: unknown speed-up 'nosuch'")
+    assert not (project / "out.txt").exists()
+    lowered = server("lower", "model.py:model", "-t", "tosa-int", "-o", str(tmp_path / "out"), LOWERCACHE_SPEEDUPS="nosuch")
+    assert lowered.returncode == 2 and len(lowered.stderr.splitlines()) == 1
+    assert lowered.stderr.startswith("lowercache: error: unknown speed-up 'nosuch'") and not (tmp_path / "out").exists()
+    assert server.status()["pid"] == before
