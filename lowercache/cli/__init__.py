@@ -70,14 +70,14 @@ def parse_run(args: List[str]) -> dict | None:
     found: dict = {"argv": argv, "outs": [], "cache_dir": None, "remote": None, "no_server": False}
     i = 0
     while i < len(options):
-        name, _, value = options[i].partition("=")
-        if name in _RUN_FLAGS and not _:
+        name, joined, value = options[i].partition("=")
+        if name in _RUN_FLAGS and not joined:
             found[_RUN_FLAGS[name]] = True
             i += 1
             continue
         if name not in _RUN_VALUES:
             return None
-        if not _:
+        if not joined:  # ``--out DIR``, not ``--out=DIR``
             if i + 1 >= len(options):
                 return None
             value = options[i + 1]
