@@ -335,17 +335,12 @@ def _umask() -> int:
     return mask
 
 
-def _speedups_known(settings: Settings) -> bool:
-    """Whether the speedups setting names only known speed-ups: a server given another would fail its start."""
-    if settings.speedups == "all":  # the default, without importing the registry
-        return True
-    from .speedups.registry import parse
+def check_speedups(settings: Settings) -> None:
+    """LowercacheError unless the speedups setting names only known speed-ups (a server given another fails its start)."""
+    if settings.speedups != "all":  # the default, without importing the registry
+        from .speedups.registry import parse
 
-    try:
         parse(settings.speedups)
-    except LowercacheError:
-        return False
-    return True
 
 
 def run_through_server(args: list[str]) -> int | None:
@@ -358,8 +353,12 @@ def run_through_server(args: list[str]) -> int | None:
         settings = load_settings()
     except LowercacheError:
         return None  # the in-process path reports a bad setting in its one line
-    if not settings.server or not _speedups_known(settings):
+    if not settings.server:
         return None
+    try:
+        check_speedups(settings)
+    except LowercacheError:
+        return None  # the in-process path reports it in its one line
     try:
         cwd = os.getcwd()
     except OSError:

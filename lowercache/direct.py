@@ -386,7 +386,7 @@ def remember_modules() -> None:
     for module in list(sys.modules.values()):
         origin = getattr(module, "__file__", None)
         if not isinstance(origin, str) or os.path.isabs(origin):  # a relative one depends on the working directory
-            _module_files[id(module)] = (module, os.path.abspath(origin) if isinstance(origin, str) else None)
+            _module_files[id(module)] = (module, _absolute(origin))
 
 
 def _module_file(module: Any) -> str | None:
@@ -394,7 +394,10 @@ def _module_file(module: Any) -> str | None:
     known = _module_files.get(id(module))
     if known is not None and known[0] is module:
         return known[1]
-    origin = getattr(module, "__file__", None)
+    return _absolute(getattr(module, "__file__", None))
+
+
+def _absolute(origin: Any) -> str | None:
     return os.path.abspath(origin) if isinstance(origin, str) else None
 
 
@@ -565,7 +568,7 @@ class Recorder:
         """For each module name looked up: what the user's search directories hold under that name (a new file may shadow it)."""
         found = []
         searched: dict[str, list[str]] = {}  # parent package ("" for top level) -> its user search directories
-        listings: dict[str, list[str] | None] = {}
+        listings: dict[str, list[str] | None] = {}  # directory -> its entries, listed once
         for name in sorted(self.lookups):
             parent, _, last = name.rpartition(".")
             if parent not in searched:
@@ -576,19 +579,21 @@ class Recorder:
                 searched[parent] = [d for d in dirs if isinstance(d, str) and self._user(os.path.abspath(d) + os.sep)]
             for d in searched[parent]:
                 if d not in listings:
-                    try:
-                        listings[d] = os.listdir(d)
-                    except OSError:
-                        listings[d] = None
+                    listings[d] = _entries(d)
                 found.append([self.places.ref(os.path.abspath(d)), last, _named(listings[d], last)])
         return found
 
 
 def _matching(directory: str, name: str) -> list[str]:
+    return _named(_entries(directory), name)
+
+
+def _entries(directory: str) -> list[str] | None:
+    """The directory's entries, None when it cannot be listed."""
     try:
-        return _named(os.listdir(directory), name)
+        return os.listdir(directory)
     except OSError:
-        return _named(None, name)
+        return None
 
 
 def _named(entries: list[str] | None, name: str) -> list[str]:

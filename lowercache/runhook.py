@@ -48,15 +48,13 @@ def run_command(argv: list[str], outs: list[str], cache_dir: str | None = None, 
 
     LowercacheError names what is wrong with the settings, or a command that cannot start.
     """
+    from .client import check_speedups
     from .config import load_settings
     from .errors import LowercacheError
     from .replay import Command, run
 
     settings = load_settings(cache_dir=cache_dir, remote=remote, server=False if no_server else None)
-    if settings.speedups != "all":  # an unknown name is the user's to fix, before anything runs
-        from .speedups.registry import parse
-
-        parse(settings.speedups)
+    check_speedups(settings)  # an unknown name is the user's to fix, before anything runs
     try:
         return run(Command(argv=list(argv), outs=list(outs)), settings, command_env(settings))
     except OSError as e:
