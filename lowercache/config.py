@@ -53,6 +53,7 @@ _ENV = {
     "server_idle_timeout": "LOWERCACHE_SERVER_IDLE_TIMEOUT",
     "server_jobs": "LOWERCACHE_SERVER_JOBS",
     "server_timeout": "LOWERCACHE_SERVER_TIMEOUT",
+    "run_ahead": "LOWERCACHE_RUN_AHEAD",
 }
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -75,6 +76,8 @@ class Settings:
     server_idle_timeout: int = 600  # seconds without a request before the server exits
     server_jobs: int = 0  # requests lowered at once, the rest queued; 0: the core count
     server_timeout: int = 3600  # seconds one request may run before its process is killed; 0: no limit
+    # lowercache run: a copy of the script goes on non-strictly from its first strict export (lowering/runahead.py).
+    run_ahead: bool = True
     origin: dict[str, str] = field(default_factory=dict)  # where each value came from
 
 
@@ -155,6 +158,7 @@ def load_settings(**flags: Any) -> Settings:
         server_idle_timeout=_whole(resolved.get("server_idle_timeout", 600), "server_idle_timeout"),
         server_jobs=_whole(resolved.get("server_jobs", 0), "server_jobs") or os.cpu_count() or 1,
         server_timeout=_whole(resolved.get("server_timeout", 3600), "server_timeout"),
+        run_ahead=parse_bool(resolved.get("run_ahead", True), "run_ahead"),
         origin=origin,
     )
 

@@ -35,6 +35,7 @@ from .cache.store import Entry
 from .cache.toolchain import toolchain_parts
 from .config import Settings, load_settings
 from .errors import LowercacheError
+from .lowering import runahead
 from .lowering.targets import resolve
 from .output import check_output_dir, write_files
 
@@ -363,7 +364,7 @@ _initial_env: dict[str, str] | None = None
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
-    if _active and not _active[-1].paused:
+    if _active and not _active[-1].paused and not runahead.unrecorded():
         _active[-1].event(event, args)
 
 

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from .digests import digest_json
 from .store import Entry, Store
@@ -42,7 +42,7 @@ class StepRecord:
     saved: float = 0.0
     output: str = ""
     note: str = ""
-    tier: str = ""  # for hits: "local", "remote" or "memory" (seen earlier this run)
+    tier: str = ""  # for hits: "local", "remote", "memory" (seen earlier this run) or "run ahead" (lowering/runahead.py)
     nodes: dict[str, int] = field(default_factory=dict)  # passes: nodes retraced / copied by their retrace
 
     def to_json(self) -> dict[str, Any]:
@@ -112,15 +112,23 @@ class Session:
         start = time.perf_counter()
         key = step_key(kind, parts) if parts is not None else ""
         entry, tier = self._fetch(kind, key) if parts is not None else (None, "")
+        ahead = _ahead[0] if _ahead and parts is not None else None
+        if entry is None and ahead is not None and ahead.wait(key):
+            entry, tier = self._fetch(kind, key)
+            tier = "run ahead" if entry is not None else tier
         if entry is not None:
             outcome = "hit"
         else:
+            if ahead is not None:
+                ahead.computing(key)
             begin = time.perf_counter()
             entry = compute()
             entry.cost = time.perf_counter() - begin
             outcome = "bypass" if parts is None else "miss"
         if parts is not None:
             self._keep(kind, key, entry, write=outcome == "miss")
+            if ahead is not None and outcome == "miss":
+                ahead.finished(key)
         seconds = time.perf_counter() - start
         record = StepRecord(
             kind=kind,
@@ -211,6 +219,27 @@ class Session:
 
 _active: list[Session] = []
 _fallback: list[Callable[[], "Session | None"]] = []
+
+
+class Ahead(Protocol):
+    """A process computing this run's steps ahead of it (``lowering/runahead.py``), or, in that process, its announcer."""
+
+    def wait(self, key: str) -> bool:
+        """Wait while step ``key`` is being computed ahead; whether the store may now hold it."""
+
+    def computing(self, key: str) -> None:
+        """Step ``key`` missed here and is being computed."""
+
+    def finished(self, key: str) -> None:
+        """Step ``key`` is stored."""
+
+
+_ahead: list[Ahead] = []
+
+
+def set_ahead(ahead: Ahead | None) -> None:
+    """Let every session consult ``ahead`` on a miss and tell it what it computes (None: no one)."""
+    _ahead[:] = [ahead] if ahead is not None else []
 
 
 def current_session() -> Session | None:

@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import programstore
+from . import programstore, runahead
 from ..cache.hashing import (
     IGNORED_META,
     Unhashable,
@@ -479,7 +479,9 @@ def _in_script(mod: Any, args: Any, kwargs: Any = None, **options: Any) -> torch
     unchanged model or a weights edit is served as ``lower`` serves it. A
     non-strict call has ``lower``'s key and shares its entries; a strict one
     (aot_arm_compiler's default) is keyed apart, and its served program gets
-    back dynamo's metadata (``restore``). Any other call is torch's own.
+    back dynamo's metadata (``restore``). Any other call is torch's own; the
+    first strict export of a module that is not a GraphModule also starts the
+    runner (``runahead.py``), which takes every export of its copy non-strict.
     """
     original = script_patch.originals[torch.export]
     session = current_session()
@@ -487,6 +489,8 @@ def _in_script(mod: Any, args: Any, kwargs: Any = None, **options: Any) -> torch
     if (session is None or kwargs or any(v for k, v in options.items() if k != "strict") or type(strict) is not bool
             or not isinstance(args, tuple) or not isinstance(mod, torch.fx.GraphModule)
             or not any(_is_filled(n) for n in mod.graph.nodes)):
+        if strict is True and session is not None and not isinstance(mod, torch.fx.GraphModule) and runahead.fork(session):
+            options = {**options, "strict": False}  # this is the runner: from here on the non-strict way
         return original(mod, args, kwargs, **options)
     return export(mod, args, "", session, session.store is not None, exporter=original, strict=strict)[0]
 
