@@ -1,7 +1,7 @@
 """``lowercache run`` in front of ExecuTorch's aot_arm_compiler, as a shell times whole commands.
 
     python benchmarks/run_figures.py [--models tiny_cnn,transformer_block] [--target ethos-u55-128] [--repeat 1]
-        [--edit structure|weights] [--non-strict]
+        [--edit structure|weights] [--non-strict] [--no-run-ahead]
 
 For each model, in fresh project directories whose ``model.py`` defines ``ModelUnderTest`` and
 ``ModelInputs`` from the benchmark's seeded builders (an edit rewrites its last line, as a user edits a
@@ -11,7 +11,8 @@ socket directory of the benchmark's own; its start is timed apart). Each goes th
 the first re-run (it confirms the record: the script runs, its Arm steps served), a warm re-run
 (replayed), and one block edited (its structure, or with ``--edit weights`` its weights). ``--non-strict``
 passes aot_arm_compiler's ``--non_strict_export``: its re-export after ``convert_pt2e`` is then ``lower``'s own
-``reexport`` step under ``run``. Every .pte is compared byte for byte with the plain
+``reexport`` step under ``run``. ``--no-run-ahead`` sets ``LOWERCACHE_RUN_AHEAD=0`` for every lowercache command (``run``'s
+runner off, docs/run.md#run-ahead), for an A/B of it. Every .pte is compared byte for byte with the plain
 command's for the same model text. Beside them, ``lowercache lower model.py:make`` through the same
 server: the model lowered once into an empty cache, then the same edit timed (the aim: an edit under
 ``run`` as fast as ``lower`` with that edit). Prints Markdown tables and the load (``uptime``) before and after.
@@ -36,6 +37,7 @@ MODELS = Path(__file__).resolve().parent.parent / "lowercache" / "bench" / "mode
 PHASES = ("cold", "warm, first re-run", "warm (replayed)", "one block edited")
 MODES = {"new process": ["--no-server"], "warm server": []}
 LOWER_TARGETS = {aot_name: name for name, aot_name in TOSA_TARGETS.items()}  # aot_arm_compiler's names -> lower's
+RUN_AHEAD: dict[str, str] = {}  # {"LOWERCACHE_RUN_AHEAD": "0"} with --no-run-ahead
 
 
 def model_source(model: str, edit: str | None) -> str:
@@ -60,7 +62,8 @@ def lc_env(root: Path, cache: Path) -> dict[str, str]:
     to the user's default socket directory when ``XDG_RUNTIME_DIR`` does not)."""
     user = user_env()
     return {**user, "PYTHONPATH": os.pathsep.join(p for p in (str(MODELS.parents[2]), user.get("PYTHONPATH", "")) if p),
-            "LOWERCACHE_DIR": str(cache), "LOWERCACHE_CONFIG": str(root / "none.toml"), "XDG_RUNTIME_DIR": str(root / "run")}
+            "LOWERCACHE_DIR": str(cache), "LOWERCACHE_CONFIG": str(root / "none.toml"), "XDG_RUNTIME_DIR": str(root / "run"),
+            **RUN_AHEAD}
 
 
 def write_model(project: Path, model: str, edit: str | None) -> None:
@@ -121,8 +124,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--edit", choices=("structure", "weights"), default="structure")
     parser.add_argument("--non-strict", action="store_true", help="aot_arm_compiler --non_strict_export")
+    parser.add_argument("--no-run-ahead", action="store_true", help="LOWERCACHE_RUN_AHEAD=0 (run's runner off)")
     args = parser.parse_args()
     flags = ["--non_strict_export"] if args.non_strict else []
+    if args.no_run_ahead:
+        RUN_AHEAD["LOWERCACHE_RUN_AHEAD"] = "0"
     print(f"load before: {uptime()}")
     root = Path(tempfile.mkdtemp(prefix="lcrf", dir="/tmp"))  # short: a socket path holds at most 107 bytes
     (root / "run").mkdir(mode=0o700)
