@@ -47,7 +47,6 @@ import atexit
 import contextlib
 import ctypes
 import dataclasses
-import fcntl
 import logging
 import os
 import select
@@ -58,7 +57,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Iterator
+from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("lowercache")
 
@@ -151,6 +151,8 @@ def confine(writable: list[str]) -> None:
 
 def silence_descriptors(keep: tuple[int, ...] = ()) -> None:
     """Point every inherited descriptor that can write or talk at /dev/null (files open only for reading stay)."""
+    import fcntl
+
     null = os.open(os.devnull, os.O_RDWR)
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
@@ -306,11 +308,11 @@ def _become_runner(session: Any, write_fd: int, scratch: str, parent: int) -> No
         os.environ["TMPDIR"] = scratch
         _stop_at_to_executorch()
         sys.addaudithook(_audit)
-        settings = dataclasses.replace(load_settings(), remote=None)
+        settings = dataclasses.replace(load_settings(), remote=None, cache_dir=Path(cache_dir))
         _state["inherited_store"] = session.store  # kept, never closed: its connections are the script's
         session.store = open_store(settings)
         steps.set_ahead(_Announcer(write_fd))
-    except BaseException:  # noqa: BLE001 - a runner that cannot be made safely is none  # noqa: BLE001 - a runner that cannot be made safely is none
+    except BaseException:  # noqa: BLE001 - a runner that cannot be made safely is none
         os._exit(0)
 
 
@@ -330,6 +332,8 @@ def _cores() -> int:
 
 def fork(session: Any) -> bool:
     """Start a runner, once per process; True in the runner, False in the script (or when none was started)."""
+    import fcntl
+
     from ..cache import steps
     from ..config import load_settings
 
