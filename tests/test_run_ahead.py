@@ -25,6 +25,7 @@ from lowercache.cache.store import Store
 from lowercache.lowering import runahead
 
 from .conftest import stock_pte
+from .test_run_server import run, server  # noqa: F401  (the module's warm server, shared with its twin)
 from .test_server import Server
 
 PY = sys.executable
@@ -80,24 +81,15 @@ def expected() -> bytes:
     return stock_pte(module, example, "ethos-u55-128", strict=True)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = Server(tmp_path_factory.mktemp("runahead"))
-    server.start()
-    yield server
-    server.close()
-
-
-def _run(server: Server, project, mode: str, **env: str) -> subprocess.CompletedProcess:
+def _run(server: Server, project, mode: str, *flags: str, **env: str) -> subprocess.CompletedProcess:
     """The script under ``lowercache run``, with a cache of the project's own (cold at first)."""
     project.mkdir(exist_ok=True)
     (project / "export.py").write_text(SCRIPT)
-    scratch = project / "tmp"
-    scratch.mkdir(exist_ok=True)
-    flags = ["--no-server"] if mode == "new process" else []
-    result = subprocess.run([PY, "-m", "lowercache.cli", "run", *flags, "--", PY, "export.py"], cwd=project,
-                            env={**server.env, "LOWERCACHE_DIR": str(project / "cache"), "TMPDIR": str(scratch), **env}, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
+    (project / "tmp").mkdir(exist_ok=True)
+    flags = (*flags, "--no-server") if mode == "new process" else flags
+    result = run(server, project, PY, "export.py", flags=flags, LOWERCACHE_DIR=str(project / "cache"),
+                 TMPDIR=str(project / "tmp"), **env)
+    assert result.returncode == 0, result.stderr[-3000:].decode(errors="replace")
     return result
 
 
@@ -114,7 +106,7 @@ def test_runner_serves_a_lagging_script_and_leaves_no_trace(server, tmp_path, ex
     script_lines = (project / "after-export.txt").read_text().split()
     assert len(script_lines) == 1  # the runner's write after the export was refused
     assert (project / "opened-before.txt").read_text().split() == script_lines  # its inherited file went to /dev/null
-    assert result.stdout.count("after export") == 1
+    assert result.stdout.count(b"after export") == 1
     children = [int(p) for p in (project / "children.txt").read_text().split()]
     assert children, "no runner was started"
     for pid in children:
@@ -139,10 +131,8 @@ def test_the_record_still_replays(server, tmp_path, expected):
     for _ in range(3):
         _run(server, project, "warm server")
         assert (project / "model.pte").read_bytes() == expected
-    explained = subprocess.run([PY, "-m", "lowercache.cli", "run", "--explain", "--", PY, "export.py"], cwd=project,
-                               env={**server.env, "LOWERCACHE_DIR": str(project / "cache"), "TMPDIR": str(project / "tmp")},
-                               capture_output=True, text=True)
-    assert "latest lookup: hit: replayed" in explained.stdout, explained.stdout
+    explained = _run(server, project, "warm server", "--explain").stdout.decode()
+    assert "latest lookup: hit: replayed" in explained, explained
 
 
 def _closed_port() -> int:
