@@ -65,7 +65,7 @@ log = logging.getLogger("lowercache")
 # Seconds the script waits for a runner whose CPU time does not move before it computes the step itself.
 STALL_SECONDS = 1.0
 
-_state: dict[str, Any] = {}  # "runner": the parent's Runner; "ahead": True in the runner
+_state: dict[str, Any] = {}  # "forked": a runner was tried here; "ahead": True in the runner
 _forking = threading.local()
 
 
@@ -337,9 +337,9 @@ def fork(session: Any) -> bool:
     from ..cache import steps
     from ..config import load_settings
 
-    if "runner" in _state or running_ahead():
+    if _state.get("forked") or running_ahead():
         return False
-    _state["runner"] = None
+    _state["forked"] = True
     store = getattr(session, "store", None)
     try:
         if (store is None or not store.writable or not load_settings().run_ahead or _cores() < 2
@@ -374,7 +374,6 @@ def fork(session: Any) -> bool:
     os.close(write_fd)
     os.set_blocking(read_fd, False)
     runner = Runner(pid=pid, fd=read_fd, scratch=scratch)
-    _state["runner"] = runner
     steps.set_ahead(runner)
     atexit.register(_stop, runner)
     return False
