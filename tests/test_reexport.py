@@ -243,3 +243,44 @@ def test_restore_refuses_a_record_that_does_not_fit():
     entry, doc = reexport.fill(template, converted, example, "spec")
     with pytest.raises(programstore.FormatError, match="module metadata"):
         reexport.restore(programstore.decode(entry, doc), {**record, "module": {"dynamo_compile_id": {"compile_id": [0]}}})
+
+
+def _stock_converted(model: str):
+    """Quantized as a script does it with pt2e's own calls: the model's float weights stay, unread, beside the folded ones."""
+    from executorch.backends.arm.ethosu import EthosUCompileSpec
+    from executorch.backends.arm.quantizer import EthosUQuantizer, get_symmetric_quantization_config
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    module, example = models.MODELS[model]()
+    quantizer = EthosUQuantizer(EthosUCompileSpec("ethos-u55-128"))
+    quantizer.set_global(get_symmetric_quantization_config())
+    prepared = prepare_pt2e(torch.export.export(module, example).module(check_guards=False), quantizer)
+    prepared(*example)
+    return convert_pt2e(prepared), example
+
+
+@pytest.mark.parametrize("model", ["residual_cnn", "transformer_block", "tiny_cnn, stock"])
+def test_non_strict_re_export_laid_out_as_strict_has_the_strict_key_forms(model):
+    """The runner's re-export (``runahead.py``): the steps after it read what they would read after the strict one."""
+    if model.endswith(", stock"):
+        converted, example = _stock_converted(model.split(",")[0])
+    else:
+        converted, example = _converted(model, "structure")
+    strict = torch.export.export(converted, tuple(example), strict=True)
+    plain = torch.export.export(converted, tuple(example))
+    assert _key_forms(plain) != _key_forms(strict)  # the layout is what differs
+    laid_out = reexport.laid_out_as_strict(plain, converted)
+    assert laid_out is not None
+    assert _key_forms(laid_out) == _key_forms(strict)
+    assert str(laid_out.graph_signature) == str(strict.graph_signature)
+    assert laid_out.graph_module.code == strict.graph_module.code
+    assert list(laid_out.state_dict) == list(strict.state_dict)
+
+
+def test_no_strict_layout_for_a_tensor_the_graph_does_not_read():
+    converted, example = _converted("tiny_cnn", None)
+    plain = torch.export.export(converted, tuple(example))
+    unread = torch.fx.GraphModule(converted, converted.graph)  # the same attributes
+    for node in [n for n in unread.graph.nodes if n.op == "get_attr"][:1]:
+        node.target = "_not_lifted"
+    assert reexport.laid_out_as_strict(plain, unread) is None

@@ -115,6 +115,10 @@ def test_runner_serves_a_lagging_script_and_leaves_no_trace(server, tmp_path, ex
     assert not [n for n in os.listdir(project / "tmp") if n.startswith("lowercache-runahead-")]  # its scratch is gone
     for kind in ("tosa", "vela"):  # a cold cache, yet the script's steps hit: the runner computed them
         assert _counters(project, kind) == (1, 0), kind
+    store = Store(project / "cache")
+    reexports = [store.get(kind, key) for kind, key in store.actions() if kind == "reexport"]
+    # the script's strict re-export, and the runner's non-strict one (``lower``'s key), laid out as strict for it
+    assert sorted("derived" in entry.meta for entry in reexports) == [False, True]
 
 
 def test_off_by_setting(server, tmp_path, expected):

@@ -470,6 +470,53 @@ def export(
         return made[0]
 
 
+_SPEC_ORDER = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR", "CUSTOM_OBJ", "TOKEN", "USER_INPUT")
+
+
+def laid_out_as_strict(
+    program: torch.export.ExportedProgram, converted: torch.fx.GraphModule
+) -> torch.export.ExportedProgram | None:
+    """A non-strict re-export of ``converted`` laid out as a strict one is; None if this cannot be done.
+
+    For the runner (``runahead.py``) only: dynamo lifts the converted model's
+    tensors in the order its ``forward`` first reads them and gives each
+    lifted placeholder an ``example_value``, where the non-strict trace lifts
+    them in the module's own order, tensors the graph never reads among them.
+    The rest of the two programs differs only in metadata the step keys leave out. Nothing laid out so is stored under
+    a re-export key or given to a script: its worth is that the steps after it
+    reach the script's keys, and a key it misses costs only the runner's time.
+    """
+    first_read: dict[str, int] = {}
+    for node in converted.graph.nodes:
+        if node.op == "get_attr":
+            first_read.setdefault(str(node.target), len(first_read))
+    specs = program.graph_signature.input_specs
+    lifted = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    if any(s.kind.name not in _SPEC_ORDER for s in specs) or sorted(placeholders) != sorted(s.arg.name for s in specs):
+        return None
+    unread = [s for s in specs if s.kind.name in lifted and s.target not in first_read]
+    if any(placeholders[s.arg.name].users for s in unread):
+        return None
+    for spec in unread:  # a tensor the graph never reads (a weight folded away) is in dynamo's state, not its inputs
+        program.graph.erase_node(placeholders.pop(spec.arg.name))
+    ordered = sorted(
+        (s for s in specs if s.arg.name in placeholders),
+        key=lambda s: (_SPEC_ORDER.index(s.kind.name), first_read[s.target] if s.kind.name in lifted else 0),
+    )
+    first_other = next(n for n in program.graph.nodes if n.op != "placeholder")
+    for spec in ordered:
+        node = placeholders[spec.arg.name]
+        first_other.prepend(node)
+        if spec.kind.name in lifted and "val" in node.meta:
+            node.meta["example_value"] = node.meta["val"]
+    program.graph_module.recompile()
+    signature = torch.export.graph_signature.ExportGraphSignature(
+        input_specs=ordered, output_specs=list(program.graph_signature.output_specs)
+    )
+    return program._update(program.graph_module, signature)
+
+
 def _in_script(mod: Any, args: Any, kwargs: Any = None, **options: Any) -> torch.export.ExportedProgram:
     """``torch.export.export`` inside ``lowercache run``: a converted model's re-export is the ``reexport`` step.
 
@@ -481,7 +528,9 @@ def _in_script(mod: Any, args: Any, kwargs: Any = None, **options: Any) -> torch
     (aot_arm_compiler's default) is keyed apart, and its served program gets
     back dynamo's metadata (``restore``). Any other call is torch's own; the
     first strict export of a module that is not a GraphModule also starts the
-    runner (``runahead.py``), which takes every export of its copy non-strict.
+    runner (``runahead.py``), which takes that export non-strict, and its
+    strict re-export as ``lower``'s non-strict step laid out as the strict
+    program (``laid_out_as_strict``): 0.8 s against 2.4 s on MobileNetV2.
     """
     original = script_patch.originals[torch.export]
     session = current_session()
@@ -492,6 +541,15 @@ def _in_script(mod: Any, args: Any, kwargs: Any = None, **options: Any) -> torch
         if strict is True and session is not None and not isinstance(mod, torch.fx.GraphModule) and runahead.fork(session):
             options = {**options, "strict": False}  # this is the runner: from here on the non-strict way
         return original(mod, args, kwargs, **options)
+    if strict and runahead.running_ahead():
+        try:
+            program = export(mod, args, "", session, session.store is not None, exporter=original)[0]
+            laid_out = laid_out_as_strict(program, mod)
+        except Exception as err:  # noqa: BLE001 - the runner then goes the script's way
+            log.debug("run ahead: no non-strict re-export (%s)", err)
+            laid_out = None
+        if laid_out is not None:
+            return laid_out
     return export(mod, args, "", session, session.store is not None, exporter=original, strict=strict)[0]
 
 
