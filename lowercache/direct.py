@@ -362,8 +362,16 @@ _hooked = False
 _initial_env: dict[str, str] | None = None
 
 
+# Every event a recorder acts on (``Recorder.event``, and ``builtins.input`` for ``replay.CommandRecorder``). The
+# hook returns on the rest at once: ``builtins.id`` fires 220 000 times in the strict re-export of a quantized
+# MobileNetV2 alone, and the recorder's checks took 1.2 us per event where this test takes 0.2 us.
+_HEARD = frozenset(
+    {"open", "os.listdir", "os.scandir", "import", "ctypes.dlopen", "builtins.input", *_UNRECORDABLE, *_WRITES}
+)
+
+
 def _audit(event: str, args: tuple[Any, ...]) -> None:
-    if _active and not _active[-1].paused and not _run_ahead_unheard():
+    if event in _HEARD and _active and not _active[-1].paused and not _run_ahead_unheard():
         _active[-1].event(event, args)
 
 
@@ -429,6 +437,7 @@ class Recorder:
         self.env_listed = False
         self.unrecordable: list[str] = []
         self.written: set[str] = set()
+        self._looked: set[str] = set()  # paths ``looked_at`` already took: linecache stats each file again and again
         import tempfile
 
         self.scratch = (os.path.realpath(tempfile.gettempdir()) + os.sep, os.path.abspath(tempfile.gettempdir()) + os.sep)
@@ -490,6 +499,10 @@ class Recorder:
 
     def looked_at(self, path: Any) -> None:
         """``os.stat`` and friends: whether a file exists can decide what the factory does."""
+        if type(path) is str:
+            if path in self._looked:
+                return
+            self._looked.add(path)  # a relative path is the same file throughout: a change of directory is refused
         found = _abspath(path)
         if found is not None and self._user(found):
             self.paths.add(found)
