@@ -108,9 +108,10 @@ def test_another_argument_or_variable_runs_the_command(tmp_path, cache_dir):
         ("import subprocess\nsubprocess.run(['true'])", "ran a process"),
         ("import socket\ns = socket.socket()\ntry:\n    s.connect(('127.0.0.1', 9))\nexcept OSError:\n    pass", "used the network"),
         ("import sys\nsys.stdin.read()", "read standard input"),
+        ("try:\n    input()\nexcept EOFError:\n    pass", "read standard input"),
         ("open({outside!r}, 'w').write('x')", "outside the working directory"),
     ],
-    ids=["reads-what-it-writes", "subprocess", "network", "stdin", "writes-outside"],
+    ids=["reads-what-it-writes", "subprocess", "network", "stdin", "input", "writes-outside"],
 )
 def test_a_command_no_record_can_describe_runs_every_time(tmp_path, cache_dir, body, reason):
     outside = tmp_path / "elsewhere.txt"
