@@ -121,6 +121,26 @@ def test_runner_serves_a_lagging_script_and_leaves_no_trace(server, tmp_path, ex
     assert sorted("derived" in entry.meta for entry in reexports) == [False, True]
 
 
+def test_the_script_and_its_runner_share_the_cache_without_damage(server, tmp_path):
+    """No SQLite connection crosses the fork (``store.close_for_fork``). When the runner opened its own beside the
+    script's copied ones, their writes damaged the index in 5 of 6 runs of aot_arm_compiler on transformer_block: a
+    warning, a cache started afresh, and a command that could not be recorded ("opened an SQLite database")."""
+    project, scratch = tmp_path / "project", tmp_path / "tmp"  # temporary files outside the project: no outputs
+    project.mkdir()
+    scratch.mkdir()
+    (project / "model.py").write_text(
+        "from lowercache.bench import models\nModelUnderTest, ModelInputs = models.transformer_block()\n"
+    )
+    aot = ["-m", "executorch.backends.arm.scripts.aot_arm_compiler", "--model_name=model.py", "--delegate", "--quantize",
+           "--target=ethos-u55-128", "--output=out"]
+    env = {"LOWERCACHE_DIR": str(project / "cache"), "TMPDIR": str(scratch)}
+    for flags in [("--no-server",), ("--no-server",), ("--no-server", "--explain")]:
+        result = run(server, project, PY, *aot, flags=flags, **env)
+        assert result.returncode == 0, result.stderr[-3000:].decode(errors="replace")
+        assert b"damaged" not in result.stderr and b"cannot be written" not in result.stderr, result.stderr[-2000:]
+    assert "latest record: confirmed" in result.stdout.decode(), result.stdout.decode()
+
+
 def test_off_by_setting(server, tmp_path, expected):
     project = tmp_path / "project"
     _run(server, project, "new process", PROBE="1", LAG="3", LOWERCACHE_RUN_AHEAD="0")

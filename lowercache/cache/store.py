@@ -24,6 +24,7 @@ import logging
 import os
 import sqlite3
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -97,6 +98,27 @@ def unframe(data: Any) -> bytes:
     return payload
 
 
+_live: "weakref.WeakSet[Store]" = weakref.WeakSet()  # every store of this process, for ``close_for_fork``
+
+
+def close_for_fork() -> bool:
+    """Close this thread's connections of every store in the process, before a fork (``lowering/runahead.py``).
+
+    SQLite's state must not cross a fork: the child would share the parent's
+    lock bookkeeping and the WAL's shared memory through the copied library
+    state, and its own writes then corrupt the database (seen as "database
+    disk image is malformed" in the parent). Closed connections reopen on
+    next use. False when a store cannot be closed so (a read-only index
+    holds its one connection): then nothing should fork.
+    """
+    stores = list(_live)
+    if any(isinstance(db, Reader) for s in stores for db in (s._entries, s._meta)):
+        return False
+    for store in stores:
+        store.close()
+    return True
+
+
 class Store:
     """A cache directory shared by any number of processes.
 
@@ -125,6 +147,7 @@ class Store:
             self._check_writable()
         self._entries = self._open("entries")
         self._meta = self._open("meta")
+        _live.add(self)
 
     @property
     def writable(self) -> bool:

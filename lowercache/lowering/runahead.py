@@ -71,8 +71,19 @@ _state: dict[str, Any] = {}  # "forked": a runner was tried here; "ahead": True 
 _forking = threading.local()
 
 
+@contextlib.contextmanager
+def _unheard() -> Any:
+    """The command's recorder does not hear this thread in the block: the fork, and the runner's scratch directory."""
+    _forking.on = True
+    try:
+        yield
+    finally:
+        _forking.on = False
+
+
 def unrecorded() -> bool:
-    """Whether the command's recorder must not hear this thread: it is forking the runner, or it is the runner."""
+    """Whether the command's recorder must not hear this thread: it is forking the runner (or making or removing its
+    scratch directory), or it is the runner."""
     return getattr(_forking, "on", False) or bool(_state.get("ahead"))
 
 
@@ -248,7 +259,8 @@ class Runner:
             os.waitpid(self.pid, 0)
         with contextlib.suppress(OSError):
             os.close(self.fd)
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        with _unheard():
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 # -- the runner's side -------------------------------------------------------------------------------------
@@ -311,7 +323,7 @@ def _become_runner(session: Any, write_fd: int, scratch: str, parent: int) -> No
         _stop_at_to_executorch()
         sys.addaudithook(_audit)
         settings = dataclasses.replace(load_settings(), remote=None, cache_dir=Path(cache_dir))
-        _state["inherited_store"] = session.store  # kept, never closed: its connections are the script's
+        _state["inherited_store"] = session.store  # kept, never finalized here: its remote tier is the script's
         session.store = open_store(settings)
         steps.set_ahead(_Announcer(write_fd))
     except BaseException:  # noqa: BLE001 - a runner that cannot be made safely is none
@@ -337,6 +349,7 @@ def fork(session: Any) -> bool:
     import fcntl
 
     from ..cache import steps
+    from ..cache.store import close_for_fork
     from ..config import load_settings
 
     if _state.get("forked") or running_ahead():
@@ -349,7 +362,11 @@ def fork(session: Any) -> bool:
             return False
     except Exception:  # noqa: BLE001 - a setting that cannot be read: the command reports it elsewhere
         return False
-    scratch = tempfile.mkdtemp(prefix="lowercache-runahead-")
+    # No SQLite connection may cross the fork (store.close_for_fork): another thread's would stay open.
+    if threading.active_count() > 1 or not close_for_fork():
+        return False
+    with _unheard():  # the scratch directory is lowercache's, never the script's output (TMPDIR may be in the project)
+        scratch = tempfile.mkdtemp(prefix="lowercache-runahead-")
     read_fd, write_fd = os.pipe()
     with contextlib.suppress(OSError, AttributeError):
         fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, 1 << 20)  # room for every announcement the script has not read yet
@@ -357,17 +374,16 @@ def fork(session: Any) -> bool:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()  # what the script printed so far is printed once, by the script
-    _forking.on = True
     try:
-        pid = os.fork()
+        with _unheard():
+            pid = os.fork()
     except OSError as e:
         os.close(read_fd)
         os.close(write_fd)
-        shutil.rmtree(scratch, ignore_errors=True)
+        with _unheard():
+            shutil.rmtree(scratch, ignore_errors=True)
         log.debug("run ahead: cannot fork (%s)", e)
         return False
-    finally:
-        _forking.on = False
     if pid == 0:
         os.close(read_fd)
         os.set_blocking(write_fd, False)  # a full pipe ends the runner (_say) rather than blocking it
