@@ -33,14 +33,16 @@ Why it leaves no trace but cache entries:
   port, and signal no process outside itself: a write elsewhere fails in
   the runner (and usually ends it), never reaching the file;
 - it ends at a Unix socket or a new process (Python's audit events), and
-  uses the local cache only, through connections of its own;
+  uses the local cache only, through connections of its own: the script's
+  are closed before the fork (``store.close_for_fork``; SQLite's state must
+  not cross a fork), and each side reopens its own;
 - it exits (``os._exit``) at ``to_executorch``, at the script's end or
   failure, without running the script's or lowercache's exit handlers, and
   is killed when the script ends.
 
 Without Landlock ABI 3 (not Linux, or a kernel older than 6.2), with one
-core, no cache or a read-only one, or with ``run_ahead = false``, nothing
-runs ahead.
+core, no cache or a read-only one, another Python thread alive, or with
+``run_ahead = false``, nothing runs ahead.
 """
 
 from __future__ import annotations
