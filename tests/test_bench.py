@@ -6,6 +6,8 @@ Speed is not asserted: the test machines are too noisy for that; identity is.
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 from lowercache.bench import harness as bench
 
@@ -53,3 +55,14 @@ def test_process_scenario_on_tiny_cnn_cold(tmp_path):
     assert set(row["served"]["cold"].values()) == {"flow miss"}
     assert row["median"]["cold"]["stock script"] > 0 and len(row["server_start_seconds"]) == 1
     assert "### tiny_cnn ethos-u55-128" in (out / "report.md").read_text()
+
+
+def test_a_timed_command_passes_lowercaches_warnings_on(tmp_path, capsys):
+    """A damaged or unwritable cache recomputes with one warning: the figure beside it must say so."""
+    from lowercache.bench.process import timed
+
+    say = "import sys; print('lowercache: warning: cache database x is damaged', file=sys.stderr); print('other', file=sys.stderr)"
+    timed([sys.executable, "-c", say], dict(os.environ), tmp_path)
+    timed([sys.executable, "-c", "print('fine')"], dict(os.environ), tmp_path)
+    noted = capsys.readouterr().err.splitlines()
+    assert len(noted) == 1 and noted[0].startswith("note: ") and noted[0].endswith("lowercache: warning: cache database x is damaged")

@@ -103,12 +103,18 @@ def lowercache_command() -> list[str]:
 
 
 def timed(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = 7200) -> float:
-    """Wall seconds of one command, fork to exit; a failure stops the benchmark with the command's last words."""
+    """Wall seconds of one command, fork to exit; a failure stops the benchmark with the command's last words.
+
+    lowercache's warnings are passed on: a damaged or unwritable cache recomputes, so the figure is not what it seems.
+    """
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     seconds = time.perf_counter() - start
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-2000:]}")
+    for line in done.stderr.splitlines():
+        if line.startswith("lowercache: warning:"):
+            print(f"note: {seconds:.2f} s of `{' '.join(cmd[-3:])}` in {cwd.name}: {line}", file=sys.stderr, flush=True)
     return seconds
 
 
