@@ -106,6 +106,8 @@ class CommandRecorder(Recorder):
         self.temporary: set[str] = set()
         self.paused = False
 
+    heard = Recorder.heard | {"builtins.input"}
+
     def event(self, event: str, args: tuple[Any, ...]) -> None:
         if event == "sqlite3.connect" and isinstance(args[0], (str, bytes, os.PathLike)):
             if (os.path.abspath(os.fsdecode(args[0])) + os.sep).startswith(self.cache):

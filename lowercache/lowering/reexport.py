@@ -482,9 +482,10 @@ def laid_out_as_strict(
     tensors in the order its ``forward`` first reads them and gives each
     lifted placeholder an ``example_value``, where the non-strict trace lifts
     them in the module's own order, tensors the graph never reads among them.
-    The rest of the two programs differs only in metadata the step keys leave out. Nothing laid out so is stored under
-    a re-export key or given to a script: its worth is that the steps after it
-    reach the script's keys, and a key it misses costs only the runner's time.
+    The rest of the two programs differs only in metadata the step keys leave
+    out. Nothing laid out so is stored under a re-export key or given to a
+    script: its worth is that the steps after it reach the script's keys, and
+    a key it misses costs only the runner's time.
     """
     first_read: dict[str, int] = {}
     for node in converted.graph.nodes:
