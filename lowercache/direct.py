@@ -475,6 +475,9 @@ class Recorder:
             if not (event in _NETWORK and _on_remote_thread()):
                 self.refuse(_UNRECORDABLE[event])
         elif event in _WRITES:
+            if event == "os.mkdir" and args[2] == -1 and isinstance(args[0], (str, bytes, os.PathLike)) and os.path.isdir(args[0]):
+                self.remade(os.path.abspath(os.fsdecode(args[0])))
+                return
             for path in [_abspath(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]:
                 self.wrote(path or "?")
         elif event == "ctypes.dlopen" and isinstance(args[0], str) and os.sep in args[0]:
@@ -491,6 +494,10 @@ class Recorder:
             self.refuse("listed a directory by descriptor")
         elif self._user(path):
             self.listings.add(path)
+
+    def remade(self, path: str) -> None:
+        """``os.mkdir`` of a directory there already fails (EEXIST) and changes nothing: ``os.makedirs(exist_ok=True)``,
+        as torch's ``cache_dir()`` does for ``TORCHINDUCTOR_CACHE_DIR`` in every process once one has lowered."""
 
     def wrote(self, path: str) -> None:
         """A file the window changed is no input; outside scratch space (temporary files, bytecode) it is a side effect a hit would skip."""

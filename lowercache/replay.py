@@ -134,6 +134,10 @@ class CommandRecorder(Recorder):
             self.opened.add(os.path.abspath(os.fsdecode(args[0])))
         super().event(event, args)
 
+    def remade(self, path: str) -> None:
+        if (path + os.sep).startswith(self.allowed):
+            self.wrote(path)  # an output directory either way, so that a record does not depend on whether it was there
+
     def wrote(self, path: str) -> None:
         self.written.add(path)
         if "__pycache__" in path or path == os.devnull or (path + os.sep).startswith(self.cache):

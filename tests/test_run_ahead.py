@@ -128,12 +128,13 @@ def test_the_script_and_its_runner_share_the_cache_without_damage(server, tmp_pa
     project, scratch = tmp_path / "project", tmp_path / "tmp"  # temporary files outside the project: no outputs
     project.mkdir()
     scratch.mkdir()
+    (tmp_path / "inductor").mkdir()  # as once any process has lowered: torch's cache_dir() makes it in each, exist_ok
     (project / "model.py").write_text(
         "from lowercache.bench import models\nModelUnderTest, ModelInputs = models.transformer_block()\n"
     )
     aot = ["-m", "executorch.backends.arm.scripts.aot_arm_compiler", "--model_name=model.py", "--delegate", "--quantize",
            "--target=ethos-u55-128", "--output=out"]
-    env = {"LOWERCACHE_DIR": str(project / "cache"), "TMPDIR": str(scratch)}
+    env = {"LOWERCACHE_DIR": str(project / "cache"), "TMPDIR": str(scratch), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     for flags in [("--no-server",), ("--no-server",), ("--no-server", "--explain")]:
         result = run(server, project, PY, *aot, flags=flags, **env)
         assert result.returncode == 0, result.stderr[-3000:].decode(errors="replace")

@@ -127,6 +127,20 @@ def test_a_command_no_record_can_describe_runs_every_time(tmp_path, cache_dir, b
     assert Store(cache_dir).counters().get("count/run/hit") is None
 
 
+def test_a_directory_outside_that_exists_already_is_no_write(tmp_path, cache_dir):
+    """``os.makedirs(d, exist_ok=True)`` outside the working directory: the run that makes ``d`` cannot be recorded, a
+    run that finds it there changes nothing. Torch's ``cache_dir()`` does this for ``TORCHINDUCTOR_CACHE_DIR`` in every
+    process once one has lowered, and no command run with that variable set was ever recorded."""
+    elsewhere, scratch = tmp_path / "torch-cache", tmp_path / "scratch"  # not under the temporary directory
+    scratch.mkdir()
+    project = _project(tmp_path, f"import os\nos.makedirs({str(elsewhere)!r}, exist_ok=True)\nprint('done')\n")
+    assert _run(project, cache_dir, env={"TMPDIR": str(scratch)}).stdout == b"done\n"
+    assert f"wrote {elsewhere}, outside the working directory" in _explain(project, cache_dir)
+    for _ in range(3):
+        assert _run(project, cache_dir, env={"TMPDIR": str(scratch)}).stdout == b"done\n"
+    assert "hit: replayed" in _run(project, cache_dir, explain=True, env={"TMPDIR": str(scratch)}).stdout.decode()
+
+
 def test_a_failing_command_passes_its_exit_code_and_error_through(tmp_path, cache_dir):
     project = _project(tmp_path, "import sys\nprint('partial')\nraise SystemExit('broken: ' + sys.argv[1])\n")
     plain = _plain(project, "now")
