@@ -210,11 +210,47 @@ def test_strict_template_restores_dynamos_metadata_on_a_weights_edit(model):
     entry, doc = reexport.fill(template, edited, example, "spec")
     served = programstore.decode(entry, doc)
     assert _key_forms(served) != _key_forms(fresh)  # without restoring, the partitions' keys would differ
-    reexport.restore(served, template.meta["derived"])
+    reexport.restore(served, template.meta["derived"], edited)
     assert _key_forms(served) == _key_forms(fresh)
     assert canon(served.graph_module.meta) == canon(fresh.graph_module.meta)
     assert any("example_value" in n.meta for n in served.graph.nodes)
     assert all(n.meta["example_value"] is n.meta["val"] for n in served.graph.nodes if "example_value" in n.meta)
+
+
+def _meta_forms(program) -> list:
+    """Each node's metadata keys but those no exact rebuild gives (``seq_nr``, an autograd counter; ``original_aten``, an
+    operator object of export's own), and its key form."""
+    return [[n.name, sorted(set(n.meta) - {"seq_nr", "original_aten"}), node_form(n)] for n in program.graph.nodes]
+
+
+@pytest.mark.parametrize("model", ["tiny_cnn", "transformer_block"])
+def test_non_strict_template_restores_what_the_stored_form_drops(model):
+    """A script's non-strict re-export under ``lowercache run`` is ``lower``'s step: served, it has a fresh export's
+    ``tensor_meta`` and ``eager_input_vals`` on nodes and the converted module's entries in its module's ``meta``, as
+    the same objects."""
+    base, example = _converted(model, None)
+    edited, _ = _converted(model, "weights")
+    program = torch.export.export(base, tuple(example))
+    template = reexport.make_template(base, program, programstore.encode(program, "spec"))
+    assert template is not None and template.meta["strict"] is False and "derived" in template.meta
+    fresh = torch.export.export(edited, tuple(example))
+    entry, doc = reexport.fill(template, edited, example, "spec")
+    served = programstore.decode(entry, doc)
+    assert _meta_forms(served) != _meta_forms(fresh)  # the stored form alone lacks them
+    reexport.restore(served, template.meta["derived"], edited)
+    assert _meta_forms(served) == _meta_forms(fresh)
+    assert any("eager_input_vals" in n.meta for n in served.graph.nodes)
+    assert served.graph_module.meta.keys() == fresh.graph_module.meta.keys()
+    assert all(served.graph_module.meta[k] is edited.meta[k] for k in edited.meta if fresh.graph_module.meta.get(k) is edited.meta[k])
+    assert canon(served.graph_module.meta) == canon(fresh.graph_module.meta)
+
+
+def test_non_strict_template_that_cannot_be_restored_is_kept_without_the_record():
+    converted, example = _converted("tiny_cnn", None)
+    program = torch.export.export(converted, tuple(example))
+    program.graph_module.meta["unstorable"] = object()
+    template = reexport.make_template(converted, program, programstore.encode(program, "spec"))
+    assert template is not None and "derived" not in template.meta  # lower reads none of it: served as stored
 
 
 def test_strict_template_is_not_kept_unless_restoring_is_exact():
@@ -236,13 +272,13 @@ def test_restore_refuses_a_record_that_does_not_fit():
     record = template.meta["derived"]
     entry, doc = reexport.fill(template, converted, example, "spec")
     with pytest.raises(programstore.FormatError, match="nodes"):
-        reexport.restore(programstore.decode(entry, doc), {**record, "nodes": record["nodes"][:-1]})
+        reexport.restore(programstore.decode(entry, doc), {**record, "nodes": record["nodes"][:-1]}, converted)
     entry, doc = reexport.fill(template, converted, example, "spec")
     with pytest.raises(programstore.FormatError, match="unknown metadata"):
-        reexport.restore(programstore.decode(entry, doc), {**record, "nodes": [["code"]] * len(record["nodes"])})
+        reexport.restore(programstore.decode(entry, doc), {**record, "nodes": [["code"]] * len(record["nodes"])}, converted)
     entry, doc = reexport.fill(template, converted, example, "spec")
     with pytest.raises(programstore.FormatError, match="module metadata"):
-        reexport.restore(programstore.decode(entry, doc), {**record, "module": {"dynamo_compile_id": {"compile_id": [0]}}})
+        reexport.restore(programstore.decode(entry, doc), {**record, "module": {"dynamo_compile_id": {"compile_id": [0]}}}, converted)
 
 
 def _stock_converted(model: str):

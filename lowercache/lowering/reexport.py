@@ -29,13 +29,17 @@ two stock exports of one graph in one process already differ in
 reaches an output byte; the tests compare the rest with a fresh export.
 
 A strict export (dynamo's, aot_arm_compiler's default) is its own key
-(``strict`` part). Its program carries metadata the stored form drops and a
+(``strict`` part). A program carries metadata the stored form drops and a
 script may read: ``tensor_meta``, ``example_value`` and ``eager_input_vals``
-on nodes, and dynamo's entries in the module's ``meta``. Its template
-records which nodes carry which (``_derived_record``); a hit derives them
-again from the rebuilt ``val`` as the trace did (``restore``). The template
-is only kept when the stored program, so restored, has every node's key form
-and the module's ``meta`` of the fresh export.
+on nodes, and the module's ``meta`` (dynamo's entries; a non-strict export's
+copies of the converted module's). A template records which nodes carry
+which (``_derived_record``); a hit derives them again from the rebuilt
+``val`` as the trace did, and takes the copied module entries from the
+converted module (``restore``). A strict template is only
+kept when the stored program, so restored, has every node's key form and the
+module's ``meta`` of the fresh export; a non-strict one that cannot be
+restored so is kept without the record, served as stored (``lower`` reads
+none of it).
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ from ..speedups.patching import AttributePatch
 
 log = logging.getLogger("lowercache")
 
-REEXPORT_VERSION = "torch.export.export(converted):template:v1"
+REEXPORT_VERSION = "torch.export.export(converted):template:v2"
 
 # Operators whose scale and zero point are filled in, and the names torch's
 # serializer gives those arguments.
@@ -80,9 +84,9 @@ _LIFTED_KINDS = ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
 _KEY_IGNORED_META = IGNORED_META | {"quantization_annotation"}
 
 
-# Node metadata a strict export leaves that the stored form does not carry,
-# each a function of rebuilt ``val``s; and ``val`` itself, which the rebuilt
-# output node has and a fresh one lacks.
+# Node metadata an export leaves that the stored form does not carry, each a
+# function of rebuilt ``val``s; and ``val`` itself, which the rebuilt output
+# node has and a fresh one lacks.
 _DERIVED_META = ("tensor_meta", "example_value", "eager_input_vals", "val")
 
 
@@ -285,11 +289,13 @@ def _plain_json(value: Any) -> bool:
     return type(value) is dict and all(type(k) is str and _plain_json(v) for k, v in value.items())
 
 
-def _derived_record(program: torch.export.ExportedProgram) -> dict[str, Any]:
+def _derived_record(program: torch.export.ExportedProgram, converted: torch.fx.GraphModule) -> dict[str, Any]:
     """Which nodes carry which ``_DERIVED_META`` key, and the module's ``meta``; Unhashable if that cannot be stored."""
     module: dict[str, Any] = {}
     for key, value in program.graph_module.meta.items():
-        if key == "dynamo_compile_id" and type(value).__name__ == "CompileId":
+        if key in converted.meta and value is converted.meta[key]:
+            module[key] = {"from_converted": True}  # a non-strict export copies the converted module's entries
+        elif key == "dynamo_compile_id" and type(value).__name__ == "CompileId":
             module[key] = {"compile_id": [value.frame_id, value.frame_compile_id, value.compiled_autograd_id]}
         elif _plain_json(value):
             module[key] = {"value": value}
@@ -299,8 +305,8 @@ def _derived_record(program: torch.export.ExportedProgram) -> dict[str, Any]:
     return {"nodes": nodes, "module": module}
 
 
-def restore(program: torch.export.ExportedProgram, record: dict[str, Any]) -> None:
-    """Give a rebuilt strict export the metadata a fresh one has (``_derived_record``); FormatError if it does not fit."""
+def restore(program: torch.export.ExportedProgram, record: dict[str, Any], converted: torch.fx.GraphModule) -> None:
+    """Give a rebuilt export the metadata a fresh one has (``_derived_record``); FormatError if it does not fit."""
     from torch._guards import CompileId
     from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
@@ -324,7 +330,9 @@ def restore(program: torch.export.ExportedProgram, record: dict[str, Any]) -> No
     module: dict[str, Any] = {}
     for key, stored in record.get("module", {}).items():
         compile_id = stored.get("compile_id") if isinstance(stored, dict) else None
-        if isinstance(compile_id, list) and len(compile_id) == 3 and all(v is None or type(v) is int for v in compile_id):
+        if stored == {"from_converted": True} and key in converted.meta:
+            module[key] = converted.meta[key]
+        elif isinstance(compile_id, list) and len(compile_id) == 3 and all(v is None or type(v) is int for v in compile_id):
             module[key] = CompileId(
                 frame_id=compile_id[0], frame_compile_id=compile_id[1], compiled_autograd_id=compile_id[2]
             )
@@ -340,16 +348,18 @@ def _key_forms(program: torch.export.ExportedProgram) -> list:
     return [node_form(node) for node in program.graph.nodes]
 
 
-def _restores_exactly(program: torch.export.ExportedProgram, stored: Entry, record: dict[str, Any]) -> bool:
-    """Whether the stored program, rebuilt and restored, is the fresh strict export in every key form and in its module's ``meta``."""
+def _restores_exactly(
+    program: torch.export.ExportedProgram, stored: Entry, record: dict[str, Any], converted: torch.fx.GraphModule
+) -> bool:
+    """Whether the stored program, rebuilt and restored, is the fresh export in every key form and in its module's ``meta``."""
     try:
         rebuilt = programstore.decode(stored)
-        restore(rebuilt, record)
+        restore(rebuilt, record, converted)
         return _key_forms(rebuilt) == _key_forms(program) and canon(rebuilt.graph_module.meta) == canon(
             program.graph_module.meta
         )
     except (programstore.FormatError, Unhashable) as err:
-        log.debug("strict re-export not templated (%s)", err)
+        log.debug("re-export's metadata not restorable (%s)", err)
         return False
 
 
@@ -371,14 +381,15 @@ def make_template(
     tensors = [
         [name, _record_only(r)] for name, r in stored.meta["tensors"].items() if not name.startswith("example_inputs/")
     ]
-    meta: dict[str, Any] = {"format": REEXPORT_VERSION, "tensors": tensors}
-    if strict:
-        try:
-            meta["derived"] = _derived_record(program)
-        except Unhashable:
-            return None
-        if not _restores_exactly(program, stored, meta["derived"]):
-            return None
+    meta: dict[str, Any] = {"format": REEXPORT_VERSION, "tensors": tensors, "strict": strict}
+    try:
+        derived = _derived_record(program, converted)
+    except Unhashable:
+        derived = None
+    if derived is not None and _restores_exactly(program, stored, derived, converted):
+        meta["derived"] = derived
+    elif strict:
+        return None
     return Entry(meta=meta, blobs={"program.json": stored.blobs["program.json"]})
 
 
@@ -453,12 +464,12 @@ def export(
     if made:
         return made[0]
     try:
-        if strict != ("derived" in template.meta):
+        if template.meta.get("strict") is not strict:
             raise programstore.FormatError("template of the other kind of export")
         entry, doc = fill(template, converted, example_inputs, spec_digest)
         program = programstore.decode(entry, doc)
-        if strict:
-            restore(program, template.meta["derived"])
+        if "derived" in template.meta:
+            restore(program, template.meta["derived"], converted)
         return program, entry
     except Exception as err:  # a template that does not fill is a miss, never a crash
         usable_format = template.meta.get("format") == REEXPORT_VERSION
