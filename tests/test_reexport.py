@@ -248,9 +248,16 @@ def test_non_strict_template_restores_what_the_stored_form_drops(model):
 def test_non_strict_template_that_cannot_be_restored_is_kept_without_the_record():
     converted, example = _converted("tiny_cnn", None)
     program = torch.export.export(converted, tuple(example))
-    program.graph_module.meta["unstorable"] = object()
-    template = reexport.make_template(converted, program, programstore.encode(program, "spec"))
+    stored = programstore.encode(program, "spec")
+    node = next(n for n in program.graph.nodes if "tensor_meta" in n.meta)
+    flipped = not node.meta["tensor_meta"].requires_grad
+    node.meta["tensor_meta"] = node.meta["tensor_meta"]._replace(requires_grad=flipped)  # not what ``val`` gives
+    template = reexport.make_template(converted, program, stored)
     assert template is not None and "derived" not in template.meta  # lower reads none of it: served as stored
+    del node.meta["tensor_meta"]
+    assert "derived" in reexport.make_template(converted, program, stored).meta
+    program.graph_module.meta["unstorable"] = object()
+    assert "derived" not in reexport.make_template(converted, program, stored).meta
 
 
 def test_strict_template_is_not_kept_unless_restoring_is_exact():

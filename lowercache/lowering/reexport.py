@@ -363,6 +363,35 @@ def _restores_exactly(
         return False
 
 
+def _derives_exactly(
+    program: torch.export.ExportedProgram, stored: Entry, record: dict[str, Any], converted: torch.fx.GraphModule
+) -> bool:
+    """``_restores_exactly`` for a non-strict export, at a tenth of its cost (0.03 s against 0.3 s on MobileNetV2's
+    re-export, on every miss of ``lower``'s step): the rebuilt program's ``val``s are the fresh one's (what serving a
+    non-strict program has always rested on), so deriving from the fresh program's own ``val``s must give its
+    metadata. Only the derived keys and the module's own entries are left to check."""
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    try:
+        for node, keys in zip(program.graph.nodes, record["nodes"]):
+            value = node.meta.get("val")
+            if "tensor_meta" in keys and (
+                not isinstance(value, torch.Tensor) or _extract_tensor_metadata(value) != node.meta["tensor_meta"]
+            ):
+                return False
+            if "example_value" in keys and node.meta["example_value"] is not value:
+                return False
+            if "eager_input_vals" in keys and canon(eager_input_vals(node)) != canon(node.meta["eager_input_vals"]):
+                return False
+        return all(
+            stored_form != {"from_converted": True} or program.graph_module.meta[key] is converted.meta.get(key)
+            for key, stored_form in record["module"].items()
+        )
+    except Unhashable as err:
+        log.debug("re-export's metadata not derivable (%s)", err)
+        return False
+
+
 def make_template(
     converted: torch.fx.GraphModule, program: torch.export.ExportedProgram, stored: Entry, strict: bool = False
 ) -> Entry | None:
@@ -386,7 +415,8 @@ def make_template(
         derived = _derived_record(program, converted)
     except Unhashable:
         derived = None
-    if derived is not None and _restores_exactly(program, stored, derived, converted):
+    exact = _restores_exactly if strict else _derives_exactly
+    if derived is not None and exact(program, stored, derived, converted):
         meta["derived"] = derived
     elif strict:
         return None
