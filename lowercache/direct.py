@@ -475,8 +475,9 @@ class Recorder:
             if not (event in _NETWORK and _on_remote_thread()):
                 self.refuse(_UNRECORDABLE[event])
         elif event in _WRITES:
-            if event == "os.mkdir" and args[2] == -1 and isinstance(args[0], (str, bytes, os.PathLike)) and os.path.isdir(args[0]):
-                self.remade(os.path.abspath(os.fsdecode(args[0])))
+            remade = _abspath(args[0]) if event == "os.mkdir" and args[2] == -1 else None
+            if remade is not None and os.path.isdir(remade):
+                self.remade(remade)
                 return
             for path in [_abspath(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]:
                 self.wrote(path or "?")
