@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from . import startup
 from .config import Settings, load_settings
 from .errors import LowercacheError
 
@@ -45,6 +46,10 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 class ServerUnavailable(Exception):
     """No server can be reached or started; the command runs in this process."""
+
+
+class Declined(Exception):
+    """The server's interpreter would answer this request otherwise than the client's own (``startup.why_not``)."""
 
 
 class ServerLost(Exception):
@@ -99,7 +104,7 @@ def identity(settings: Settings) -> dict[str, Any]:
         "lowercache_src": package_digest(),
         "torch": version("torch"),
         "executorch": version("executorch"),
-        "python": sys.executable,
+        "startup": startup.state(),
         "idle_timeout": settings.server_idle_timeout,
         "jobs": settings.server_jobs,
     }
@@ -220,7 +225,7 @@ def _spawn(directory: Path, want: dict[str, Any]) -> dict[str, Any]:
     code = f"import sys; sys.path.insert(0, {os.path.dirname(_PACKAGE_DIR)!r}); from lowercache.server import main; main()"
     with open(log, "w") as f:
         process = subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=f, stderr=f, cwd="/", env=env, start_new_session=True
+            [sys.executable, *startup.interpreter_args(), "-c", code], stdin=subprocess.DEVNULL, stdout=f, stderr=f, cwd="/", env=env, start_new_session=True
         )
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
@@ -278,6 +283,8 @@ def _relay(sock: socket.socket) -> int:
             return int(frame["exit"])
         elif "stale" in frame:
             raise ServerUnavailable("stale")
+        elif "declined" in frame:
+            raise Declined(str(frame["declined"]))
     raise ServerLost("the server closed the connection")
 
 
@@ -288,7 +295,7 @@ def exec_through_server(argv: list[str], env: dict[str, str], executable: str, h
     Returns the command's exit status (negative for a signal, as
     ``subprocess`` gives it), or None and why when it has to run as a new
     process: no server, or one that cannot stand in for a new interpreter
-    here (``pyexec.why_not``). Ctrl-C is passed on to the command.
+    here (``startup.why_not``). Ctrl-C is passed on to the command.
     """
     if not settings.server or not hasattr(socket, "SO_PEERCRED"):
         return None, "the server is off"
@@ -383,6 +390,9 @@ def run_through_server(args: list[str]) -> int | None:
                 return _relay(sock)
             except ServerUnavailable:
                 continue  # replaced between hello and request: once more
+            except Declined as e:
+                warn(f"the lowering server cannot stand in for this interpreter ({e}); running in this process")
+                return None
             except KeyboardInterrupt:  # the server kills the request's process when this connection closes
                 print("Aborted!", file=sys.stderr)  # as click says it in a new process
                 return 1

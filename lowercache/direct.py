@@ -33,6 +33,7 @@ from typing import Any, Callable, ClassVar, Iterator, TypeVar
 from .cache.digests import digest, digest_json
 from .cache.store import Entry
 from .cache.toolchain import toolchain_parts
+from . import startup
 from .config import Settings, load_settings
 from .errors import LowercacheError
 from .lowering.targets import resolve
@@ -249,7 +250,7 @@ def _env_digest(value: str | None) -> str | None:
 
 
 def identity(settings: Settings, environ: dict[str, str] | Any) -> dict[str, Any]:
-    """What the result depends on besides the factory's inputs: interpreter, machine, toolchain, settings."""
+    """What the result depends on besides the factory's inputs: interpreter and its start-up, machine, toolchain, settings."""
     return {
         "python": sys.version,
         "cache_tag": sys.implementation.cache_tag,
@@ -259,6 +260,7 @@ def identity(settings: Settings, environ: dict[str, str] | Any) -> dict[str, Any
         "toolchain": toolchain_parts(),
         "speedups": settings.speedups,
         "native_env": {name: _env_digest(environ.get(name)) for name in NATIVE_ENV},
+        "startup": startup.state(environ),
     }
 
 
@@ -870,6 +872,8 @@ def identity_changed(recorded: Any, now: dict[str, Any]) -> str | None:
     if recorded == now:
         return None
     recorded = recorded if isinstance(recorded, dict) else {}
+    if recorded.get("startup") != now.get("startup"):
+        return startup.changed(recorded.get("startup"), now["startup"], "the record's")
     parts = sorted(k for k in set(now) | set(recorded) if now.get(k) != recorded.get(k))
     return f"the {', '.join(parts)} changed"
 

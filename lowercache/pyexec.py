@@ -8,8 +8,9 @@ have started:
 
 - which command lines qualify (:func:`parse`): a script or ``-m module``,
   with at most ``-u`` and ``-B``; anything else runs as a new process;
-- when the warm process cannot stand in (:func:`why_not`): a variable that
-  the interpreter's start, torch's native code or the server's imports read
+- when the warm process cannot stand in (:func:`why_not`, by the rule of
+  ``startup.py`` that ``lower``'s requests share): a variable that the
+  interpreter's start, torch's native code or the server's imports read
   differs from the server's, or a file in the script's directory (or on
   ``PYTHONPATH``) would shadow a module the server imported or looked for;
 - the interpreter's own start and exit (:func:`run`): ``__main__``,
@@ -44,14 +45,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-# Variables read before any Python code runs (the interpreter's start, torch's and the OpenMP,
-# MKL and C libraries' native code): a child of the server started with the server's values.
-_STARTUP_PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH", "ATEN_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_",
-                     "MALLOC_", "GLIBC_", "LC_", "EXECUTORCH")
-_STARTUP_NAMES = ("HOME", "LANG")
-# The child sets these itself (server.py's thread count); lowercache's own settings are read fresh in the child.
-_SET_BY_CHILD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-
+from . import startup
 
 @dataclass(frozen=True)
 class Invocation:
@@ -87,23 +81,13 @@ def parse(argv: list[str]) -> Invocation | None:
     return None
 
 
-def without_dir(pythonpath: str | None, directory: str) -> str | None:
-    """``PYTHONPATH`` without ``directory`` (``lowercache run``'s hook), None when nothing is left."""
-    if pythonpath is None:
-        return None
-    kept = [p for p in pythonpath.split(os.pathsep) if p and os.path.abspath(p) != os.path.abspath(directory)]
-    return os.pathsep.join(kept) or None
-
-
 def why_not(invocation: Invocation, cwd: str, env: dict[str, str], start_env: dict[str, str], read: Iterable[str],
-            imported: dict[str, list[str]], hook_dir: str) -> str | None:
+            imported: dict[str, list[str]]) -> str | None:
     """Why a child of the server cannot stand in for a new ``python`` process here, or None when it can.
 
-    ``start_env``: the server's environment as it started; ``read``: the
-    variables its imports and warm-up read; ``imported``: the top-level
-    module names it imported or looked for, each with the directories it
-    was found in (none: not found); ``hook_dir``: the directory ``lowercache
-    run`` puts on ``PYTHONPATH`` (its ``sitecustomize``).
+    The start-up rule is ``startup.why_not``'s, shared with ``lower``'s
+    requests; the search path is the script's directory (or the working
+    directory for ``-m``) and ``PYTHONPATH``, as a new interpreter's starts.
     """
     if invocation.script is not None:
         path = os.path.join(cwd, invocation.script)
@@ -111,50 +95,9 @@ def why_not(invocation: Invocation, cwd: str, env: dict[str, str], start_env: di
             return f"{invocation.script} is not a file"
         if zipfile.is_zipfile(path):
             return f"{invocation.script} is a zip archive"
-    names = set(read) | {n for n in (*start_env, *env) if n.startswith(_STARTUP_PREFIXES) or n in _STARTUP_NAMES}
-    for name in sorted(names):
-        if name.startswith("LOWERCACHE_") or name in _SET_BY_CHILD:
-            continue
-        mine, theirs = env.get(name), start_env.get(name)
-        if name == "PYTHONPATH":  # empty entries and the hook's directory say nothing
-            mine, theirs = without_dir(mine, hook_dir), without_dir(theirs, hook_dir)
-        if mine != theirs:
-            return f"environment variable {name} differs from the server's"
-    pythonpath = without_dir(env.get("PYTHONPATH"), hook_dir)
-    for directory in [invocation.main_dir(cwd), *(pythonpath.split(os.pathsep) if pythonpath else [])]:
-        directory = os.path.normpath(os.path.join(cwd, directory))
-        try:
-            entries = os.listdir(directory)
-        except OSError:
-            continue
-        provides = {e: _module_name(directory, e) for e in entries}
-        shadows = sorted(e for e, name in provides.items() if name in imported and directory not in imported[name])
-        if shadows:
-            return f"{os.path.join(directory, shadows[0])} would shadow a module the server imported"
-    return None
-
-
-def found_in(modules: dict[str, Any], looked_up: Iterable[str]) -> dict[str, list[str]]:
-    """Top-level module names, each with the search-path directories its module came from (none: looked up, not found)."""
-    found: dict[str, set[str]] = {name.split(".")[0]: set() for name in looked_up}
-    for name, module in modules.items():
-        if "." in name or module is None:
-            continue
-        places = list(getattr(module, "__path__", None) or [])  # a package's directories: their parent is the entry
-        origin = getattr(module, "__file__", None)
-        dirs = {os.path.dirname(os.path.normpath(p)) for p in places if isinstance(p, str)}
-        if isinstance(origin, str) and not places:
-            dirs.add(os.path.dirname(os.path.normpath(origin)))
-        found.setdefault(name, set()).update(dirs)
-    return {name: sorted(dirs) for name, dirs in found.items()}
-
-
-def _module_name(directory: str, entry: str) -> str | None:
-    """The top-level module name ``entry`` of a search-path directory provides (a package, a namespace, a source or extension file)."""
-    for suffix in importlib.machinery.all_suffixes():
-        if entry.endswith(suffix) and len(entry) > len(suffix):
-            return entry[: -len(suffix)]
-    return entry if "." not in entry and os.path.isdir(os.path.join(directory, entry)) else None
+    pythonpath = startup.without_dir(env.get("PYTHONPATH"), startup.HOOK_DIR)
+    search = [invocation.main_dir(cwd), *(pythonpath.split(os.pathsep) if pythonpath else [])]
+    return startup.why_not(env, start_env, read, search, cwd, imported)
 
 
 def streams(unbuffered: bool) -> None:

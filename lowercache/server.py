@@ -37,7 +37,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import client, pyexec
+from . import client, pyexec, startup
 from .config import load_settings
 
 _PR_SET_PDEATHSIG = 1
@@ -248,14 +248,17 @@ class Server:
             self.stop()  # the socket path is free before the reply: a replacement may bind it at once
             self._reply(request, {"pid": os.getpid(), "stopping": True, "running": len(self.running), "queued": len(self.queue)})
         elif op in ("run", "exec"):
-            if message.get("identity") != self.identity or self.stopping:
+            changed = self.warm.changed_file() if message.get("identity") == self.identity and not self.stopping else None
+            if message.get("identity") != self.identity or self.stopping or changed is not None:
+                if changed is not None:
+                    print(f"lowercache server: {changed} changed since it was imported; stopping", file=sys.stderr, flush=True)
+                    self.stop()  # the client starts a server that imports what is there now
                 self._reply(request, {"stale": True})
                 return
-            if op == "exec":
-                why = self._cannot_exec(request)
-                if why is not None:
-                    self._reply(request, {"declined": why})
-                    return
+            why = self._cannot_exec(request) if op == "exec" else self._cannot_run(request)
+            if why is not None:
+                self._reply(request, {"declined": why})
+                return
             self.last_active = time.monotonic()
             if op == "exec":  # a new process would not wait for a slot either: server_jobs bounds lowerings
                 self._fork(request)
@@ -277,7 +280,22 @@ class Server:
         if self.warm.base_path is None:
             return "this server's module search path is not a new interpreter's"
         return pyexec.why_not(invocation, cwd, {str(k): str(v) for k, v in env.items()}, self.warm.start_env,
-                              self.warm.read_env, self.warm.imported, str(message.get("hook_dir") or ""))
+                              self.warm.read_env, self.warm.imported)
+
+    def _cannot_run(self, request: _Request) -> str | None:
+        """Why a child would run this ``lower`` or ``verify`` otherwise than the client's own interpreter, or None.
+
+        The rule is ``lowercache run``'s (``startup.why_not``): a variable read at
+        start or by the server's imports that differs, or a directory on the
+        client's module search path holding a file that would shadow a module
+        the server imported or looked for.
+        """
+        message = request.message or {}
+        env, cwd, path = message.get("env"), message.get("cwd"), message.get("path")
+        if not isinstance(env, dict) or not isinstance(cwd, str) or not isinstance(path, list):
+            return "not a request this server can run"
+        return startup.why_not({str(k): str(v) for k, v in env.items()}, self.warm.start_env, self.warm.read_env,
+                               [str(p) for p in path], cwd, self.warm.imported)
 
     def _signal(self, request: _Request) -> None:
         """A running exec request's client asks for SIGINT (its Ctrl-C) to reach the command, as it would a new process."""
@@ -640,6 +658,29 @@ class Warm:
     lookups: list[str] = field(default_factory=list)  # module names they looked up
     imported: dict[str, list[str]] = field(default_factory=dict)  # top-level names of those and of every module imported, where found
     installed: tuple[str, ...] = ()  # directories of installed code (stdlib, site-packages, lowercache)
+    files: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # every imported module's file: size, mtime, inode
+
+    def remember_files(self) -> None:
+        """Note the file of every module imported so far (3,600 after the warm-up: 10 ms to check again)."""
+        for module in list(sys.modules.values()):
+            origin = getattr(module, "__file__", None)
+            if isinstance(origin, str) and os.path.isabs(origin):
+                self.files[origin] = _file_stamp(origin)
+
+    def changed_file(self) -> str | None:
+        """A file the server imported that has changed since (an upgrade or an edit in place), or None."""
+        for path, stamp in self.files.items():
+            if _file_stamp(path) != stamp:
+                return path
+        return None
+
+
+def _file_stamp(path: str) -> tuple[int, int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (-1, -1, -1)
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 def _installed_dirs() -> tuple[str, ...]:
@@ -666,8 +707,9 @@ def _warm_up(warm: Warm) -> None:
         recorder.close()
     warm.read_env = sorted(recorder.env)
     warm.lookups = sorted(recorder.lookups)
-    warm.imported = pyexec.found_in(dict(sys.modules), recorder.lookups)
+    warm.imported = startup.found_in(dict(sys.modules), recorder.lookups)
     warm.installed = _installed_dirs()
+    warm.remember_files()
     remember_modules()
 
 

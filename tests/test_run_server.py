@@ -3,9 +3,10 @@
 Each case runs the same command with ``--no-server`` (a new process, as
 before) and through a real server, and compares what a user can see: exit
 status, stdout, stderr, the files written and their modes. Where the child
-cannot stand in (a variable the server's start read differs, a file that
-would shadow a module the server imported), the command runs as a new
-process and ``--explain`` says why.
+cannot stand in (a file that would shadow a module the server imported),
+the command runs as a new process and ``--explain`` says why; a command
+under another start-up state gets a server started under it
+(``tests/adversarial/test_startup.py``).
 """
 
 from __future__ import annotations
@@ -177,16 +178,6 @@ def test_unseeded_generators_are_seeded_per_run_as_in_new_processes(server, tmp_
     draws = {run(server, project, PY, "draw.py").stdout for _ in range(2)}
     assert len(draws) == 2
     assert "in a child of the warm server" in explain(server, project, PY, "draw.py")
-
-
-def test_a_variable_read_at_start_that_differs_runs_a_new_process(server, tmp_path):
-    project = project_with(tmp_path, {"hashes.py": "print(hash('lowercache'))\n"})
-    fixed = run(server, project, PY, "hashes.py", PYTHONHASHSEED="7")
-    assert fixed.returncode == 0
-    assert fixed.stdout == subprocess.run([sys.executable, "hashes.py"], cwd=project, capture_output=True,
-                                          env={**os.environ, "PYTHONHASHSEED": "7"}).stdout
-    assert ("as a new process (environment variable PYTHONHASHSEED differs from the server's)"
-            in explain(server, project, PY, "hashes.py"))
 
 
 def test_a_file_that_would_shadow_a_module_the_server_imported_runs_a_new_process(server, tmp_path):

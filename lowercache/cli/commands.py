@@ -618,10 +618,14 @@ def server_status() -> None:
         out.print(f"no server running (socket directory {client.socket_dir()})", markup=False, highlight=False)
         raise typer.Exit(1)
     who = reply["identity"]
-    differ = sorted(k for k in {*who, *mine} if who.get(k) != mine.get(k))
+    differ = sorted(k for k in {*who, *mine} if who.get(k) != mine.get(k) and k != "startup")
+    if who.get("startup") != mine.get("startup"):
+        from .. import startup
+
+        differ.append(startup.changed(who.get("startup"), mine["startup"], "the server's") or "start-up state")
     rows = [
         ("server", f"pid {reply['pid']}, lowercache {who['lowercache']}, torch {who['torch']}, executorch {who['executorch']}"),
-        ("state", f"stale: the next request replaces it ({', '.join(differ)} differ)" if differ else "current"),
+        ("state", f"stale: the next request replaces it ({'; '.join(differ)})" if differ else "current"),
         ("uptime", f"{reply['uptime']:.1f} s"),
         ("requests", f"{reply['requests']} served ({reply['failed']} failed), {reply['running']} running, {reply['queued']} queued, at most {reply['jobs']} at once"),
         ("memory", f"{reply['rss'] / 2**20:.1f} MiB resident (the server; each request's process adds its own)"),

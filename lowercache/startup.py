@@ -1,0 +1,206 @@
+"""What a new interpreter's start-up takes in, and whether a warm process can answer for another one.
+
+A warm server's child runs the client's request in a process that started
+long ago, under the server's start-up: its flags (``-O`` sets ``__debug__``),
+its hash seed, the variables read before any Python code ran, the ``.pth``
+files ``site`` executed and the import finders they installed, the modules it
+imported. A child can stand in for the client's own interpreter only when all
+of these are the client's too. This module says what they are (:func:`state`,
+cheap: no torch) and why a warm process would answer differently
+(:func:`why_not`), for ``lower`` and ``verify`` requests and for
+``lowercache run``'s commands alike; direct-mode and ``run`` records carry
+:func:`state`'s digest, so a record is confirmed and served only under equal
+start-up state.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import site
+import stat
+import sys
+from typing import Any, Iterable
+
+from .cache.digests import digest, digest_json
+
+# Variables read before any Python code runs (the interpreter's start, torch's and the OpenMP,
+# MKL and C libraries' native code): a warm process keeps what it made of its own values.
+PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH", "ATEN_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_",
+            "MALLOC_", "GLIBC_", "LC_", "EXECUTORCH")
+NAMES = ("HOME", "LANG")
+# A server's child sets the thread count itself (server.py); lowercache's own settings are read fresh in the child.
+SET_BY_CHILD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# ``lowercache run`` puts this directory (its ``sitecustomize``) on a command's PYTHONPATH: it says nothing of the user's.
+HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run")
+# Flags that say how the interpreter was driven, not how it runs code (``-i``).
+_NOT_RUN = ("inspect", "interactive", "n_fields", "n_sequence_fields", "n_unnamed_fields")
+
+
+def interpreter_args() -> list[str]:
+    """The command-line options that give a new interpreter this one's flags, ``-W`` and ``-X`` options (the server's spawn)."""
+    import subprocess
+
+    args = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]  (multiprocessing's own)
+    given = {a.split("=")[0] for a in args[args.index("-X") + 1::2]} if "-X" in args else set()
+    for name, value in sys._xoptions.items():
+        if name not in given and name != "dev":
+            args += ["-X", name if value is True else f"{name}={value}"]
+    return args
+
+
+def without_dir(pythonpath: str | None, directory: str) -> str | None:
+    """``PYTHONPATH`` without ``directory`` (``lowercache run``'s hook) and empty entries, None when nothing is left."""
+    if pythonpath is None:
+        return None
+    kept = [p for p in pythonpath.split(os.pathsep) if p and os.path.abspath(p) != os.path.abspath(directory)]
+    return os.pathsep.join(kept) or None
+
+
+def read_at_start(name: str) -> bool:
+    """Whether the variable is read before any Python code runs (and is not lowercache's own, nor set by a child)."""
+    if name.startswith("LOWERCACHE_") or name in SET_BY_CHILD:
+        return False
+    return name.startswith(PREFIXES) or name in NAMES
+
+
+def variables(environ: dict[str, str] | Any) -> dict[str, str]:
+    """The start-up variables of ``environ``, PYTHONPATH without the hook directory."""
+    found = {name: environ[name] for name in environ if read_at_start(name)}
+    if "PYTHONPATH" in found:
+        kept = without_dir(found.pop("PYTHONPATH"), HOOK_DIR)
+        if kept is not None:
+            found["PYTHONPATH"] = kept
+    return found
+
+
+def _site_dirs() -> list[str]:
+    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return dirs
+
+
+def site_files() -> list[list[Any]]:
+    """The files ``site`` runs or that install import hooks: ``.pth`` files, editable finders, top-level modules.
+
+    Each is named with its stat (size, mtime, inode): ``pip install -e`` of another
+    checkout rewrites ``__editable___*_finder.py`` with the same name, and the
+    site-packages listing alone cannot see that.
+    """
+    found = []
+    for directory in _site_dirs():
+        try:
+            entries = sorted(os.listdir(directory))
+        except OSError:
+            continue
+        for entry in entries:
+            if not entry.endswith((".pth", ".py")) and not entry.startswith("__editable__"):
+                continue
+            try:
+                st = os.stat(os.path.join(directory, entry))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found.append([directory, entry, st.st_size, st.st_mtime_ns, st.st_ino])
+    return found
+
+
+def state(environ: dict[str, str] | Any = None) -> dict[str, Any]:
+    """The interpreter's start-up state: what two processes must share to run the same code to the same result.
+
+    Values of variables are kept as digests (an environment holds secrets, and
+    records travel to the remote). The interpreter is named by its prefix and
+    resolved path, so ``python`` and ``python3.11`` of one environment are one.
+    """
+    environ = os.environ if environ is None else environ
+    return {
+        "interpreter": [sys.prefix, sys.exec_prefix, os.path.realpath(sys.executable), sys.version],
+        "flags": {name: getattr(sys.flags, name) for name in dir(sys.flags) if not name.startswith("_") and name not in _NOT_RUN
+                  and isinstance(getattr(sys.flags, name), int)},
+        "options": [list(sys.warnoptions), sorted(f"{k}={v}" for k, v in sys._xoptions.items())],
+        "variables": {name: digest(value.encode("utf-8", "surrogateescape")) for name, value in sorted(variables(environ).items())},
+        "site": digest_json(site_files()),
+    }
+
+
+def changed(old: dict[str, Any] | Any, new: dict[str, Any], whose: str) -> str | None:
+    """What differs between two start-up states, in a user's words (``old`` is ``whose``), or None."""
+    if old == new:
+        return None
+    if not isinstance(old, dict):
+        return "the interpreter's start-up state is unknown"
+    for part, label in (("interpreter", "the Python interpreter"), ("flags", "the interpreter's flags (-O, -B, ...)"),
+                        ("options", "the interpreter's -W or -X options"), ("site", "site-packages' .pth files or import finders")):
+        if old.get(part) != new.get(part):
+            return f"{label} differ from {whose}"
+    ours, theirs = old.get("variables") or {}, new.get("variables") or {}
+    names = sorted(n for n in set(ours) | set(theirs) if ours.get(n) != theirs.get(n))
+    return f"environment variable {names[0]} differs from {whose}" if names else f"the start-up state differs from {whose}"
+
+
+def module_name(directory: str, entry: str) -> str | None:
+    """The top-level module name ``entry`` of a search-path directory provides (a package, a namespace, a source or extension file)."""
+    for suffix in importlib.machinery.all_suffixes():
+        if entry.endswith(suffix) and len(entry) > len(suffix):
+            return entry[: -len(suffix)]
+    return entry if "." not in entry and os.path.isdir(os.path.join(directory, entry)) else None
+
+
+def found_in(modules: dict[str, Any], looked_up: Iterable[str]) -> dict[str, list[str]]:
+    """Top-level module names, each with the search-path directories its module came from (none: looked up, not found)."""
+    found: dict[str, set[str]] = {name.split(".")[0]: set() for name in looked_up}
+    for name, module in modules.items():
+        if "." in name or module is None:
+            continue
+        places = list(getattr(module, "__path__", None) or [])  # a package's directories: their parent is the entry
+        origin = getattr(module, "__file__", None)
+        dirs = {os.path.dirname(os.path.normpath(p)) for p in places if isinstance(p, str)}
+        if isinstance(origin, str) and not places:
+            dirs.add(os.path.dirname(os.path.normpath(origin)))
+        found.setdefault(name, set()).update(dirs)
+    return {name: sorted(dirs) for name, dirs in found.items()}
+
+
+def shadowed(directories: Iterable[str], cwd: str, imported: dict[str, list[str]]) -> str | None:
+    """A file in ``directories`` (in search order) that a new interpreter would import in place of a module the warm one
+    imported or looked for; None when there is none."""
+    seen: set[str] = set()
+    for directory in directories:
+        directory = os.path.normpath(os.path.join(cwd, directory or "."))
+        if directory in seen:
+            continue
+        seen.add(directory)
+        try:
+            entries = os.listdir(directory)
+        except OSError:
+            continue
+        for entry in sorted(entries):
+            name = module_name(directory, entry)
+            if name in imported and directory not in imported[name]:
+                return os.path.join(directory, entry)
+    return None
+
+
+def why_not(env: dict[str, str], start_env: dict[str, str], read: Iterable[str], path: Iterable[str], cwd: str,
+            imported: dict[str, list[str]]) -> str | None:
+    """Why a warm process that started with ``start_env`` would answer a request from ``env`` differently; None if it would not.
+
+    ``read``: the variables the warm process's imports and warm-up read;
+    ``path``: the directories the request's interpreter searches for modules,
+    in order; ``imported``: the top-level names the warm process imported or
+    looked for, with the directories each came from (:func:`found_in`).
+    """
+    names = set(read) | {n for n in (*start_env, *env) if read_at_start(n)}
+    ours, theirs = variables(env), variables(start_env)
+    for name in sorted(names):
+        if name.startswith("LOWERCACHE_") or name in SET_BY_CHILD:
+            continue
+        mine = ours.get(name) if read_at_start(name) else env.get(name)
+        warm = theirs.get(name) if read_at_start(name) else start_env.get(name)
+        if mine != warm:
+            return f"environment variable {name} differs from the server's"
+    shadow = shadowed(path, cwd, imported)
+    if shadow is not None:
+        return f"{shadow} would shadow a module the server imported"
+    return None
