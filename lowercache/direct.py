@@ -441,7 +441,7 @@ class Recorder:
         self.syspath = [self.places.ref(os.path.abspath(p or ".")) for p in sys.path]
         self.started_ns = time.time_ns()
         self._threads = {t.name for t in threading.enumerate()}
-        self.initial_env = dict(_initial_env if _initial_env is not None else os.environ)
+        self.initial_env = dict(initial_environ())
         self.stdlib = tuple(d + os.sep for d in _stdlib_dirs())
 
     def _user(self, path: str) -> bool:
@@ -960,25 +960,42 @@ def serve(args: list[str]) -> int | None:
         store.close()
 
 
-def _answer(request: Request, settings: Settings, store: Any, started: float) -> int | None:
+def initial_environ() -> dict[str, str] | Any:
+    """The environment as this command started (torch sets variables of its own when it is imported)."""
+    return _initial_env if _initial_env is not None else os.environ
+
+
+def lookup(request: Request, settings: Settings, store: Any, environ: dict[str, str] | None = None) -> tuple[dict[str, Any], Entry] | str:
+    """The record and flow entry that would answer ``request`` in this process now, or why none would.
+
+    ``environ``: the environment the command started with (default: as :func:`serve` took it).
+    """
     record = _load(store, request.key())
     if record is None:
-        return None
+        return "no record"
     try:
         if record.get("status") != "confirmed":
             why = f"the record is {record.get('status')}: {record.get('reason')}"
         else:
             syspath = [Places(request.root).ref(os.path.abspath(p or ".")) for p in sys.path]
-            why = _changed(record, request, settings, syspath, os.environ)
+            why = _changed(record, request, settings, syspath, environ if environ is not None else initial_environ())
     except (ValueError, KeyError, TypeError) as e:
         why = f"the record is unusable ({e})"
     if why is not None:
-        _set_status(store, request, "lookup", "not used", why)
-        return None
+        return why
     flow = store.get("flow", record["flow"]["key"])
     if flow is None:
-        _set_status(store, request, "lookup", "not used", "its flow entry is missing or corrupt")
+        return "its flow entry is missing or corrupt"
+    return record, flow
+
+
+def _answer(request: Request, settings: Settings, store: Any, started: float) -> int | None:
+    found = lookup(request, settings, store)
+    if isinstance(found, str):
+        if found != "no record":
+            _set_status(store, request, "lookup", "not used", found)
         return None
+    record, flow = found
     tier = store.last_tier
     seconds = time.perf_counter() - started
     manifest = _manifest(record, flow, tier, seconds)

@@ -1,23 +1,33 @@
 """``lowercache verify``: prove the cache returns what stock ExecuTorch would.
 
-The model is lowered three ways: the reference, as stock ExecuTorch lowers it
-(no cache and every exact speed-up off: only partition order, the documented
-deliberate difference, stays), then through the configured cache with the
-configured speed-ups, and through a fresh empty cache. Every artifact of the
-two cached runs is compared byte for byte with the reference. A mismatch
-names the artifact, the first differing offset and the step that served it,
-so a wrong hit can be traced to its entry.
+The model is lowered three ways in this process: the reference, as stock
+ExecuTorch lowers it (no cache and every exact speed-up off: only partition
+order, the documented deliberate difference, stays), then through the
+configured cache with the configured speed-ups, and through a fresh empty
+cache. Every artifact of the two cached runs is compared byte for byte with
+the reference. A mismatch names the artifact, the first differing offset and
+the step that served it, so a wrong hit can be traced to its entry.
+
+``lowercache verify`` also checks what ``lower`` would serve now
+(:func:`served_now`): the reference again, lowered in a new process with the
+user's environment (this process may be a child of the warm server), the
+direct-mode record's answer, and the warm server's answer.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from . import api
+from . import api, direct, startup
 from .config import Settings
+from .errors import LowercacheError
 from .lowering.flow import Artifacts
 from .lowering.loading import LoadedModel
 
@@ -69,18 +79,73 @@ def compare(run: str, got: Artifacts, reference: Artifacts) -> list[Mismatch]:
     return out
 
 
-def verify(model: LoadedModel, target: str, settings: Settings, **options: Any) -> list[Mismatch]:
-    """Lower three ways and return every mismatch against the stock reference."""
+def verify(model: LoadedModel, target: str, settings: Settings, reference: list[Artifacts] | None = None,
+           **options: Any) -> list[Mismatch]:
+    """Lower three ways and return every mismatch against the stock reference (appended to ``reference`` when given)."""
     subject = model.program if model.program is not None else model.module
 
     def run(s: Settings) -> Artifacts:
         return api.lower(subject, model.example_inputs, target=target, settings=s, name=model.name, listener=_quiet, **options)
 
-    reference = run(Settings(cache_dir=settings.cache_dir, disable=True, speedups="none"))
-    mismatches = compare("cache", run(settings), reference)
+    stock = run(Settings(cache_dir=settings.cache_dir, disable=True, speedups="none"))
+    if reference is not None:
+        reference.append(stock)
+    mismatches = compare("cache", run(settings), stock)
     with tempfile.TemporaryDirectory(prefix="lowercache-verify-") as fresh:
-        mismatches += compare("fresh cache", run(Settings(cache_dir=fresh)), reference)
+        mismatches += compare("fresh cache", run(Settings(cache_dir=fresh)), stock)
     return mismatches
+
+
+def lower_in_new_process(model: str, target: str, args: list[str], env: dict[str, str]) -> dict[str, bytes]:
+    """``lowercache lower`` as a new process of this interpreter, with its flags; the files it wrote, but the manifest."""
+    with tempfile.TemporaryDirectory(prefix="lowercache-verify-") as out:
+        command = [sys.executable, *startup.interpreter_args(), "-m", "lowercache.cli", "lower", model, "-t", target, "-o", out, *args]
+        result = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            raise LowercacheError(f"lowercache lower {' '.join(args)} failed in a new process: {last}")
+        return {p.name: p.read_bytes() for p in sorted(Path(out).iterdir()) if p.is_file() and p.name != "manifest.json"}
+
+
+def served_now(model: str, target: str, settings: Settings, reference: Artifacts, calibration: str | None,
+               args: list[str], environ: dict[str, str]) -> tuple[list[Mismatch], list[str]]:
+    """What ``lower`` would serve now, each compared with a stock lowering in a new process: mismatches and what was checked.
+
+    ``args``: the cache options as given (``--cache-dir``, ``--remote``,
+    ``--calibration``), for the new processes; ``environ``: the environment
+    the command started with (before torch set variables of its own).
+    """
+    env = {k: v for k, v in environ.items() if k not in ("LOWERCACHE_SPEEDUPS", "LOWERCACHE_DIRECT")}
+    stock = Artifacts(lower_in_new_process(model, target, [*args, "--no-cache", "--no-server"], {**env, "LOWERCACHE_SPEEDUPS": "none"}))
+    mismatches = compare("stock in this process", reference, stock)
+    checked = ["stock in a new process"]
+    request = direct.Request(model=model, target=target, out_dir="", calibration=calibration)
+    store = _store(settings)
+    found = direct.lookup(request, settings, store, environ) if store is not None else "no cache"
+    if store is not None:
+        store.close()
+    if isinstance(found, str):
+        checked.append(f"direct record: none answers ({found})")
+    else:
+        record, flow = found
+        served = [{"kind": "flow", "name": record["flow"]["name"], "outcome": "hit", "key": record["flow"]["key"]}]
+        mismatches += compare("direct record", Artifacts(dict(flow.blobs), records=served), stock)
+        checked.append(f"direct record (flow entry {record['flow']['key'][:12]})")
+    if "lowercache.server" in sys.modules:  # this process is a child of the server: the cached run above was its answer
+        checked.append("the server's answer (this process)")
+    elif settings.server:
+        mismatches += compare("server", Artifacts(lower_in_new_process(model, target, [*args, "--no-direct"], env)), stock)
+        checked.append("the server's answer")
+    return [Mismatch(m.run, m.artifact, m.offset, m.served_by.replace("unknown", m.run)) for m in mismatches], checked
+
+
+def _store(settings: Settings) -> Any:
+    from .cache.tiers import open_store
+
+    try:
+        return open_store(settings)
+    except LowercacheError:
+        return None
 
 
 def _quiet(phase: str, record: Any, label: str) -> None:

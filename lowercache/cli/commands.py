@@ -12,6 +12,7 @@ A failure inside ExecuTorch itself prints one line and exits 1; set
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -269,13 +270,22 @@ def verify(
 ) -> None:
     """Lower with and without the cache (and in a fresh cache); fail on any byte difference."""
     from ..lowering import loading
+    from ..verify import served_now
     from ..verify import verify as run_verify
 
+    environ = dict(os.environ)  # as the command started: torch sets variables of its own once it lowers
+    args = [*(["--cache-dir", str(cache_dir)] if cache_dir else []), *(["--remote", remote] if remote else []),
+            *(["--calibration", str(calibration)] if calibration is not None else [])]
     try:
         settings = _settings(cache_dir, disable=False, remote=remote)
+        if no_server:
+            settings = dataclasses.replace(settings, server=False)
         loaded = loading.load_model(model)
         samples = loading.load_calibration(str(calibration)) if calibration is not None else None
-        mismatches = run_verify(loaded, target, settings, calibration=samples)
+        reference: list = []
+        mismatches = run_verify(loaded, target, settings, calibration=samples, reference=reference)
+        more, checked = served_now(model, target, settings, reference[0], str(calibration) if calibration else None, args, environ)
+        mismatches += more
     except LowercacheError as e:
         _fail(str(e), 2)
     except Exception as e:  # a failure inside torch.export or ExecuTorch
@@ -284,7 +294,8 @@ def verify(
         print(f"lowercache: mismatch: {m}", file=sys.stderr)
     if mismatches:
         raise typer.Exit(1)
-    out.print("verified: the cached and fresh-cache lowerings are byte-identical to stock (no cache, every speed-up off)")
+    out.print("verified: the cached and fresh-cache lowerings are byte-identical to stock (no cache, every speed-up off), "
+              f"and so is what lower serves now; checked: {', '.join(checked)}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
