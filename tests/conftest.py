@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import shutil
 import uuid
 
@@ -14,6 +15,10 @@ import torch
 from lowercache.bench import models
 
 from .servers import RedisServer, start_moto
+
+# No test reaches a server the user runs: module-scoped fixtures run before the per-test environment below, and the
+# server tests start their own in socket directories of their own.
+os.environ["LOWERCACHE_SERVER"] = "0"
 
 SMALL_TARGETS = ("tosa-int", "tosa-fp", "ethos-u55-128", "ethos-u55-256", "ethos-u85-256")
 
