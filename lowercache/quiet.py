@@ -5,7 +5,7 @@ them, prints screens of warnings that are not the user's to act on: torchao's
 CUDA extensions failing to load on a CPU machine, pytree deprecations,
 FutureWarnings from inside torch. The CLI captures them (Python warnings, and
 log records below ERROR from third-party loggers); ``-v`` prints each distinct
-one once at the end, and a failing command says how many it held back.
+one once at the end.
 lowercache's own lines, errors and anything at ERROR or above pass through.
 """
 
@@ -98,11 +98,10 @@ def captured(import_torch: bool = False) -> Iterator[Noise]:
         warnings.showwarning = previous
 
 
-def print_held_back(noise: Noise, verbose: bool, failed: bool) -> None:
-    """``-v``: every held-back line; a failure without ``-v``: how many there were."""
+def print_held_back(noise: Noise, verbose: bool) -> None:
+    """``-v``: every held-back line. Without it nothing: a failure's one line names its cause, and torch's import-time
+    warnings are not it."""
     if verbose and noise.lines:
         print(f"lowercache: {len(noise.lines)} third-party warning(s) held back:", file=sys.stderr)
         for line in noise.lines:
             print(f"  {line}", file=sys.stderr)
-    elif failed and noise.lines:
-        print(f"lowercache: {len(noise.lines)} third-party warning(s) held back; -v shows them", file=sys.stderr)

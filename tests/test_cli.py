@@ -315,3 +315,42 @@ def test_json_summary_and_plain_progress_lines_in_a_log(tmp_path):
     assert warm["files"]["model.pte"]["size"] == (tmp_path / "out" / "model.pte").stat().st_size
     assert warm["saved_seconds"] > 0
     assert "lowercache: export" in cold_err.splitlines()
+
+
+RFFT = """
+import torch
+
+class M(torch.nn.Module):
+    def forward(self, x):
+        return torch.fft.rfft(x).abs()
+
+def model():
+    return M().eval(), (torch.randn(1, 8),)
+"""
+
+BAD_VIEW = """
+import torch
+
+class M(torch.nn.Module):
+    def forward(self, x):
+        return x.view(3, -1)
+
+def model():
+    return M().eval(), (torch.randn(1, 8),)
+"""
+
+
+def test_a_failed_lowering_is_one_line_with_the_innermost_cause_and_the_users_line(tmp_path, cache_dir):
+    """A multi-line cause keeps its later lines (the operator), joined; the user's file and line are named; nothing
+    advertises held-back third-party warnings."""
+    (tmp_path / "rfft.py").write_text(RFFT)
+    (tmp_path / "view.py").write_text(BAD_VIEW)
+    rfft = cli("lower", "rfft.py:model", "-t", "ethos-u55-128", "-o", tmp_path / "a", cache_dir=cache_dir, cwd=tmp_path)
+    view = cli("lower", "view.py:model", "-t", "ethos-u55-128", "-o", tmp_path / "b", cache_dir=cache_dir, cwd=tmp_path)
+    for result in (rfft, view):
+        assert result.returncode == 1
+        assert len(error_lines(result)) == 1, result.stderr
+        assert "held back" not in result.stderr
+    assert "aten.abs.default" in error_lines(rfft)[0] and 'rfft.py", line 6' in error_lines(rfft)[0]
+    assert error_lines(view)[0].endswith("(at view.py:6)"), view.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

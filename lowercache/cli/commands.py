@@ -71,6 +71,9 @@ def _setup_logging() -> None:
 
 
 _EXECUTING = re.compile(r"While executing %(\w+)")
+_EXECUTING_LINE = re.compile(r"^\s*While executing %\w+.*$", re.M)
+_FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _no_traceback(record: logging.LogRecord) -> bool:
@@ -112,12 +115,48 @@ def _fail_lowering(e: BaseException) -> None:
     while root.__cause__ is not None and id(root.__cause__) not in seen:
         root = root.__cause__
         seen.add(id(root))
-    message = f"{type(root).__name__}: {(str(root).strip().splitlines() or [''])[0]}"
+    text = str(root)
     # torch.fx's interpreter appends the node it was running to the message
-    node = _EXECUTING.search("\n".join([str(root), *map(str, getattr(root, "__notes__", ()))]))
+    node = _EXECUTING.search("\n".join([text, *map(str, getattr(root, "__notes__", ()))]))
+    text = _EXECUTING_LINE.sub("", text)
+    message = f"{type(root).__name__}: {' '.join(line.strip() for line in text.splitlines() if line.strip())}"
+    if len(message) > 500:
+        message = message[:499] + "…"
     if node is not None:
         message += f" (while executing node {node.group(1)})"
-    _fail(f"lowering failed: {message[:500]}", 1)
+    where = _user_line(root, text)
+    if where is not None:
+        message += f" (at {where})"
+    _fail(f"lowering failed: {message}", 1)
+
+
+def _user_line(error: BaseException, text: str) -> str | None:
+    """``file:line`` of the innermost frame of the user's own code in the error's traceback, else the last one the
+    message names (a graph node's stack trace); None when neither is the user's (or the message already says it)."""
+    import sysconfig
+
+    installed = tuple(os.path.join(os.path.normpath(p), "") for p in {*sysconfig.get_paths().values(), os.path.dirname(_PACKAGE)})
+
+    def own(path: str) -> bool:
+        return os.path.isabs(path) and not os.path.abspath(path).startswith(installed) and not path.startswith("<")
+
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        if own(tb.tb_frame.f_code.co_filename):
+            found = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    named = [(f, int(n)) for f, n in _FILE_LINE.findall(text) if own(f)]
+    if found is None and named:
+        found = named[-1]
+    if found is None or named and found == named[-1]:
+        return None
+    path, line = found
+    try:
+        shown = os.path.relpath(path)
+    except ValueError:
+        shown = path
+    return f"{path if shown.startswith('..') else shown}:{line}"
 
 
 @contextlib.contextmanager
@@ -672,5 +711,5 @@ def run_in_process(args: List[str]) -> object:
             app(args=args, prog_name="lowercache")
         except SystemExit as e:
             code = e.code
-    quiet.print_held_back(noise, _verbose, failed=code not in (0, None))
+    quiet.print_held_back(noise, _verbose)
     return code
