@@ -352,7 +352,8 @@ def check_speedups(settings: Settings) -> None:
 
 def run_through_server(args: list[str]) -> int | None:
     """Run the command line in a child of the warm server; its exit code, or None to run it in this process."""
-    if "--no-server" in args[: args.index("--") if "--" in args else len(args)]:
+    options = args[: args.index("--") if "--" in args else len(args)]
+    if "--no-server" in options or "--help" in options:  # help never needs the server (it would start one: 10 s)
         return None
     if not hasattr(socket, "SO_PEERCRED"):
         return None  # no way to check the peer's uid (not Linux): no server

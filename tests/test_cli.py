@@ -354,3 +354,12 @@ def test_a_failed_lowering_is_one_line_with_the_innermost_cause_and_the_users_li
     assert "aten.abs.default" in error_lines(rfft)[0] and 'rfft.py", line 6' in error_lines(rfft)[0]
     assert error_lines(view)[0].endswith("(at view.py:6)"), view.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_help_never_starts_the_server(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    run.mkdir()
+    for command in ("lower", "verify"):
+        result = cli(command, "--help", cache_dir=cache_dir, env={"LOWERCACHE_SERVER": "1", "XDG_RUNTIME_DIR": str(run)})
+        assert result.returncode == 0 and "--target" in result.stdout
+    assert not (run / "lowercache" / "server.sock").exists()
