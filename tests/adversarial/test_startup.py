@@ -209,3 +209,16 @@ def test_run_under_another_start_up_state_stands_in_under_that_state(own, tmp_pa
             served = subprocess.run([sys.executable, "-m", "lowercache.cli", "run", "--", sys.executable, "hashes.py"],
                                     cwd=server.project, capture_output=True, env={**server.env, **env}, timeout=600)
             assert (served.returncode, served.stdout) == (0, plain.stdout), (env, run, served.stderr[-2000:])
+
+
+def test_one_interpreter_under_two_names_shares_one_server(own, tmp_path):
+    """``python`` and ``python3.11`` of one environment (the ``lowercache`` script's shebang names the latter) are one
+    interpreter: neither replaces the other's server (a replacement costs a warm-up, 10 s or more)."""
+    real = os.path.realpath(sys.executable)
+    if real == sys.executable:
+        pytest.skip("this interpreter has no second name here")
+    server = own()
+    pid = server.start()
+    status = subprocess.run([real, "-m", "lowercache.cli", "server", "status"], cwd=server.project, env=server.env,
+                            capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0 and f"pid {pid}" in status.stdout and "current" in status.stdout, status.stdout
