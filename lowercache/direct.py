@@ -32,7 +32,7 @@ from typing import Any, Callable, ClassVar, Iterator, TypeVar
 
 from .cache.digests import digest, digest_json
 from .cache.store import Entry
-from .cache.toolchain import toolchain_parts
+from .cache.toolchain import lowercache_digest, toolchain_parts
 from . import startup
 from .config import Settings, load_settings
 from .errors import LowercacheError
@@ -699,6 +699,7 @@ def _install() -> None:
 def listen(recorder: Recorder) -> None:
     """Make ``recorder`` the one that hears the audit hook and the watchers (installed once per process)."""
     global _heard
+    lowercache_digest()  # its memo file is read and written now, not heard as the recorded code's
     _install()
     _heard = recorder.heard
     _active[:] = [recorder]

@@ -117,15 +117,24 @@ def test_keys_cover_lowercaches_own_producing_code():
     before = toolchain.lowercache_digest()
     assert toolchain.toolchain_parts()["lowercache_src"] == before
     probe = package / "speedups" / "_key_probe_for_test.py"
-    try:
-        probe.write_text('"""A step\'s code changed."""\n')
+
+    def digest_with(text: str) -> str:
+        probe.write_text(text)
         toolchain.lowercache_digest.cache_clear()
-        changed = toolchain.lowercache_digest()
+        return toolchain.lowercache_digest()
+
+    try:
+        code = digest_with('"""A step."""\nSCALE = 2\n')
+        same_code = digest_with('"""A step, its docstring edited."""\n# and a comment\nSCALE = 2  # the same code\n')
+        other_code = digest_with('"""A step."""\nSCALE = 3\n')
     finally:
         probe.unlink()
         toolchain.lowercache_digest.cache_clear()
-    assert changed != before
+    assert code != before and other_code != code
+    assert same_code == code  # a docstring or comment edit keeps every key
     assert toolchain.lowercache_digest() == before
+    assert "cache/remote.py" not in toolchain.producing_modules()  # the transport shapes no bytes
+    assert "lowering/flow.py" in toolchain.producing_modules()
     assert "cli" not in toolchain._PRODUCING_ROOMS and not any((package / room / "cli").exists() for room in toolchain._PRODUCING_ROOMS)
 
 

@@ -10,15 +10,23 @@ code misses instead of serving what the old code produced.
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.metadata
 import importlib.util
+import json
 import os
+import tempfile
+from typing import Any
 
 import xxhash
 
 # lowercache's rooms whose code decides what a step produces (not the CLI, the benchmark or the docs).
 _PRODUCING_ROOMS = ("cache", "lowering", "speedups")
+# Modules in those rooms whose code cannot change an artifact's bytes: the remote tiers' transport, the run history,
+# which tiers to open, the index file's upkeep, and the pass census (research, reached from a test and a benchmark).
+_NOT_PRODUCING = frozenset({"cache/remote.py", "cache/history.py", "cache/tiers.py", "cache/dbfile.py", "lowering/census.py"})
+_MEMO_VERSION = 1
 
 
 def version(dist: str) -> str:
@@ -57,8 +65,80 @@ def toolchain_parts() -> dict[str, str]:
     }
 
 
+def code_digest(source: bytes) -> str:
+    """Digest of a module's code as its syntax tree, without docstrings (and so without comments or layout)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return xxhash.xxh3_128_hexdigest(ast.dump(tree, include_attributes=False).encode())
+
+
+def producing_modules() -> list[str]:
+    """The producing rooms' modules, as paths relative to the package, sorted."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = []
+    for room in _PRODUCING_ROOMS:
+        for directory, dirs, files in os.walk(os.path.join(package, room)):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            found += [os.path.relpath(os.path.join(directory, f), package) for f in files if f.endswith(".py")]
+    return sorted(m for m in found if m.replace(os.sep, "/") not in _NOT_PRODUCING)
+
+
 @functools.lru_cache(maxsize=1)
 def lowercache_digest() -> str:
-    """Digest of the sources of lowercache's producing rooms (about 50 files: a few milliseconds, once per process)."""
+    """Digest of the code of lowercache's producing modules, as syntax trees: a docstring or comment edit keeps every key.
+
+    Parsing the 50 modules takes 0.15 s, too long for a direct-mode hit, so
+    each module's digest is kept in a memo file beside the default cache,
+    under its stat (size, mtime, ctime, inode: an edit changes the ctime).
+    """
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return xxhash.xxh3_128_hexdigest("".join(source_digest(os.path.join(package, room)) for room in _PRODUCING_ROOMS).encode())
+    memo = _Memo()
+    h = xxhash.xxh3_128()
+    for module in producing_modules():
+        h.update(module.replace(os.sep, "/").encode() + b"\0" + memo.digest(os.path.join(package, module)).encode() + b"\0")
+    memo.save()
+    return h.hexdigest()
+
+
+class _Memo:
+    """Module digests by path and stat, in ``<default cache>/toolchain-digests.json``; any fault means parsing again."""
+
+    def __init__(self) -> None:
+        from ..config import default_cache_dir
+
+        self.path = default_cache_dir() / "toolchain-digests.json"
+        self.changed = False
+        try:
+            loaded = json.loads(self.path.read_text())
+            valid = isinstance(loaded, dict) and loaded.get("version") == _MEMO_VERSION and isinstance(loaded.get("modules"), dict)
+            self.entries: dict[str, Any] = loaded["modules"] if valid else {}
+        except (OSError, ValueError):
+            self.entries = {}
+
+    def digest(self, path: str) -> str:
+        st = os.stat(path)
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        known = self.entries.get(path)
+        if isinstance(known, list) and len(known) == 2 and known[0] == stamp and isinstance(known[1], str):
+            return known[1]
+        with open(path, "rb") as f:
+            digest = code_digest(f.read())
+        self.entries[path] = [stamp, digest]
+        self.changed = True
+        return digest
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".toolchain-")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": _MEMO_VERSION, "modules": self.entries}, f)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a read-only or full cache directory: the next process parses again
