@@ -220,6 +220,9 @@ def ensure_server(settings: Settings) -> dict[str, Any]:
 
 def _spawn(directory: Path, want: dict[str, Any]) -> dict[str, Any]:
     """Start ``lowercache.server`` detached, with this lowercache on its path; wait until it answers."""
+    if sys.stderr.isatty():  # at a terminal, say what the wait is (a CI log gets the command's own lines only)
+        print("lowercache: starting the lowering server (torch and the Arm backend are imported once: 10-30 s)",
+              file=sys.stderr, flush=True)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     log = directory / "server.log"
     code = f"import sys; sys.path.insert(0, {os.path.dirname(_PACKAGE_DIR)!r}); from lowercache.server import main; main()"

@@ -699,10 +699,18 @@ def _options(
     _verbose = verbose
 
 
+def _fresh_consoles() -> None:
+    """Consoles made for this command: rich decides at creation whether a stream is interactive and its colours, and
+    a server's child must decide by its client's terminal, not by the server's (which has none)."""
+    global err, out
+    err, out = Console(stderr=True), Console()
+
+
 def run_in_process(args: List[str]) -> object:
     """Run the command line in this process and return its exit code; a server's child runs this too."""
     from .. import quiet
 
+    _fresh_consoles()
     _setup_logging()
     command = next((a for a in args if not a.startswith("-")), None)
     code: object = 0
