@@ -704,6 +704,9 @@ def _fresh_consoles() -> None:
     a server's child must decide by its client's terminal, not by the server's (which has none)."""
     global err, out
     err, out = Console(stderr=True), Console()
+    for console in (err, out):
+        if not console.is_terminal and "COLUMNS" not in os.environ:
+            console.width = 200  # a CI log has no width to fit: lines are not wrapped at 80, nor table cells cut
 
 
 def run_in_process(args: List[str]) -> object:
