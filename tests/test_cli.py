@@ -363,3 +363,10 @@ def test_help_never_starts_the_server(tmp_path, cache_dir):
         result = cli(command, "--help", cache_dir=cache_dir, env={"LOWERCACHE_SERVER": "1", "XDG_RUNTIME_DIR": str(run)})
         assert result.returncode == 0 and "--target" in result.stdout
     assert not (run / "lowercache" / "server.sock").exists()
+
+
+def test_version_and_explain_of_a_missing_model(tmp_path, cache_dir):
+    version = cli("--version", cache_dir=cache_dir)
+    assert version.returncode == 0 and version.stdout.startswith("lowercache 0.1.0 (torch 2.13.0")
+    missing = cli("explain", "nothere.py:model", "-t", "tosa-fp", cache_dir=cache_dir, cwd=tmp_path)
+    assert missing.returncode == 2 and error_lines(missing) == ["lowercache: error: model file nothere.py does not exist"]

@@ -458,6 +458,8 @@ def explain(
         resolved = resolve(target)
     except LowercacheError as e:
         _fail(str(e), 2)
+    if not os.path.exists(name.rpartition(":")[0] if not model.endswith(".pt2") else name):
+        _fail(f"model file {model.rpartition(':')[0] if not model.endswith('.pt2') else model} does not exist", 2)
     with _local_store(cache_dir) as store:
         for line in history.explain(store, name, resolved.name):
             typer.echo(line)
@@ -691,9 +693,20 @@ _verbose = False
 _TORCH_COMMANDS = {"lower", "verify", "bench", "speedups"}
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from ..cache.toolchain import version
+
+        out.print(f"lowercache {version('lowercache')} (torch {version('torch')}, executorch {version('executorch')}, "
+                  f"tosa-tools {version('tosa-tools')}, ethos-u-vela {version('ethos-u-vela')})", markup=False, highlight=False)
+        raise typer.Exit(0)
+
+
 @app.callback()
 def _options(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show the third-party warnings lowercache holds back."),
+    show_version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                      help="Print lowercache's version and its toolchain's, and exit."),
 ) -> None:
     global _verbose
     _verbose = verbose
