@@ -51,6 +51,10 @@ class ServerLost(Exception):
     """The server went away during a request."""
 
 
+class ServerRefused(ServerLost):
+    """The server answered with an error instead of running the request (a request it could not take)."""
+
+
 def warn(message: str) -> None:
     """One warning line, as lowercache's logger prints them."""
     print(f"lowercache: warning: {message}", file=sys.stderr, flush=True)
@@ -278,6 +282,8 @@ def _relay(sock: socket.socket) -> int:
             return int(frame["exit"])
         elif "stale" in frame:
             raise ServerUnavailable("stale")
+        elif "error" in frame:
+            raise ServerRefused(str(frame["error"]))
     raise ServerLost("the server closed the connection")
 
 
@@ -315,6 +321,8 @@ def exec_through_server(argv: list[str], env: dict[str, str], executable: str, h
         return None, str(frame["declined"])
     if "exit" in frame:
         return int(frame["exit"]), ""
+    if "error" in frame:
+        return None, f"the server refused it ({frame['error']})"
     return None, "the server was being replaced"
 
 
@@ -386,6 +394,9 @@ def run_through_server(args: list[str]) -> int | None:
             except KeyboardInterrupt:  # the server kills the request's process when this connection closes
                 print("Aborted!", file=sys.stderr)  # as click says it in a new process
                 return 1
+            except ServerRefused as e:
+                warn(f"the lowering server refused the request ({e}); running in this process")
+                return None
             except (ServerLost, OSError, ValueError) as e:
                 warn(f"the lowering server stopped during the request ({e}); running in this process")
                 return None
