@@ -230,6 +230,7 @@ class Server:
         self.running: dict[int, _Request] = {}  # by pid
         self.started = time.time()
         self.last_active = time.monotonic()
+        self.beat = time.monotonic()
         self.served = 0
         self.failed = 0
         self.stopping = False
@@ -290,6 +291,11 @@ class Server:
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
+        if now - self.beat >= client.HEARTBEAT:  # a client waiting on a request hears the server is alive (and not paused)
+            self.beat = now
+            for request in list(self.requests.values()):
+                if request.message is not None and request.message["op"] in ("run", "exec") and not request.close_when_sent:
+                    self._send(request, {"alive": 1})
         for request in list(self.running.values()):
             if request.pidfd < 0:
                 self._reap(request)
@@ -413,7 +419,7 @@ class Server:
                               self.warm.read_env, self.warm.imported, message.get("hook_dir") or "")
 
     def _signal(self, request: _Request) -> None:
-        """A running exec request's client asks for SIGINT (its Ctrl-C) to reach the command, as it would a new process."""
+        """A running request's client asks for SIGINT (its Ctrl-C) to reach the child, as it would a new process."""
         lines = request.inbox.split(b"\n")
         request.inbox = lines.pop()
         if len(request.inbox) > client.MAX_LINE:
@@ -424,7 +430,7 @@ class Server:
                 asked = json.loads(line)
             except ValueError:
                 continue
-            if not (request.execs and isinstance(asked, dict) and asked.get("op") == "signal"):
+            if not (isinstance(asked, dict) and asked.get("op") == "signal"):
                 continue
             if request.pid:
                 try:
@@ -543,6 +549,7 @@ class Server:
             self.selector.register(request.pidfd, selectors.EVENT_READ, ("pid", request))
         except (AttributeError, OSError):
             request.pidfd = -1
+        self._send(request, {"child": pid})  # a client whose server stops responding can then stop or wait for the child itself
 
     def _on_pipe(self, request: _Request, fd: int) -> None:
         try:

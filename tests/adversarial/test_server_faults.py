@@ -12,16 +12,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from ..test_server import TARGET, TINY, WAIT, base_env, errors, lc, shared, tiny_stock, warnings_of  # noqa: F401  (shared: fixture)
+from ..test_faults_store import _tmpfs
+from ..test_run_server import explain
+from ..test_server import (  # noqa: F401  (shared, own: fixtures)
+    TARGET, TINY, WAIT, alive, base_env, errors, lc, own, shared, tiny_stock, wait_until, warnings_of,
+)
 
 
 def raw(server, line: bytes, timeout: float = 60) -> dict | None:
@@ -128,3 +135,206 @@ def test_a_huge_server_timeout_setting_is_one_line(shared, tmp_path):
         assert len(result.stderr.splitlines()) == 1
     assert not (tmp_path / "out").exists()
     assert shared.status()["pid"] == str(shared.pid)
+
+
+# 2. a paused server
+
+
+def lower_model(server, out: Path, **extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "lowercache.cli", "lower", "model.py:model", "-t", "tosa-int", "-o", str(out), "--no-direct"],
+        env={**server.env, **extra}, cwd=server.project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def fresh(server, out: Path, cache: Path, **extra: str) -> bytes:
+    """model.py lowered by a new process, no server, an empty cache: what the user's bytes must be."""
+    result = server("lower", "model.py:model", "-t", "tosa-int", "-o", out, "--no-server", "--no-direct", LOWERCACHE_DIR=str(cache), **extra)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return (out / "model.pte").read_bytes()
+
+
+def test_a_paused_server_does_not_hang_the_client(own, tmp_path):
+    """SIGSTOP while idle: the old client waited 33 s, then said the server 'exited during start-up'. Mid-request: it hung."""
+    server = own()
+    pid = server.start()
+    expected = fresh(server, tmp_path / "fresh", tmp_path / "fresh-cache")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        idle = lower_model(server, tmp_path / "idle")
+        stdout, stderr = idle.communicate(timeout=WAIT)
+        assert idle.returncode == 0, stderr[-2000:]
+        assert [line for line in stderr.splitlines() if "warning" in line] == [
+            f"lowercache: warning: the lowering server (pid {pid}) is not responding (its process is stopped); running in this process"
+        ]
+        assert time.monotonic() - start < 25  # a lowering in process, plus at most a second or two to notice
+        assert (tmp_path / "idle" / "model.pte").read_bytes() == expected
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+    marker = tmp_path / "marker"
+    busy = lower_model(server, tmp_path / "busy", BEHAVIOUR="slow", MARKER=str(marker))
+    assert wait_until(marker.exists, 120)
+    child = int(marker.read_text().split()[0])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        stdout, stderr = busy.communicate(timeout=WAIT)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert busy.returncode == 0, stderr[-2000:]
+    assert [line for line in stderr.splitlines() if "warning" in line] == [
+        f"lowercache: warning: the lowering server (pid {pid}) is not responding (its process is stopped); running in this process"
+    ]
+    assert int(marker.read_text().split()[0]) == busy.pid  # the factory ran again, in the client
+    assert not alive(child)  # the server's child was stopped before the client lowered: no second writer
+    assert (tmp_path / "busy" / "model.pte").read_bytes() == expected
+    assert server.status()["pid"] == str(pid)  # resumed, the server goes on
+
+
+# 3. a directory at the socket path
+
+
+def test_a_directory_at_the_socket_path_falls_back_at_once(tmp_path):
+    """The old client started a server that warmed up for 10 s, then failed to bind."""
+    run = Path(tempfile.mkdtemp(prefix="lcs", dir="/tmp"))
+    try:
+        (run / "lowercache").mkdir(mode=0o700)
+        (run / "lowercache" / "server.sock").mkdir()
+        result = lc("lower", TINY, "-t", TARGET, "-o", tmp_path / "out", env=base_env(run, tmp_path / "cache"), cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert warnings_of(result) == [
+            f"lowercache: warning: no lowering server ({run}/lowercache/server.sock is a directory, so no server can listen there; "
+            "remove it to use the server); running in this process"
+        ]
+        assert not (run / "lowercache" / "server.log").exists()  # no server was started
+        assert (tmp_path / "out" / "model.pte").read_bytes() == tiny_stock()
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+
+
+# issue 41, item 5: Ctrl-C
+
+
+def test_ctrl_c_through_the_server_exits_130_and_leaves_nothing(shared, tmp_path):
+    """The old client printed click's 'Aborted!' and exited 1; a new process exits 130."""
+    codes = {}
+    for how in ("served", "here"):
+        marker = tmp_path / f"marker-{how}"
+        client = subprocess.Popen(
+            [sys.executable, "-m", "lowercache.cli", "lower", "model.py:model", "-t", "tosa-int", "-o", str(tmp_path / how),
+             *(["--no-server"] if how == "here" else [])],
+            env={**shared.env, "BEHAVIOUR": "slow", "MARKER": str(marker)}, cwd=shared.project,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        assert wait_until(marker.exists, 120)
+        child = int(marker.read_text().split()[0])
+        os.killpg(client.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the foreground group
+        stdout, stderr = client.communicate(timeout=120)
+        codes[how] = client.returncode
+        assert "Aborted!" not in stderr and "Traceback" not in stderr, stderr[-2000:]
+        assert not (tmp_path / how).exists()
+        assert wait_until(lambda: not alive(child), 10)
+    assert codes == {"served": 130, "here": 130}
+    assert shared.status()["pid"] == str(shared.pid)
+
+
+def test_ctrl_c_through_run_exits_130(shared, tmp_path):
+    """A command killed by SIGINT: the old client exited 254 (sys.exit(-2)); a shell says 130."""
+    (tmp_path / "wait.py").write_text('import time\nprint("waiting", flush=True)\ntime.sleep(120)\n')
+    for flags in (("--no-server",), ()):
+        client = subprocess.Popen([sys.executable, "-m", "lowercache.cli", "run", *flags, "--", sys.executable, "wait.py"],
+                                  cwd=tmp_path, env=shared.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        assert client.stdout.readline() == b"waiting\n"
+        time.sleep(0.5)
+        os.killpg(client.pid, signal.SIGINT)
+        _, stderr = client.communicate(timeout=120)
+        assert client.returncode == 130, (flags, stderr[-2000:])
+    assert "in a child of the warm server" in explain(shared, tmp_path, sys.executable, "wait.py")
+
+
+def test_an_interrupted_write_leaves_no_staging_or_partial_directory(tmp_path, monkeypatch):
+    """Ctrl-C between two renames: the old code left the staging folder and half the files."""
+    from lowercache import output
+
+    calls = []
+    real = os.replace
+
+    def interrupted(source, target):
+        calls.append(target)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(source, target)
+
+    monkeypatch.setattr(output.os, "replace", interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        output.write_files({"model.pte": b"pte", "x.tosa": b"tosa"}, {}, out)
+    assert not out.exists()
+
+
+# 4. a full disk, through the server
+
+
+def test_a_full_disk_through_the_server_says_disk_full(shared, tmp_path):
+    """SQLite reports the first write to a full disk as 'disk I/O error'; the old warning said only that."""
+    seeded = shared("lower", TINY, "-t", TARGET, "-o", tmp_path / "seed-out", "--no-direct", LOWERCACHE_DIR=str(tmp_path / "seed"))
+    assert seeded.returncode == 0, seeded.stderr[-2000:]
+    fresh = shared("lower", TINY, "-t", "tosa-int", "-o", tmp_path / "fresh", "--no-server", "--no-cache")
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    with _tmpfs(tmp_path / "small", "2m") as disk:
+        shutil.copytree(tmp_path / "seed", disk / "cache")
+        subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'filler'}", "bs=4k"], capture_output=True)
+        assert os.statvfs(disk).f_bavail == 0
+        result = shared("lower", TINY, "-t", "tosa-int", "-o", tmp_path / "out", "--no-direct", LOWERCACHE_DIR=str(disk / "cache"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = warnings_of(result)
+    assert len(said) == 1 and f"cache directory {disk / 'cache'} cannot be written (disk full" in said[0], said
+    assert "damaged" not in result.stderr
+    assert (tmp_path / "out" / "model.pte").read_bytes() == (tmp_path / "fresh" / "model.pte").read_bytes()
+    assert shared.status()["pid"] == str(shared.pid)
+
+
+def _cut_short_checkpoint(entries: Path) -> None:
+    """An entries index whose main file holds half a checkpoint and whose write-ahead log the rest: sound read with
+    its log (as SQLite leaves it when a checkpoint meets a full disk), 'malformed' to a reader that skips the log."""
+    import diskcache
+
+    diskcache.Cache(str(entries)).close()
+    db = entries / "cache.db"
+    con = sqlite3.connect(db)
+    con.execute("PRAGMA wal_autocheckpoint=0")
+    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    before = db.read_bytes()
+    for i in range(300):
+        con.execute("INSERT INTO Cache(key, raw, store_time, access_time, access_count, size, mode, value) "
+                    "VALUES (?, 1, 0, 0, 0, 0, 1, ?)", (f"junk/{i}", bytes(200)))
+    con.commit()
+    log = (entries / "cache.db-wal").read_bytes()
+    con.execute("PRAGMA wal_checkpoint(FULL)")
+    after = db.read_bytes()
+    con.close()
+    half = len(after) // 4096 // 2 * 4096
+    db.write_bytes(after[:half] + before[half:])
+    (entries / "cache.db-wal").write_bytes(log)
+    (entries / "cache.db-shm").unlink(missing_ok=True)
+
+
+def test_a_full_disk_does_not_call_a_sound_index_damaged(shared, tmp_path):
+    """Writing stopped, the store read its index through a connection that skips the log, and called it 'damaged
+    (database disk image is malformed)' though integrity_check passes."""
+    fresh = shared("lower", TINY, "-t", "tosa-int", "-o", tmp_path / "fresh", "--no-server", "--no-cache")
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    with _tmpfs(tmp_path / "small", "2m") as disk:
+        _cut_short_checkpoint(disk / "cache" / "entries")
+        subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'filler'}", "bs=1k"], capture_output=True)
+        assert os.statvfs(disk).f_bavail == 0
+        result = shared("lower", TINY, "-t", "tosa-int", "-o", tmp_path / "out", "--no-direct", LOWERCACHE_DIR=str(disk / "cache"))
+        (disk / "filler").unlink()  # room for the log's shared-memory file: the index read with its log is sound
+        check = sqlite3.connect(f"file:{disk / 'cache' / 'entries' / 'cache.db'}?mode=ro", uri=True)
+        assert check.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        check.close()
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "is damaged" not in result.stderr and "malformed); not using" not in result.stderr, result.stderr
+    assert any("write-ahead log" in line and "(disk full); it is not damaged" in line for line in warnings_of(result)), result.stderr
+    assert (tmp_path / "out" / "model.pte").read_bytes() == (tmp_path / "fresh" / "model.pte").read_bytes()
