@@ -157,15 +157,15 @@ def _timeout(value: Any) -> str | None:
 
 
 def _codecs(lookup: Any) -> Any:
-    def check(value: Any) -> str | None:
-        why = _texts(2)(value)
-        if why is not None:
-            return why
+    def check(value: Any) -> str | None:  # null: the stream had none (a replaced stream), the child takes the default
+        if not isinstance(value, list) or len(value) != 2 or not all(v is None or isinstance(v, str) for v in value):
+            return "two names Python knows (or null)"
         try:
             for name in value:
-                lookup(name)
-        except LookupError:
-            return "two names Python knows"
+                if name is not None:
+                    lookup(name)
+        except (LookupError, ValueError):  # ValueError: a NUL in the name
+            return "two names Python knows (or null)"
         return None
 
     return check

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -96,8 +97,8 @@ def test_requests_that_ended_the_server_get_an_error_reply(shared, tmp_path):
         ({"tty": [1, 0]}, "field 'tty' must be two booleans"),
         ({"columns": -1}, "field 'columns' must be a whole number from 0 to 65536"),
         ({"columns": True}, "field 'columns' must be a whole number from 0 to 65536"),
-        ({"encoding": ["utf-8", "no-such-codec"]}, "field 'encoding' must be two names Python knows"),
-        ({"errors": ["strict", "nope"]}, "field 'errors' must be two names Python knows"),
+        ({"encoding": ["utf-8", "no-such-codec"]}, "field 'encoding' must be two names Python knows (or null)"),
+        ({"errors": ["strict", "nope"]}, "field 'errors' must be two names Python knows (or null)"),
         ({"timeout": -1}, "field 'timeout' must be null or a number of seconds from 0 to 1000000000"),
         ({"timeout": "60"}, "field 'timeout' must be null or a number of seconds from 0 to 1000000000"),
         ({"identity": []}, "field 'identity' must be an object"),
@@ -338,3 +339,38 @@ def test_a_full_disk_does_not_call_a_sound_index_damaged(shared, tmp_path):
     assert "is damaged" not in result.stderr and "malformed); not using" not in result.stderr, result.stderr
     assert any("write-ahead log" in line and "(disk full); it is not damaged" in line for line in warnings_of(result)), result.stderr
     assert (tmp_path / "out" / "model.pte").read_bytes() == (tmp_path / "fresh" / "model.pte").read_bytes()
+
+
+HARNESS = """
+import sys
+from lowercache import server
+
+def broken_fork(self, request):
+    raise ZeroDivisionError("a fault nobody foresaw")
+
+server.Server._fork = broken_fork  # the fault: any exception while one request is handled
+listener = server._listen(sys.argv[1])
+warm = server.Warm(threads=1, start_env={}, base_path=None)
+server.Server(listener, {"id": 1}, warm, idle_timeout=60, jobs=1).serve()
+"""
+
+
+def test_an_unforeseen_fault_ends_only_its_request(tmp_path):
+    """The catch-all: a fault the schema cannot foresee (here injected into the fork) is one error reply; the server goes on."""
+    at = types.SimpleNamespace(run=Path(tempfile.mkdtemp(prefix="lcs", dir="/tmp")))  # what raw() needs of a server
+    (at.run / "lowercache").mkdir()
+    path = at.run / "lowercache" / "server.sock"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    process = subprocess.Popen([sys.executable, "-c", HARNESS, str(path)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(path.exists, 60)
+        line = json.dumps({"op": "run", "argv": ["lower"], "cwd": "/", "env": {}, "path": [], "identity": {"id": 1}}).encode()
+        for _ in range(2):
+            assert raw(at, line + b"\n") == {"error": "the server failed on this request (ZeroDivisionError)"}
+        assert raw(at, b'{"op":"status"}\n')["failed"] == 2
+        assert process.poll() is None
+    finally:
+        process.kill()
+        _, log = process.communicate(timeout=30)
+        shutil.rmtree(at.run, ignore_errors=True)
+    assert "a request failed in the server: ZeroDivisionError: a fault nobody foresaw" in log
