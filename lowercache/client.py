@@ -22,6 +22,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import socket
 import stat
 import struct
@@ -38,9 +39,16 @@ from .errors import LowercacheError
 
 # Commands that import torch, so a warm server pays; the rest are cheap and stay in the client.
 SERVED = ("lower", "verify")
+INTERRUPTED = 130  # the exit code of a command stopped by Ctrl-C, as typer and a shell give it
 SOCKET_NAME = "server.sock"
 MAX_LINE = 64 * 2**20  # a reply frame bigger than this is a broken server, not output
 START_TIMEOUT = 300.0  # imports and warm-up take 10-20 s on a loaded machine
+HELLO_TIMEOUT = 10.0  # seconds a server may take to answer hello, status or stop (it answers in milliseconds)
+# While a request runs the server sends a heartbeat frame every HEARTBEAT seconds; a client that hears nothing for
+# SILENT_LIMIT, or finds the server's process stopped (SIGSTOP, a debugger), says it is not responding.
+HEARTBEAT = 2.0
+SILENT_LIMIT = 30.0
+_POLL = 1.0  # seconds between looks at the server's process while waiting for it
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -54,6 +62,14 @@ class Declined(Exception):
 
 class ServerLost(Exception):
     """The server went away during a request."""
+
+
+class ServerRefused(ServerLost):
+    """The server answered with an error instead of running the request (a request it could not take)."""
+
+
+class ServerNotResponding(ServerUnavailable):
+    """The server's process is stopped, or sent nothing within its deadline."""
 
 
 def warn(message: str) -> None:
@@ -112,25 +128,60 @@ def identity(settings: Settings) -> dict[str, Any]:
 
 def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end of a Unix socket (SO_PEERCRED: pid, uid, gid)."""
+    return _peer(sock)[1]
+
+
+def _peer(sock: socket.socket) -> tuple[int, int, int]:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
+    return struct.unpack("3i", creds)
+
+
+def process_state(pid: int) -> tuple[str, int, int] | None:
+    """A process's state letter, parent pid and, once it is a zombie, its wait status (``/proc/PID/stat``); None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b") ", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0].decode(), int(fields[1]), int(fields[49]) if len(fields) > 49 else 0
+
+
+def _check_alive(pid: int, silent: float, limit: float) -> None:
+    """ServerNotResponding when the server's process is stopped, or has said nothing for ``limit`` seconds."""
+    state = process_state(pid)
+    if state is not None and state[0] in ("T", "t"):
+        raise ServerNotResponding(f"the lowering server (pid {pid}) is not responding (its process is stopped)")
+    if silent > limit:
+        raise ServerNotResponding(f"the lowering server (pid {pid}) is not responding (nothing from it for {limit:.0f} s)")
 
 
 def send(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.sendall(json.dumps(message, separators=(",", ":")).encode() + b"\n")
 
 
-def frames(sock: socket.socket, on_interrupt: Callable[[], None] | None = None) -> Iterator[dict[str, Any]]:
-    """JSON objects, one a line, until the other end closes; ``on_interrupt``: called on Ctrl-C while waiting, which goes on."""
+def frames(sock: socket.socket, on_interrupt: Callable[[], None] | None = None, limit: float = SILENT_LIMIT) -> Iterator[dict[str, Any]]:
+    """JSON objects, one a line, until the other end closes; ``on_interrupt``: called on Ctrl-C while waiting, which goes on.
+
+    Raises ServerNotResponding when the server's process is stopped or sends
+    nothing for ``limit`` seconds (a running request gets a heartbeat every
+    ``HEARTBEAT`` seconds), so a paused or hung server never hangs the client.
+    """
     buffer = b""
+    server = _peer(sock)[0]
+    sock.settimeout(_POLL)
+    heard = time.monotonic()
     while True:
         try:
             chunk = sock.recv(1 << 16)
+        except TimeoutError:
+            _check_alive(server, time.monotonic() - heard, limit)
+            continue
         except KeyboardInterrupt:
             if on_interrupt is None:
                 raise
             on_interrupt()
             continue
+        heard = time.monotonic()
         if not chunk:
             return
         buffer += chunk
@@ -157,9 +208,10 @@ def _connect(path: Path, timeout: float | None) -> socket.socket:
     return sock
 
 
-def ask(message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any] | None:
-    """One request, one reply; None when no server answers."""
+def ask(message: dict[str, Any], timeout: float = HELLO_TIMEOUT) -> dict[str, Any] | None:
+    """One request, one reply; None when no server answers, ServerNotResponding when one is there but stopped or silent."""
     path = private_dir() / SOCKET_NAME
+    _check_socket_path(path)
     try:
         sock = _connect(path, timeout)
     except OSError:
@@ -167,9 +219,19 @@ def ask(message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any] | None
     with sock:
         try:
             send(sock, message)
-            return next(frames(sock), None)
+            return next(frames(sock, limit=timeout), None)
         except (OSError, ValueError, ServerLost):
             return None
+
+
+def _check_socket_path(path: Path) -> None:
+    """ServerUnavailable when a directory holds the socket path: a server would warm up for seconds, then fail to bind."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return
+    if stat.S_ISDIR(mode):  # another file there a server replaces; a directory it cannot
+        raise ServerUnavailable(f"{path} is a directory, so no server can listen there; remove it to use the server")
 
 
 @contextlib.contextmanager
@@ -266,10 +328,41 @@ def _terminal() -> dict[str, Any]:
     }
 
 
-def _relay(sock: socket.socket) -> int:
+class _Running:
+    """A request the server runs: the child it forked for it (its first frame says which), and whether Ctrl-C was passed on."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.server = _peer(sock)[0]
+        self.child = 0
+        self.interrupted = False
+
+    def interrupt(self) -> None:
+        """Ctrl-C: the child, in another session, gets SIGINT as a new process would (its own clean-up then runs)."""
+        if self.interrupted:
+            raise KeyboardInterrupt  # a second Ctrl-C: give up; the server kills the child when the connection closes
+        self.interrupted = True
+        try:
+            send(self.sock, {"op": "signal"})
+        except OSError:
+            raise KeyboardInterrupt from None
+
+    def own_child(self) -> tuple[str, int, int] | None:
+        """The child's state, when it is still the server's child (not a reused pid)."""
+        state = process_state(self.child) if self.child else None
+        return state if state is not None and state[1] == self.server else None
+
+    def kill_child(self) -> None:
+        """A server that stopped responding cannot reap or kill its child: this client does, before running the command itself."""
+        if self.own_child() is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(self.child, signal.SIGKILL)
+
+
+def _relay(running: _Running) -> int:
     """Write the child's output where this process would have, and return its exit code."""
     streams = {1: sys.stdout, 2: sys.stderr}
-    for frame in frames(sock):
+    for frame in frames(running.sock, on_interrupt=running.interrupt):
         if "b64" in frame:
             stream = streams.get(frame.get("fd"), sys.stderr)
             data = base64.b64decode(frame["b64"])
@@ -280,6 +373,8 @@ def _relay(sock: socket.socket) -> int:
                 stream.flush()
                 raw.write(data)
                 raw.flush()
+        elif "child" in frame:
+            running.child = int(frame["child"])
         elif "exit" in frame:
             if frame.get("error"):
                 print(f"lowercache: error: {frame['error']}", file=sys.stderr, flush=True)
@@ -288,6 +383,8 @@ def _relay(sock: socket.socket) -> int:
             raise ServerUnavailable("stale")
         elif "declined" in frame:
             raise Declined(str(frame["declined"]))
+        elif "error" in frame:
+            raise ServerRefused(str(frame["error"]))
     raise ServerLost("the server closed the connection")
 
 
@@ -308,16 +405,26 @@ def exec_through_server(argv: list[str], env: dict[str, str], executable: str, h
     if sock is None:
         return None, "no server"
     with sock:
+        running = _Running(sock)
         try:
             line = json.dumps(request).encode() + b"\n"
             sent = socket.send_fds(sock, [line], fds)
             if sent < len(line):
                 sock.sendall(line[sent:])
-            sock.settimeout(None)
             # the command runs in another session: a Ctrl-C here is passed on to it
-            frame = next(frames(sock, on_interrupt=lambda: send(sock, {"op": "signal"})), None)
+            frame: dict[str, Any] | None = {"child": 0}
+            replies = frames(sock, on_interrupt=lambda: send(sock, {"op": "signal"}))
+            while frame is not None and set(frame) <= {"child", "alive"}:
+                running.child = int(frame.get("child") or running.child)
+                frame = next(replies, None)
             if frame is None:
                 raise ServerLost("the server closed the connection")
+        except ServerNotResponding as e:
+            if not running.child:  # not forked: nothing of the command ran
+                warn(f"{e}; running the command as a new process")
+                return None, "the server is not responding"
+            warn(f"{e}; waiting for the command it started (pid {running.child})")
+            return _wait_orphaned(running), ""
         except (ServerLost, OSError, ValueError) as e:
             warn(f"the lowering server stopped during the command ({e}); running it as a new process")
             return None, "the server stopped"
@@ -325,7 +432,28 @@ def exec_through_server(argv: list[str], env: dict[str, str], executable: str, h
         return None, str(frame["declined"])
     if "exit" in frame:
         return int(frame["exit"]), ""
+    if "error" in frame:
+        return None, f"the server refused it ({frame['error']})"
     return None, "the server was being replaced"
+
+
+def _wait_orphaned(running: _Running) -> int:
+    """The status of a command whose server stopped responding: read from ``/proc`` once its process is a zombie.
+
+    The command may have done part of its work, so it is never run again:
+    its own status is the answer (Ctrl-C reaches it directly).
+    """
+    while True:
+        try:
+            state = running.own_child()
+            if state is None:
+                return 1  # reaped: the server woke, but this connection is given up; its status is lost
+            if state[0] == "Z":
+                return os.waitstatus_to_exitcode(state[2])
+            time.sleep(0.1)
+        except KeyboardInterrupt:
+            with contextlib.suppress(OSError):
+                os.killpg(running.child, signal.SIGINT)
 
 
 def _connected(settings: Settings, request: dict[str, Any], fallback: str) -> socket.socket | None:
@@ -334,6 +462,9 @@ def _connected(settings: Settings, request: dict[str, Any], fallback: str) -> so
         hello = ensure_server(settings)
         request["identity"] = hello["identity"]
         return _connect(private_dir() / SOCKET_NAME, 10.0)
+    except ServerNotResponding as e:
+        warn(f"{e}; {fallback}")
+        return None
     except Exception as e:  # noqa: BLE001  (whatever keeps the server away, the command still runs)
         warn(f"no lowering server ({e}); {fallback}")
         return None
@@ -384,22 +515,31 @@ def run_through_server(args: list[str]) -> int | None:
         **_terminal(),
     }
     for attempt in range(2):
-        sock = _connected(settings, request, "running in this process")
+        try:
+            sock = _connected(settings, request, "running in this process")
+        except KeyboardInterrupt:
+            return INTERRUPTED
         if sock is None:
             return None
         with sock:
+            running = _Running(sock)
             try:
                 send(sock, request)
-                sock.settimeout(None)
-                return _relay(sock)
+                return _relay(running)
+            except ServerNotResponding as e:  # a lowering writes its output atomically: running it again here is safe
+                running.kill_child()
+                warn(f"{e}; running in this process")
+                return None
             except ServerUnavailable:
                 continue  # replaced between hello and request: once more
             except Declined as e:
                 warn(f"the lowering server cannot stand in for this interpreter ({e}); running in this process")
                 return None
-            except KeyboardInterrupt:  # the server kills the request's process when this connection closes
-                print("Aborted!", file=sys.stderr)  # as click says it in a new process
-                return 1
+            except KeyboardInterrupt:  # a second Ctrl-C: the server kills the request's process when this connection closes
+                return INTERRUPTED
+            except ServerRefused as e:
+                warn(f"the lowering server refused the request ({e}); running in this process")
+                return None
             except (ServerLost, OSError, ValueError) as e:
                 warn(f"the lowering server stopped during the request ({e}); running in this process")
                 return None

@@ -37,6 +37,8 @@ import platformdirs
 from .errors import LowercacheError
 
 DEFAULT_MAX_SIZE = 5 * 2**30
+# The most seconds a timeout setting takes (about 31 years): beyond it a deadline overflows the clock's float.
+MAX_SECONDS = 10**9
 
 _ENV = {
     "cache_dir": "LOWERCACHE_DIR",
@@ -155,9 +157,9 @@ def load_settings(**flags: Any) -> Settings:
         speedups=str(resolved.get("speedups", "all")),
         direct=parse_bool(resolved.get("direct", True), "direct"),
         server=parse_bool(resolved.get("server", True), "server"),
-        server_idle_timeout=_whole(resolved.get("server_idle_timeout", 600), "server_idle_timeout"),
+        server_idle_timeout=_seconds_setting(resolved.get("server_idle_timeout", 600), "server_idle_timeout"),
         server_jobs=_whole(resolved.get("server_jobs", 0), "server_jobs") or os.cpu_count() or 1,
-        server_timeout=_whole(resolved.get("server_timeout", 3600), "server_timeout"),
+        server_timeout=_seconds_setting(resolved.get("server_timeout", 3600), "server_timeout"),
         run_ahead=parse_bool(resolved.get("run_ahead", True), "run_ahead"),
         origin=origin,
     )
@@ -179,6 +181,14 @@ def _whole(value: Any, name: str) -> int:
         number = -1
     if number < 0:
         raise LowercacheError(f"bad value {value!r} for {name}; use a whole number, 0 or more")
+    return number
+
+
+def _seconds_setting(value: Any, name: str) -> int:
+    """A timeout in whole seconds, bounded: a huge one would overflow the server's deadline arithmetic."""
+    number = _whole(value, name)
+    if number > MAX_SECONDS:
+        raise LowercacheError(f"bad value {value!r} for {name}; use a whole number of seconds from 0 to {MAX_SECONDS}")
     return number
 
 

@@ -79,7 +79,7 @@ def write_files(files: dict[str, bytes], manifest: dict[str, Any], out_dir: str 
                         path.unlink()
             os.replace(tmp / name, out / name)
             moved.append((out / name, (out / name).stat().st_ino))
-    except OSError as e:
+    except BaseException as e:  # a failed write or Ctrl-C (KeyboardInterrupt): nothing staged or partial stays
         shutil.rmtree(tmp, ignore_errors=True)
         if created:  # leave no partial directory, but keep a concurrent writer's files
             for path, inode in moved:
@@ -87,7 +87,9 @@ def write_files(files: dict[str, bytes], manifest: dict[str, Any], out_dir: str 
                     if path.stat().st_ino == inode:
                         path.unlink()
         _remove_if_empty(out, created)
-        raise _unwritable(out, e.strerror or str(e)) from None
+        if isinstance(e, OSError):
+            raise _unwritable(out, e.strerror or str(e)) from None
+        raise
     shutil.rmtree(tmp, ignore_errors=True)
     return [out / name for name in sorted(files)]
 

@@ -56,9 +56,10 @@ def run_command(argv: list[str], outs: list[str], cache_dir: str | None = None, 
     settings = load_settings(cache_dir=cache_dir, remote=remote, server=False if no_server else None)
     check_speedups(settings)  # an unknown name is the user's to fix, before anything runs
     try:
-        return run(Command(argv=list(argv), outs=list(outs)), settings, command_env(settings))
+        code = run(Command(argv=list(argv), outs=list(outs)), settings, command_env(settings))
     except OSError as e:
         raise LowercacheError(f"cannot run {argv[0]}: {e.strerror or e}") from None
+    return 128 - code if code < 0 else code  # killed by a signal: 128 + its number, as a shell says it (Ctrl-C: 130)
 
 
 _ARM = "executorch.backends.arm"

@@ -19,7 +19,9 @@ thread count back).
 from __future__ import annotations
 
 import base64
+import codecs
 import collections
+import contextlib
 import ctypes
 import errno
 import gc
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import client, pyexec, startup
-from .config import load_settings
+from .config import MAX_SECONDS, load_settings
 
 _PR_SET_PDEATHSIG = 1
 
@@ -106,6 +108,109 @@ def _signal_error(status: int) -> str:
     why = " (out of memory?)" if number == signal.SIGKILL else ""
     return f"the lowering process was killed by {name}{why}; the server is still up"
 
+# What each request may hold: a field's check returns why a value is refused, or None. Every request is checked against
+# this before any of it is used, so no value a client can send (a wrong type, a huge number, a NUL) reaches code that
+# could fail on it in the server; only hello, status and stop take no fields.
+_MAX_ITEMS = 1 << 16  # argv, sys.path and environment entries: far beyond any command line (ARG_MAX is 2 MiB)
+_MAX_COLUMNS = 1 << 16
+
+
+def _text(value: Any) -> str | None:
+    return None if isinstance(value, str) and "\0" not in value else "a string without NUL"
+
+
+def _texts(count: int | None = None) -> Any:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, list) or len(value) > _MAX_ITEMS or (count is not None and len(value) != count):
+            return f"a list of {count or 'at most ' + str(_MAX_ITEMS)} strings"
+        return next((_text(v) for v in value if _text(v) is not None), None)
+
+    return check
+
+
+def _absolute(value: Any) -> str | None:
+    return _text(value) or (None if value.startswith("/") else "an absolute path")
+
+
+def _environment(value: Any) -> str | None:
+    if not isinstance(value, dict) or len(value) > _MAX_ITEMS:
+        return "an object of strings"
+    for name, text in value.items():
+        if not name or "=" in name or _text(name) or _text(text):
+            return "an object of strings, names without '=' or NUL"
+    return None
+
+
+def _whole(low: int, high: int) -> Any:
+    def check(value: Any) -> str | None:
+        ok = isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+        return None if ok else f"a whole number from {low} to {high}"
+
+    return check
+
+
+def _timeout(value: Any) -> str | None:
+    if value is None:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= MAX_SECONDS
+    return None if ok else f"null or a number of seconds from 0 to {MAX_SECONDS}"
+
+
+def _codecs(lookup: Any) -> Any:
+    def check(value: Any) -> str | None:  # null: the stream had none (a replaced stream), the child takes the default
+        if not isinstance(value, list) or len(value) != 2 or not all(v is None or isinstance(v, str) for v in value):
+            return "two names Python knows (or null)"
+        try:
+            for name in value:
+                if name is not None:
+                    lookup(name)
+        except (LookupError, ValueError):  # ValueError: a NUL in the name
+            return "two names Python knows (or null)"
+        return None
+
+    return check
+
+
+def _flags(value: Any) -> str | None:
+    return None if isinstance(value, list) and len(value) == 2 and all(isinstance(v, bool) for v in value) else "two booleans"
+
+
+def _identity(value: Any) -> str | None:
+    return None if isinstance(value, dict) else "an object"
+
+
+_COMMON = {"argv": _texts(), "cwd": _absolute, "env": _environment, "timeout": _timeout, "identity": _identity}
+_FIELDS: dict[str, dict[str, Any]] = {
+    "hello": {},
+    "status": {},
+    "stop": {},
+    "run": {**_COMMON, "path": _texts(), "tty": _flags, "columns": _whole(0, _MAX_COLUMNS), "lines": _whole(0, _MAX_COLUMNS),
+            "encoding": _codecs(codecs.lookup), "errors": _codecs(codecs.lookup_error)},
+    "exec": {**_COMMON, "executable": _absolute, "hook_dir": _text, "umask": _whole(0, 0o777)},
+}
+_REQUIRED = {"run": ("argv", "cwd", "env", "path"), "exec": ("argv", "cwd", "env", "executable")}
+
+
+def request_error(message: Any) -> str | None:
+    """Why ``message`` is not a request this server takes (one line naming the field), or None when every field is sound."""
+    if not isinstance(message, dict):
+        return "a request that is not a JSON object"
+    op = message.get("op")
+    if not isinstance(op, str) or op not in _FIELDS:
+        return f"unknown request {str(op)[:40]!r}"
+    fields = _FIELDS[op]
+    for name, value in message.items():
+        if name == "op":
+            continue
+        if name not in fields:
+            return f"{op} request: unknown field {str(name)[:40]!r}"
+        why = fields[name](value)
+        if why is not None:
+            return f"{op} request: field {name!r} must be {why}"
+    missing = [name for name in _REQUIRED.get(op, ()) if name not in message]
+    return f"{op} request: missing field(s) {', '.join(missing)}" if missing else None
+
+
 
 class Server:
     """The accept loop, the children and the queue."""
@@ -125,6 +230,7 @@ class Server:
         self.running: dict[int, _Request] = {}  # by pid
         self.started = time.time()
         self.last_active = time.monotonic()
+        self.beat = time.monotonic()
         self.served = 0
         self.failed = 0
         self.stopping = False
@@ -137,20 +243,45 @@ class Server:
         signal.signal(signal.SIGINT, lambda *_: self.stop())
         while True:
             for key, mask in self.selector.select(self._wait()):
-                if key.fileobj is self.listener:
-                    self._accept()
-                else:
-                    kind, request = key.data
-                    if kind == "conn":
+                request = None if key.fileobj is self.listener else key.data[1]
+                try:
+                    if request is None:
+                        self._accept()
+                    elif key.data[0] == "conn":
                         self._on_conn(request, mask)
-                    elif kind == "pipe":
+                    elif key.data[0] == "pipe":
                         self._on_pipe(request, key.fd)
                     else:
                         self._reap(request)
-            self._housekeeping()
+                except Exception as e:  # noqa: BLE001 - one request's fault ends that request, never the server
+                    self._contain(request, e)
+            try:
+                self._housekeeping()
+            except Exception as e:  # noqa: BLE001
+                self._contain(None, e)
             if self.stopping and not self.running and not self.queue:
                 break
         self.selector.close()
+
+    def _contain(self, request: _Request | None, error: Exception) -> None:
+        """A fault in the server's own handling: logged to server.log; the request it hit ends with an error reply."""
+        print(f"lowercache server: a request failed in the server: {type(error).__name__}: {error}", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        if request is None:
+            return
+        self.failed += 1
+        with contextlib.suppress(Exception):
+            if request in self.queue:
+                self.queue.remove(request)
+            if request.pid and request.pid in self.running:
+                self._kill(request)  # reaped by its pidfd as usual; the client falls back to running the command itself
+            request.outbox.clear()
+            self._reply(request, {"error": f"the server failed on this request ({type(error).__name__})"})
+            request.gone = True  # nothing more is sent on this connection; the reply above still drains
+            return
+        with contextlib.suppress(Exception):
+            self._close(request)
 
     def _wait(self) -> float:
         if self.running and any(r.pidfd < 0 for r in self.running.values()):
@@ -160,6 +291,11 @@ class Server:
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
+        if now - self.beat >= client.HEARTBEAT:  # a client waiting on a request hears the server is alive (and not paused)
+            self.beat = now
+            for request in list(self.requests.values()):
+                if request.message is not None and request.message["op"] in ("run", "exec") and not request.close_when_sent:
+                    self._send(request, {"alive": 1})
         for request in list(self.running.values()):
             if request.pidfd < 0:
                 self._reap(request)
@@ -234,10 +370,16 @@ class Server:
     def _handle(self, request: _Request, line: bytes) -> None:
         try:
             message = json.loads(line)
-            op = message.get("op")
-        except (ValueError, AttributeError):
-            self._reply(request, {"error": "a request that is not a JSON object"})
+            why = request_error(message)
+        except ValueError:
+            why = "a request that is not JSON"
+        except RecursionError:
+            why = "a request nested too deep"
+        if why is not None:
+            self._reply(request, {"error": why})
             return
+        assert isinstance(message, dict)
+        op = message["op"]
         request.message = message
         if op == "hello":  # a client about to send a request: counts as activity
             self.last_active = time.monotonic()
@@ -247,7 +389,7 @@ class Server:
         elif op == "stop":
             self.stop()  # the socket path is free before the reply: a replacement may bind it at once
             self._reply(request, {"pid": os.getpid(), "stopping": True, "running": len(self.running), "queued": len(self.queue)})
-        elif op in ("run", "exec"):
+        else:  # run or exec
             changed = self.warm.changed_file() if message.get("identity") == self.identity and not self.stopping else None
             if message.get("identity") != self.identity or self.stopping or changed is not None:
                 if changed is not None:
@@ -265,21 +407,18 @@ class Server:
                 return
             self.queue.append(request)
             self._start_queued()
-        else:
-            self._reply(request, {"error": f"unknown request {op!r}"})
 
     def _cannot_exec(self, request: _Request) -> str | None:
         """Why this child could not stand in for the new ``python`` process the client would start, or None."""
         message = request.message or {}
-        invocation = pyexec.parse([str(a) for a in message.get("argv") or []])
-        env, cwd = message.get("env"), message.get("cwd")
-        if invocation is None or not isinstance(env, dict) or not isinstance(cwd, str) or not isinstance(message.get("executable"), str):
+        invocation = pyexec.parse(message["argv"])
+        if invocation is None:
             return "not a command this server can run"
         if len(request.fds) != 3:
             return "the client's standard streams did not arrive"
         if self.warm.base_path is None:
             return "this server's module search path is not a new interpreter's"
-        return pyexec.why_not(invocation, cwd, {str(k): str(v) for k, v in env.items()}, self.warm.start_env,
+        return pyexec.why_not(invocation, message["cwd"], message["env"], self.warm.start_env,
                               self.warm.read_env, self.warm.imported)
 
     def _cannot_run(self, request: _Request) -> str | None:
@@ -290,15 +429,12 @@ class Server:
         client's module search path holding a file that would shadow a module
         the server imported or looked for.
         """
-        message = request.message or {}
-        env, cwd, path = message.get("env"), message.get("cwd"), message.get("path")
-        if not isinstance(env, dict) or not isinstance(cwd, str) or not isinstance(path, list):
-            return "not a request this server can run"
-        return startup.why_not({str(k): str(v) for k, v in env.items()}, self.warm.start_env, self.warm.read_env,
-                               [str(p) for p in path], cwd, self.warm.imported)
+        message = request.message or {}  # checked against the schema (request_error) before it got here
+        return startup.why_not(message["env"], self.warm.start_env, self.warm.read_env, message["path"], message["cwd"],
+                               self.warm.imported)
 
     def _signal(self, request: _Request) -> None:
-        """A running exec request's client asks for SIGINT (its Ctrl-C) to reach the command, as it would a new process."""
+        """A running request's client asks for SIGINT (its Ctrl-C) to reach the child, as it would a new process."""
         lines = request.inbox.split(b"\n")
         request.inbox = lines.pop()
         if len(request.inbox) > client.MAX_LINE:
@@ -309,7 +445,7 @@ class Server:
                 asked = json.loads(line)
             except ValueError:
                 continue
-            if not (request.execs and isinstance(asked, dict) and asked.get("op") == "signal"):
+            if not (isinstance(asked, dict) and asked.get("op") == "signal"):
                 continue
             if request.pid:
                 try:
@@ -428,6 +564,7 @@ class Server:
             self.selector.register(request.pidfd, selectors.EVENT_READ, ("pid", request))
         except (AttributeError, OSError):
             request.pidfd = -1
+        self._send(request, {"child": pid})  # a client whose server stops responding can then stop or wait for the child itself
 
     def _on_pipe(self, request: _Request, fd: int) -> None:
         try:

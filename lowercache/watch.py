@@ -215,7 +215,7 @@ def drop_bytecode(paths: list[str]) -> None:
 
 @contextlib.contextmanager
 def _interrupts() -> Iterator[list[bool]]:
-    """Ctrl-C raises KeyboardInterrupt and is remembered: a lowering that swallows it (the client says 'Aborted!') still ends the watch."""
+    """Ctrl-C raises KeyboardInterrupt and is remembered: a lowering that swallows it (through the server: exit 130) still ends the watch."""
     seen = [False]
 
     def on_sigint(signum: int, frame: Any) -> None:

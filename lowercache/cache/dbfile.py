@@ -79,6 +79,24 @@ def _sound(db: Path) -> bool:
     return rows == [("ok",)]
 
 
+def confirmed_damaged(db: Path) -> bool:
+    """True only when a fresh read-only connection, which reads the write-ahead log too and writes nothing, finds ``db`` malformed.
+
+    An immutable :class:`Reader` ignores the log: after a checkpoint cut
+    short (a full disk) or while another process checkpoints, the main file
+    alone can look malformed though the database is sound.
+    """
+    try:
+        con = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=10)
+        try:
+            rows = con.execute("PRAGMA quick_check(1)").fetchall()
+        finally:
+            con.close()
+    except sqlite3.Error as e:
+        return damaged(e)
+    return rows != [("ok",)]
+
+
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     with open(path, "a") as f:

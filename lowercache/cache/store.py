@@ -38,6 +38,7 @@ from .dbfile import (
     Reader,
     UnreadableKey,
     aside_copies,
+    confirmed_damaged,
     damaged,
     disk_full,
     move_aside,
@@ -244,7 +245,9 @@ class Store:
         full = disk_full(error) or no_space_left(self.directory)
         hint = "; `lowercache gc --max-size SIZE` or `lowercache clear` frees space" if full else ""
         self.unwritable = "disk full" if full else str(error)
-        self._warn("unwritable", "cache directory %s cannot be written (%s); storing nothing this run%s", self.directory, error, hint)
+        # SQLite reports a write that found no free block as "disk I/O error" (SQLITE_IOERR_WRITE): say what it is
+        said = error if disk_full(error) or not full else f"disk full: {error}"
+        self._warn("unwritable", "cache directory %s cannot be written (%s); storing nothing this run%s", self.directory, said, hint)
         for name in ("entries", "meta"):
             current = getattr(self, f"_{name}")
             if isinstance(current, diskcache.Cache):
@@ -254,9 +257,15 @@ class Store:
     def _failed(self, name: str, error: BaseException) -> bool:
         """Handle an index error: heal damage, stop writing on a full disk. True when handled (and warned)."""
         if damaged(error):
+            db = self.directory / name / DB_NAME
+            if not self.writable and not confirmed_damaged(db):  # a reader that skips the log, not a damaged file
+                full = " (disk full)" if no_space_left(self.directory) else ""
+                self._warn(f"unreadable {name}", "cache database %s could not be read without its write-ahead log (%s), "
+                           "which cannot be opened now%s; it is not damaged; not using it this run", db, error, full)
+                return True
             if self.writable and not self._heal(name, error):
                 self._stop_writing(error)  # damaged again after a heal: leave the file alone
-            self._warn(f"damaged {name}", "cache database %s is damaged (%s); not using it", self.directory / name / DB_NAME, error)
+            self._warn(f"damaged {name}", "cache database %s is damaged (%s); not using it", db, error)
             return True
         if disk_full(error):
             if not self.read_only:

@@ -32,11 +32,13 @@ def main(argv: Optional[List[str]] = None) -> None:
 def dispatch(args: List[str]) -> object:
     """Run a command line the way a new ``lowercache`` process does, and return its exit code (``watch`` runs its lowerings so)."""
     from ..errors import new_command
+    from ..shadowing import own_imports
 
     new_command()
     command = next((a for a in args if not a.startswith("-")), None)
     if command == "lower":  # direct mode: an unchanged lowering answered from its record, without torch (docs/direct-mode.md)
-        from ..direct import serve
+        with own_imports():
+            from ..direct import serve
 
         served = serve(args)
         if served is not None:
@@ -46,7 +48,8 @@ def dispatch(args: List[str]) -> object:
         if wrapped is not None:
             return run_light(**wrapped)
     # then the warm server (docs/server.md)
-    from ..client import SERVED, run_through_server
+    with own_imports():
+        from ..client import SERVED, run_through_server
 
     if command in SERVED:
         served = run_through_server(args)
@@ -98,7 +101,10 @@ def parse_run(args: List[str]) -> dict | None:
 def run_light(argv: List[str], outs: List[str], cache_dir: str | None, remote: str | None, no_server: bool) -> int:
     """``lowercache run`` as the typer command runs it, with its one-line errors and exit code 2."""
     from ..errors import LowercacheError, show_warnings_in_one_line
-    from ..runhook import run_command
+    from ..shadowing import own_imports
+
+    with own_imports():
+        from ..runhook import run_command
 
     show_warnings_in_one_line()
     try:
@@ -108,8 +114,33 @@ def run_light(argv: List[str], outs: List[str], cache_dir: str | None, remote: s
         return 2
 
 
+# What typer's first parse imports (pydantic), imported with the commands, blind to the user's modules. Not
+# typer.rich_utils (help and usage errors only): 0.16 s that every command would pay.
+LAZY_IMPORTS = ("typer._adapters",)
+
+
+def preload() -> None:
+    """Import ``LAZY_IMPORTS`` (those this install has)."""
+    import importlib
+
+    for name in LAZY_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
 def run_in_process(args: List[str]) -> object:
-    """Run the command line with the typer commands in this process; its exit code. A server's child runs this too."""
-    from .commands import run_in_process as run_commands
+    """Run the command line with the typer commands in this process; its exit code. A server's child runs this too.
+
+    The typer commands, and what typer's first parse and rich's output
+    import, are imported blind to the user's modules (``shadowing.py``).
+    """
+    from ..shadowing import own_imports
+
+    with own_imports():
+        from .commands import run_in_process as run_commands
+
+        preload()
 
     return run_commands(args)
