@@ -370,3 +370,14 @@ def test_version_and_explain_of_a_missing_model(tmp_path, cache_dir):
     assert version.returncode == 0 and version.stdout.startswith("lowercache 0.1.0 (torch 2.13.0")
     missing = cli("explain", "nothere.py:model", "-t", "tosa-fp", cache_dir=cache_dir, cwd=tmp_path)
     assert missing.returncode == 2 and error_lines(missing) == ["lowercache: error: model file nothere.py does not exist"]
+
+
+@pytest.mark.parametrize("command", [["stats"], ["explain", "model.py:model", "-t", "tosa-fp"], ["gc"], ["config"], ["server", "status"]])
+def test_housekeeping_commands_import_no_torch(command, tmp_path, cache_dir):
+    """docs/server.md: the cheap commands stay in the client and never pay torch's import (1.2 s or more)."""
+    (tmp_path / "model.py").write_text("")
+    code = ("import runpy, sys\nsys.argv = ['lowercache', *sys.argv[1:]]\ntry:\n    runpy.run_module('lowercache.cli', run_name='__main__')\n"
+            "except SystemExit as e:\n    code = e.code\nprint('torch' in sys.modules, 'executorch' in sys.modules, code, file=sys.stderr)\n")
+    result = subprocess.run([sys.executable, "-c", code, *command], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "LOWERCACHE_DIR": str(cache_dir)})
+    assert result.stderr.strip().splitlines()[-1].startswith("False False "), result.stderr[-2000:]
