@@ -416,6 +416,18 @@ def _run_ahead_unheard() -> bool:
     return unrecorded is not None and unrecorded()
 
 
+# This module and replay.py (whose recorder hands events on to this one's): frames of neither raised an event.
+_RECORDER_FILES = frozenset(os.path.join(os.path.dirname(os.path.abspath(__file__)), name) for name in ("direct.py", "replay.py"))
+
+
+def _event_caller() -> Any:
+    """The frame that raised the audit event being handled: the first outside the recorder's own modules."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename) in _RECORDER_FILES:
+        frame = frame.f_back
+    return frame
+
+
 def _abspath(path: Any) -> str | None:
     if isinstance(path, int) or path is None:
         return None
@@ -527,7 +539,7 @@ class Recorder:
             for path in [_abspath(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]:
                 self.wrote(path or "?")
         elif event == "compile":
-            self.compiled(args, sys._getframe(2))
+            self.compiled(args, _event_caller())
         elif event == "ctypes.dlopen" and isinstance(args[0], str) and os.sep in args[0]:
             path = os.path.abspath(args[0])
             if self._user(path):
@@ -871,50 +883,56 @@ class _WatchedEnvironData(dict):  # type: ignore[type-arg]
     (``posix.environ[b'X']``), it is a variable read; listed, the environment is. ``os``'s own use is its wrappers'."""
 
     def __getitem__(self, key: Any) -> Any:
-        _read_raw(key, sys._getframe(1))
+        _raw(key)
         return super().__getitem__(key)
 
     def get(self, key: Any, default: Any = None) -> Any:
-        _read_raw(key, sys._getframe(1))
+        _raw(key)
         return super().get(key, default)
 
     def __contains__(self, key: Any) -> bool:
-        _read_raw(key, sys._getframe(1))
+        _raw(key)
         return super().__contains__(key)
 
     def __iter__(self) -> Iterator[Any]:
-        _list_raw(sys._getframe(1))
+        _raw()
         return super().__iter__()
 
     def keys(self) -> Any:
-        _list_raw(sys._getframe(1))
+        _raw()
         return super().keys()
 
     def items(self) -> Any:
-        _list_raw(sys._getframe(1))
+        _raw()
         return super().items()
 
     def values(self) -> Any:
-        _list_raw(sys._getframe(1))
+        _raw()
         return super().values()
 
     def copy(self) -> dict[Any, Any]:
-        _list_raw(sys._getframe(1))
+        _raw()
         return dict(super().items())
 
     def __len__(self) -> int:
-        _list_raw(sys._getframe(1))
+        _raw()
         return super().__len__()
 
 
-def _read_raw(key: Any, frame: Any) -> None:
-    if (recorder := _current()) is not None and frame.f_code.co_filename != "<frozen os>":
-        recorder.read_env(key)
+_LISTED = object()
 
 
-def _list_raw(frame: Any) -> None:
-    if (recorder := _current()) is not None and frame.f_code.co_filename != "<frozen os>":
+def _raw(key: Any = _LISTED) -> None:
+    """A read of ``posix.environ[key]`` (without ``key``: a listing of it) by the frame calling its method."""
+    if (recorder := _current()) is None:
+        return
+    frame = sys._getframe(2)
+    if frame.f_code.co_filename == "<frozen os>":
+        return
+    if key is _LISTED:
         recorder.listed_env(frame)
+    else:
+        recorder.read_env(key)
 
 
 def _watch_posix_environ() -> None:
