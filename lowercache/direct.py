@@ -36,8 +36,8 @@ from .cache.store import Entry
 from .cache.toolchain import toolchain_parts
 from .config import Settings, load_settings
 from .errors import LowercacheError
-from .lowering.targets import resolve
 from . import sweep
+from .lowering.targets import resolve
 from .output import check_output_dir, write_files
 
 KIND = "direct"
@@ -395,6 +395,7 @@ def own_thread(thread: threading.Thread) -> None:
     """Mark a thread lowercache itself started while a recorder listens: no factory left it running."""
     _own_threads.add(thread)
 
+
 _hooked = False
 # The environment as the process started (taken by serve() before anything else runs): torch sets
 # variables of its own at import, and a record must compare what the user's environment held.
@@ -623,6 +624,7 @@ class Recorder:
             found = sweep.LOCATION_NAMES.search(args[0] if isinstance(args[0], bytes) else args[0].encode("utf-8", "replace"))
             if found is not None:
                 self.observed_location(f"code it compiled names {found.group().decode()}", frame)
+
     def read_env(self, key: Any) -> None:
         """The variable's value as the process started: a value set since is derived from it and from recorded code."""
         name = os.fsdecode(key) if isinstance(key, (str, bytes)) else repr(key)
