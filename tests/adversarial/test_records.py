@@ -127,6 +127,27 @@ def test_a_record_made_outside_a_git_tree_does_not_answer_in_another_directory(t
     assert pte == fresh(second, tmp_path) and pte != served_first
 
 
+def test_through_the_remote_tier_a_clone_elsewhere_gets_its_own_bytes(tmp_path, s3_url):
+    """Two clones, two empty local caches, one shared remote: outside a git tree the second clone is not answered
+    from the first's record; a git clone whose code cannot see its directory is, from the remote tier."""
+    env = {"LOWERCACHE_REMOTE": s3_url, "LOWERCACHE_HMAC_KEY": "records-test-key",
+           **{k: v for k, v in os.environ.items() if k.startswith(("AWS_", "LOWERCACHE_S3_"))}}
+    model = LOCATED.format(where=WHERE["cwd"])
+    first = tiny_project(tmp_path / "one" / "net_4", model, git=False)
+    until_served(first, tmp_path / "cache-one", env)
+    second = tiny_project(tmp_path / "two" / "net_6", model, git=False)
+    manifest, pte, _ = lower(second, tmp_path / "cache-two", env=env)
+    assert not served(manifest) and pte == fresh(second, tmp_path)
+
+    original = make_project(tmp_path / "a" / "proj", model=PORTABLE_MODEL)
+    until_served(original, tmp_path / "cache-a", env)
+    clone = tmp_path / "b" / "clone"
+    shutil.copytree(original, clone, ignore=shutil.ignore_patterns("out", "fresh", "__pycache__"))
+    manifest, pte, _ = lower(clone, tmp_path / "cache-b", env=env)
+    assert served(manifest) and manifest["steps"][0]["tier"] == "remote", explain(clone, tmp_path / "cache-b")
+    assert pte == fresh(clone, tmp_path)
+
+
 def test_a_copy_in_a_git_tree_hits_only_when_its_code_cannot_see_where_it_is(tmp_path):
     """A copy of a git project answers from the original's record when no code names ``__file__`` or calls
     ``os.getcwd()``; a factory that derives a width from its checkout's name misses, with the copy's bytes."""
