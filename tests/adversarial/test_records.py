@@ -150,7 +150,7 @@ def test_through_the_remote_tier_a_clone_elsewhere_gets_its_own_bytes(tmp_path, 
 
 def test_a_copy_in_a_git_tree_hits_only_when_its_code_cannot_see_where_it_is(tmp_path):
     """A copy of a git project answers from the original's record when no code names ``__file__`` or calls
-    ``os.getcwd()``; a factory that derives a width from its checkout's name misses, with the copy's bytes."""
+    ``os.getcwd()``; a factory that can see its checkout misses, with the copy's bytes."""
     cache = tmp_path / "cache"
     original = make_project(tmp_path / "a" / "proj", model=PORTABLE_MODEL)
     until_served(original, cache)
@@ -160,11 +160,14 @@ def test_a_copy_in_a_git_tree_hits_only_when_its_code_cannot_see_where_it_is(tmp
     assert served(manifest), explain(copy, cache)
     assert pte == fresh(copy, tmp_path)
 
-    for name in ("file", "checkout"):
-        if name == "file":  # finds its checkpoint and helper through __file__
+    # Its checkpoint found through __file__; a width from the checkout's name; the same through code it compiles,
+    # whose file names nothing (and an absolute path's resolve() calls no os.getcwd()).
+    located = {"checkout": "Path.cwd().name", "compiled": 'eval("Path(__fi" + "le__).resolve().parent.name")'}
+    for name in ("file", "checkout", "compiled"):
+        if name == "file":
             original = make_project(tmp_path / name / "net_4", model=MODEL)
         else:
-            original = tiny_project(tmp_path / name / "net_4", LOCATED.format(where="Path.cwd().name"))
+            original = tiny_project(tmp_path / name / "net_4", LOCATED.format(where=located[name]))
         lower(original, cache)
         lower(original, cache)  # confirmed
         copy = tmp_path / name / "net_6"
