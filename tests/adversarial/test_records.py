@@ -34,7 +34,7 @@ def fresh(project: Path, tmp_path: Path, env: dict[str, str] | None = None) -> b
 def until_served(project: Path, cache: Path, env: dict[str, str] | None = None, runs: int = 4) -> bytes:
     """Lower until direct mode serves the record (recorded, confirmed, then used); the bytes served."""
     for _ in range(runs):
-        manifest, pte, result = lower(project, cache, env=env)
+        manifest, pte, _ = lower(project, cache, env=env)
         if served(manifest):
             return pte
     raise AssertionError(f"never served: {explain(project, cache)}")
@@ -156,7 +156,7 @@ def test_a_copy_in_a_git_tree_hits_only_when_its_code_cannot_see_where_it_is(tmp
     until_served(original, cache)
     copy = tmp_path / "b" / "clone"
     shutil.copytree(original, copy, ignore=shutil.ignore_patterns("out", "fresh", "__pycache__"))
-    manifest, pte, result = lower(copy, cache)
+    manifest, pte, _ = lower(copy, cache)
     assert served(manifest), explain(copy, cache)
     assert pte == fresh(copy, tmp_path)
 
