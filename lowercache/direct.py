@@ -26,14 +26,15 @@ import stat
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, TypeVar
 
+from . import startup, sweep
 from .cache.digests import digest, digest_json
 from .cache.store import Entry
 from .cache.toolchain import lowercache_digest, toolchain_parts
-from . import startup
 from .config import Settings, load_settings
 from .errors import LowercacheError
 from .lowering.targets import resolve
@@ -41,13 +42,14 @@ from .output import check_output_dir, write_files
 
 KIND = "direct"
 T = TypeVar("T")
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 # A file changed less than this before its stat was recorded may change again
 # without changing its timestamps (coarse file-system clocks): it is hashed.
 RACY_NS = 2_000_000_000
 # Variables native code reads at start-up (threads, CPU kernels, hash seed): recorded for every factory.
 NATIVE_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "ATEN_CPU_CAPABILITY", "PYTHONHASHSEED")
 _SYSTEM_DIRS = ("/proc/", "/sys/", "/dev/")
+_PYCACHE = os.sep + "__pycache__" + os.sep
 
 # Audit events after which no record can say what the factory read. Network use on a remote tier's
 # own call thread is the cache's traffic (its entries are checked like any other), not the code's.
@@ -88,14 +90,19 @@ def opens_to_write(args: tuple[Any, ...]) -> bool:
 
 
 def project_root(cwd: str) -> str:
-    """The git work tree holding ``cwd``, else ``cwd``: records name files relative to it, so a copy elsewhere hits."""
+    """The git work tree holding ``cwd``, else ``cwd``: records name files relative to it, so a copy elsewhere can hit."""
+    return work_tree(cwd) or cwd
+
+
+def work_tree(cwd: str) -> str | None:
+    """The git work tree holding ``cwd``, or None."""
     probe = cwd
     while True:
         if os.path.exists(os.path.join(probe, ".git")):
             return probe
         parent = os.path.dirname(probe)
         if parent == probe:
-            return cwd
+            return None
         probe = parent
 
 
@@ -145,6 +152,18 @@ def stat_key(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
 
+# What a stat shows besides kind and content, by what the caller observed: ``os.access`` the mode bits and owner,
+# ``os.stat``/``os.path.getmtime`` also the mtime. Kept only for paths a caller observed so (``Recorder.looked_at``).
+_META = {"mode": ("mode", "uid", "gid"), "meta": ("mode", "uid", "gid", "mtime_ns")}
+
+
+def stat_meta(st: os.stat_result, fields: Any) -> dict[str, int]:
+    """The observed stat ``fields`` (``mode``, ``uid``, ``gid``, ``mtime_ns``) of ``st``."""
+    if not set(fields) <= {"mode", "uid", "gid", "mtime_ns"}:
+        raise ValueError("bad stat field")
+    return {f: (stat.S_IMODE(st.st_mode) if f == "mode" else getattr(st, f"st_{f}")) for f in sorted(fields)}
+
+
 def _file_digest(path: str) -> str:
     with open(path, "rb") as f:
         return digest(f.read())
@@ -154,8 +173,12 @@ def _listing_digest(path: str) -> str:
     return digest_json(sorted(os.listdir(path)))
 
 
-def path_state(path: str, listing: bool = False) -> dict[str, Any]:
-    """What ``path`` is (file with its content digest, directory, missing), with its stat for a later fast check."""
+def path_state(path: str, listing: bool = False, meta: Any = (), hashed: bool = True) -> dict[str, Any]:
+    """What ``path`` is (file with its content digest, directory, missing), with its stat for a later fast check.
+
+    ``meta``: stat fields a caller observed (:func:`stat_meta`), kept to compare exactly. ``hashed``
+    false: a file's digest is left out (None), so only an unchanged stat proves it unchanged.
+    """
     try:
         st = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
@@ -165,10 +188,12 @@ def path_state(path: str, listing: bool = False) -> dict[str, Any]:
         if listing:
             state["digest"] = _listing_digest(path)
     elif stat.S_ISREG(st.st_mode):
-        state = {"kind": "file", "digest": _file_digest(path)}
+        state = {"kind": "file", "digest": _file_digest(path) if hashed else None}
     else:
         return {"kind": "other"}
     state["stat"] = stat_key(st)
+    if meta and state["kind"] == "file":  # a directory's mode and mtime are not kept (docs/direct-mode.md, Limits)
+        state["meta"] = stat_meta(st, meta)
     return state
 
 
@@ -220,11 +245,16 @@ def same_state(path: str, recorded: dict[str, Any], recorded_ns: int, listing: b
     kind = "dir" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else "other"
     if kind != recorded.get("kind") or kind == "other":
         return False
+    meta = recorded.get("meta")
+    if meta is not None and (not isinstance(meta, dict) or stat_meta(st, meta) != meta):
+        return False
     if kind == "dir" and not listing:
         return True
     old = recorded.get("stat")
     if old == stat_key(st) and max(st.st_mtime_ns, st.st_ctime_ns) < recorded_ns - RACY_NS:
         return True
+    if kind == "file" and recorded.get("digest") is None:
+        return False  # swept unhashed (too large to hash at record time): only its stat could prove it
     try:
         now = _listing_digest(path) if kind == "dir" else _file_digest(path)
     except OSError:
@@ -358,6 +388,15 @@ def parse_lower(args: list[str]) -> Request | None:
 
 
 _active: list["Recorder"] = []
+# lowercache's own threads (the progress display at a terminal), by identity: a factory's thread of the same name still counts.
+_own_threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+
+
+def own_thread(thread: threading.Thread) -> None:
+    """Mark a thread lowercache itself started while a recorder listens: no factory left it running."""
+    _own_threads.add(thread)
+
+
 _hooked = False
 # The environment as the process started (taken by serve() before anything else runs): torch sets
 # variables of its own at import, and a record must compare what the user's environment held.
@@ -377,6 +416,18 @@ def _run_ahead_unheard() -> bool:
     by the client: 7 ms it need not pay)."""
     unrecorded = getattr(sys.modules.get("lowercache.lowering.runahead"), "unrecorded", None)  # None while it is imported
     return unrecorded is not None and unrecorded()
+
+
+# This module and replay.py (whose recorder hands events on to this one's): frames of neither raised an event.
+_RECORDER_FILES = frozenset(os.path.join(os.path.dirname(os.path.abspath(__file__)), name) for name in ("direct.py", "replay.py"))
+
+
+def _event_caller() -> Any:
+    """The frame that raised the audit event being handled: the first outside the recorder's own modules."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename) in _RECORDER_FILES:
+        frame = frame.f_back
+    return frame
 
 
 def _abspath(path: Any) -> str | None:
@@ -440,7 +491,11 @@ class Recorder:
         self.scratch = (os.path.realpath(tempfile.gettempdir()) + os.sep, os.path.abspath(tempfile.gettempdir()) + os.sep)
         self.syspath = [self.places.ref(os.path.abspath(p or ".")) for p in sys.path]
         self.started_ns = time.time_ns()
-        self._threads = {t.name for t in threading.enumerate()}
+        self._threads = set(threading.enumerate())
+        self.meta: dict[str, set[str]] = {}  # path -> stat fields a caller observed (``looked_at``)
+        self.located: list[str] = []  # how the code observed where the project is (``observed_location``)
+        self.package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+        self.bytecode: dict[str, str] = {}  # source -> the .pyc that ran for it (``ran_bytecode``)
         self.initial_env = dict(initial_environ())
         self.stdlib = tuple(d + os.sep for d in _stdlib_dirs())
 
@@ -455,7 +510,7 @@ class Recorder:
     # re-export of a quantized MobileNetV2, and going through these checks took 1.2 us per event, where the hook's
     # membership test (``_heard``) takes 0.2 us.
     heard: ClassVar[frozenset[str]] = frozenset(
-        {"open", "os.listdir", "os.scandir", "import", "ctypes.dlopen", *_UNRECORDABLE, *_WRITES}
+        {"open", "os.listdir", "os.scandir", "import", "compile", "ctypes.dlopen", *_UNRECORDABLE, *_WRITES}
     )
 
     def event(self, event: str, args: tuple[Any, ...]) -> None:
@@ -463,12 +518,14 @@ class Recorder:
             path = _abspath(args[0])
             if path is None:
                 if isinstance(args[0], int) and args[0] > 2:
-                    self.refuse("opened a file descriptor")
+                    self.opened_fd(args[0])
                 return
             if opens_to_write(args):
                 self.wrote(path)
             elif self._user(path):
                 self.paths.add(path)
+            elif path.endswith(".pyc") and _PYCACHE in path and not path.startswith(self.covered):
+                self.ran_bytecode(path)
         elif event in ("os.listdir", "os.scandir"):
             self.listed(args, sys._getframe(2))  # frames: event, _audit, the caller of os.listdir
         elif event == "import":
@@ -483,10 +540,39 @@ class Recorder:
                 return
             for path in [_abspath(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]:
                 self.wrote(path or "?")
+        elif event == "compile":
+            self.compiled(args, _event_caller())
         elif event == "ctypes.dlopen" and isinstance(args[0], str) and os.sep in args[0]:
             path = os.path.abspath(args[0])
             if self._user(path):
                 self.paths.add(path)
+
+    def opened_fd(self, fd: int) -> None:
+        """``open(fd)``: importlib writes bytecode so (``_write_atomic``: ``os.open``, then ``FileIO(fd)``), a scratch write.
+
+        Any other descriptor (a pipe, a socket, a file of the user's) says nothing of what it reads: refused.
+        """
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if os.path.isabs(target) and _PYCACHE in target:
+            self.wrote(target)
+        else:
+            self.refuse("opened a file descriptor")
+
+    def ran_bytecode(self, pyc: str) -> None:
+        """A ``.pyc`` read stands for its source: a module run from it (``exec_module`` of a file outside
+        ``sys.modules``, ``torch.hub.load(source='local')``) stats its source but never opens it."""
+        import importlib.util
+
+        try:
+            source = importlib.util.source_from_cache(pyc)
+        except ValueError:
+            return
+        if self._user(source):
+            self.paths.add(source)
+            self.bytecode[source] = pyc
 
     def listed(self, args: tuple[Any, ...], caller: Any) -> None:
         """A directory listing made from frame ``caller``."""
@@ -509,15 +595,36 @@ class Recorder:
         if not scratch:
             self.refuse(f"wrote {path}")
 
-    def looked_at(self, path: Any) -> None:
-        """``os.stat`` and friends: whether a file exists can decide what the factory does."""
+    def looked_at(self, path: Any, how: str = "kind") -> None:
+        """``os.stat`` and friends: whether a file exists can decide what the factory does, and so can its
+        mode (``how`` ``mode``: ``os.access``) or mtime (``meta``: ``os.stat``, ``os.path.getmtime``)."""
         if type(path) is str:
-            if path in self._looked:
+            if (path, how) in self._looked:
                 return
-            self._looked.add(path)  # a relative path is the same file throughout: a change of directory is refused
+            self._looked.add((path, how))  # a relative path is the same file throughout: a change of directory is refused
         found = _abspath(path)
         if found is not None and self._user(found):
             self.paths.add(found)
+            if how != "kind":
+                self.meta.setdefault(found, set()).update(_META[how])
+
+    def observed_location(self, how: str, frame: Any) -> None:
+        """The code at ``frame`` learnt where the project is (``os.getcwd()``; ``how`` says how), unless it is
+        lowercache's or an installed library's: a record of it cannot answer in another directory."""
+        while frame is not None and frame.f_code.co_filename.startswith(("<frozen", *self.stdlib)):
+            frame = frame.f_back
+        if frame is None:
+            return
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if self._user(filename) and not filename.startswith(self.package) and how not in self.located:
+            self.located.append(how)
+
+    def compiled(self, args: tuple[Any, ...], frame: Any) -> None:
+        """``compile()`` of source text by the user's code (``exec``, ``eval``): read for what it observes of its location."""
+        if self.by_user(frame) and isinstance(args[0], (str, bytes)):
+            found = sweep.LOCATION_NAMES.search(args[0] if isinstance(args[0], bytes) else args[0].encode("utf-8", "replace"))
+            if found is not None:
+                self.observed_location(f"code it compiled names {found.group().decode()}", frame)
 
     def read_env(self, key: Any) -> None:
         """The variable's value as the process started: a value set since is derived from it and from recorded code."""
@@ -550,9 +657,9 @@ class Recorder:
         """Stop listening; a thread the window started and left running could read more, unseen."""
         if not self.paused:
             self.paused = True
-            started = {t.name for t in threading.enumerate()} - self._threads
+            started = [t for t in threading.enumerate() if t not in self._threads and t not in _own_threads]
             if started:
-                self.refuse(f"left a thread running ({sorted(started)[0]})")
+                self.refuse(f"left a thread running ({sorted(t.name for t in started)[0]})")
 
     def close(self) -> None:
         """Stop recording for good (after the export stage)."""
@@ -572,9 +679,22 @@ class Recorder:
                 files.add(origin)
                 if not bytecode_matches(module.__file__, getattr(module, "__cached__", None)):
                     self.refuse(f"ran bytecode that may be older than {origin} (saved twice in one second)")
+        for source, pyc in sorted(self.bytecode.items()):
+            if not bytecode_matches(source, pyc):
+                self.refuse(f"ran bytecode that may be older than {source} (saved twice in one second)")
+        root = self.places.anchors["root"]
+        swept, why = sweep.sweep(root, self.beside(), self.unswept(), self._user)
+        if why is not None:
+            self.refuse(why)
+        hashed = 0
         states = []
-        for path in sorted(files):
-            state = path_state(path)
+        for path in sorted(files | (set(swept) - self.written)):
+            if path in files:
+                state = path_state(path, meta=self.meta.get(path, ()))
+            else:  # swept: hashed while the total stays small, else proven unchanged by its stat only
+                size = _size(path)
+                hashed += size
+                state = path_state(path, hashed=hashed <= sweep.HASH_BYTES)
             if state["kind"] == "other":
                 self.refuse(f"read {path}, which is not a regular file")
             elif state["kind"] == "file" and max(state["stat"][1:3]) >= self.started_ns - RACY_NS // 40:
@@ -594,7 +714,35 @@ class Recorder:
             "lookups": self._lookups(),
             "syspath": self.syspath,
             "env": env,
+            "location": self.location(root, files),
         }
+
+    def beside(self) -> list[str]:
+        """Directories whose every file native code may read: the model file's."""
+        path = self.request.model if self.request.model.endswith(".pt2") else self.request.model.rpartition(":")[0]
+        return [os.path.dirname(os.path.join(self.request.cwd, path))] if path else []
+
+    def unswept(self) -> list[str]:
+        """Directories the sweep leaves out: the output directory (lowercache writes it) and the cache."""
+        return [os.path.join(self.request.cwd, self.request.out_dir), str(self.settings.cache_dir)]
+
+    def location(self, root: str, files: set[str]) -> dict[str, Any]:
+        """Where the record was made, and whether it may answer elsewhere (``portable``): only in a git work
+        tree, and only when no code it ran can have seen its directory (see ``sweep.LOCATION_NAMES``)."""
+        why = "" if work_tree(root) == root else "the working directory is not in a git work tree"
+        for path in sorted(files):
+            if why or self.located:
+                break
+            if path.endswith(".py") and not path.startswith(self.package):  # lowercache's own: the toolchain's
+                try:
+                    with open(path, "rb") as f:
+                        found = sweep.LOCATION_NAMES.search(f.read())
+                except OSError:
+                    found = None
+                if found is not None:
+                    why = f"{os.path.relpath(path, root)} names {found.group().decode()}"
+        why = why or (self.located[0] if self.located else "")
+        return {"root": root, "portable": not why, "why": why}
 
     def _lookups(self) -> list[list[Any]]:
         """For each module name looked up: what the user's search directories hold under that name (a new file may shadow it)."""
@@ -614,6 +762,13 @@ class Recorder:
                     listings[d] = _entries(d)
                 found.append([self.places.ref(os.path.abspath(d)), last, _named(listings[d], last)])
         return found
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def _matching(directory: str, name: str) -> list[str]:
@@ -684,16 +839,116 @@ def _install() -> None:
 
     cls.__getitem__, cls.__iter__, cls.__len__ = watched_getitem, watched_iter, watched_len
 
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(fn: Callable[..., Any], how: str) -> Callable[..., Any]:
         def watched(path: Any, *args: Any, **kwargs: Any) -> Any:
             if (recorder := _current()) is not None:
-                recorder.looked_at(path)
+                recorder.looked_at(path, _observed(sys._getframe(1), how))
             return fn(path, *args, **kwargs)
 
         return watched
 
-    for name in ("stat", "lstat", "access"):
-        setattr(os, name, wrap(getattr(os, name)))
+    for name, how in (("stat", "meta"), ("lstat", "meta"), ("access", "mode")):
+        setattr(os, name, wrap(getattr(os, name), how))
+
+    def located(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def watched() -> Any:
+            if (recorder := _current()) is not None:
+                recorder.observed_location("it called os.getcwd()", sys._getframe(1))
+            return fn()
+
+        return watched
+
+    os.getcwd, os.getcwdb = located(os.getcwd), located(os.getcwdb)
+    _watch_posix_environ()
+
+
+# Callers of ``os.stat`` that observe only what a path is (missing, file, directory), not its mode or mtime;
+# linecache's checks only decide whether to read a source again.
+_KIND_ONLY = frozenset({"exists", "lexists", "isfile", "isdir", "islink", "is_file", "is_dir", "is_symlink", "realpath",
+                        "checkcache", "updatecache"})
+
+
+def _observed(frame: Any, how: str) -> str:
+    """``kind`` when the standard-library function calling ``os.stat`` (or its caller) only tests what a path is, else ``how``."""
+    while frame is not None and frame.f_code.co_filename.startswith(("<frozen", *_stdlib_prefixes())):
+        if frame.f_code.co_name in _KIND_ONLY:
+            return "kind"
+        frame = frame.f_back
+    return how
+
+
+def _stdlib_prefixes() -> tuple[str, ...]:
+    return _active[-1].stdlib if _active else ()
+
+
+class _WatchedEnvironData(dict):  # type: ignore[type-arg]
+    """``posix.environ``: the bytes dict ``os.environ`` and ``os.environb`` keep their data in. Read from Python
+    (``posix.environ[b'X']``), it is a variable read; listed, the environment is. ``os``'s own use is its wrappers'."""
+
+    def __getitem__(self, key: Any) -> Any:
+        _raw(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        _raw(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: Any) -> bool:
+        _raw(key)
+        return super().__contains__(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        _raw()
+        return super().__iter__()
+
+    def keys(self) -> Any:
+        _raw()
+        return super().keys()
+
+    def items(self) -> Any:
+        _raw()
+        return super().items()
+
+    def values(self) -> Any:
+        _raw()
+        return super().values()
+
+    def copy(self) -> dict[Any, Any]:
+        _raw()
+        return dict(super().items())
+
+    def __len__(self) -> int:
+        _raw()
+        return super().__len__()
+
+
+_LISTED = object()
+
+
+def _raw(key: Any = _LISTED) -> None:
+    """A read of ``posix.environ[key]`` (without ``key``: a listing of it) by the frame calling its method."""
+    if (recorder := _current()) is None:
+        return
+    frame = sys._getframe(2)
+    if frame.f_code.co_filename == "<frozen os>":
+        return
+    if key is _LISTED:
+        recorder.listed_env(frame)
+    else:
+        recorder.read_env(key)
+
+
+def _watch_posix_environ() -> None:
+    """Put :class:`_WatchedEnvironData` in place of ``posix.environ``, as the one dict ``os.environ`` and ``os.environb`` share."""
+    import posix
+
+    data = getattr(os.environ, "_data", None)
+    if type(data) is not dict or data is not getattr(posix, "environ", None) or getattr(os.environb, "_data", None) is not data:
+        return
+    watched = _WatchedEnvironData(data)
+    os.environ._data = watched  # type: ignore[attr-defined]
+    os.environb._data = watched  # type: ignore[attr-defined]
+    posix.environ = watched  # type: ignore[attr-defined]
 
 
 def listen(recorder: Recorder) -> None:
@@ -884,6 +1139,9 @@ def inputs_changed(inputs: dict[str, Any], places: Places, recorded_ns: int, cwd
 
     Shared by ``lower``'s records and ``lowercache run``'s command records (``replay.py``).
     """
+    location = inputs["location"]
+    if location["root"] != places.anchors["root"] and not location["portable"]:
+        return f"the project is in another directory than the record's ({location['root']}), and {location['why']}"
     for name, value in inputs["env"].items():
         if name == "<listed>":
             if value != digest_json(sorted(environ)):
@@ -922,6 +1180,10 @@ def check_inputs(inputs: Any) -> None:
         isinstance(inputs, dict)
         and all(isinstance(inputs.get(k), list) for k in ("files", "listings", "lookups", "syspath"))
         and isinstance(inputs.get("env"), dict)
+        and isinstance(inputs.get("location"), dict)
+        and isinstance(inputs["location"].get("root"), str)
+        and isinstance(inputs["location"].get("portable"), bool)
+        and isinstance(inputs["location"].get("why"), str)
         and all(isinstance(s, list) and len(s) == 2 and isinstance(s[1], dict) for s in inputs["files"] + inputs["listings"])
         and all(isinstance(s, list) and len(s) == 3 and isinstance(s[1], str) and isinstance(s[2], list) for s in inputs["lookups"])
     ):
@@ -1102,4 +1364,10 @@ def recorded_files(model: str, target: str, per_tensor: bool, calibration: str |
 def explain(store: Any, model: str, target: str) -> list[str]:
     """What direct mode did with the latest ``lower`` of MODEL on a target, and why."""
     request = Request(model=model, target=target, out_dir="")
-    return status_lines(store, lambda which: _status_name(request, which), "direct mode, ") or ["direct mode: no record of this model yet"]
+    lines = status_lines(store, lambda which: _status_name(request, which), "direct mode, ") or ["direct mode: no record of this model yet"]
+    return [*lines, f"direct mode {UNSEEN}"]
+
+
+# What no record sees, said by ``explain`` (docs/direct-mode.md, Limits).
+UNSEEN = ("cannot see: files native code reads outside the project tree, or inside it away from the model with a suffix "
+          "the sweep does not know; variables C code reads itself; a directory's mode or mtime")

@@ -41,6 +41,7 @@ from .client import exec_through_server
 from .cache.store import Entry
 from .config import Settings, load_settings
 from .direct import (
+    UNSEEN,
     Places,
     Recorder,
     check_inputs,
@@ -59,12 +60,14 @@ from .errors import LowercacheError
 KIND = "run"
 # On the wrapped command's PYTHONPATH: its sitecustomize starts the recorder and the Arm hooks (runhook.py).
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run")
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 # Handed to the wrapped process only (it removes them before the script runs).
 ENV_RECORD = "LOWERCACHE_RUN_RECORD"
 ENV_OUT = "LOWERCACHE_RUN_OUT"
 # Output kept per stream; a command printing more is run every time.
 MAX_STREAM = 64 * 2**20
+# Variables the interpreter's start builds ``sys.path`` from (with the script's directory, in the record's key).
+_PATH_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONUSERBASE", "PYTHONNOUSERSITE", "PYTHONPLATLIBDIR")
 _STDIN_READS = frozenset({"read", "readline", "readlines", "buffer", "readinto", "detach", "__next__"})
 
 
@@ -133,6 +136,14 @@ class CommandRecorder(Recorder):
         if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)) and not opens_to_write(args):
             self.opened.add(os.path.abspath(os.fsdecode(args[0])))
         super().event(event, args)
+
+    def beside(self) -> list[str]:
+        """The script's directory: data files beside it are what native code most likely reads."""
+        script = getattr(sys.modules.get("__main__"), "__file__", None)
+        return [os.path.dirname(os.path.abspath(script))] if isinstance(script, str) else []
+
+    def unswept(self) -> list[str]:
+        return [self.cache]
 
     def remade(self, path: str) -> None:
         if (path + os.sep).startswith(self.allowed):
@@ -208,6 +219,13 @@ def record_in_process(at_exit: bool = True, warm: dict[str, Any] | None = None) 
         recorder.lookups.update(warm["lookups"])
         for name in warm["env"]:
             recorder.read_env(name)
+    for name in _PATH_ENV:  # they make sys.path, which decides what every import finds
+        recorder.read_env(name)
+    import site
+
+    if site.ENABLE_USER_SITE:  # the user's site-packages, found through HOME
+        recorder.read_env("HOME")
+        recorder.looked_at(site.getusersitepackages())
     listen(recorder)
     if sys.stdin is not None:
         sys.stdin = _WatchedStdin(sys.stdin, recorder)
@@ -241,7 +259,8 @@ def _set_status(store: Any, command: Command, which: str, outcome: str, reason: 
 
 def explain(store: Any, command: Command) -> list[str]:
     """What the latest ``lowercache run`` of this command did with its record, and why."""
-    return status_lines(store, lambda which: _status_name(command, which)) or ["no record of this command yet"]
+    lines = status_lines(store, lambda which: _status_name(command, which)) or ["no record of this command yet"]
+    return [*lines, f"replay {UNSEEN}"]
 
 
 def _load(store: Any, command: Command) -> Entry | None:

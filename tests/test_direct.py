@@ -52,6 +52,9 @@ def model():
     return net.eval(), (torch.randn(1, 3, 8, 8),)
 '''
 
+# The same model with nothing that tells it where it is (no ``__file__``): a record of it may answer in a copy.
+PORTABLE_MODEL = MODEL.replace("os.path.dirname(os.path.abspath(__file__))", '"."').replace('os.path.join(".", "weights.pt")', '"weights.pt"')
+
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
@@ -70,12 +73,16 @@ def make_project(root: Path, offset: str = "0.0", seed: int = 1, model: str = MO
     return root
 
 
-def lower(project: Path, cache_dir: Path, *extra: str, env: dict[str, str] | None = None, out: str = "out"):
+def cli_env(cache_dir: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a test's CLI process gets: the test's settings, its cache, one thread, then ``env``."""
     base = {k: v for k, v in BASE_ENV.items() if not k.startswith(("LOWERCACHE_", "XDG_"))}
-    full_env = {**base, **_isolated(), "LOWERCACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1", **(env or {})}
+    return {**base, **_isolated(), "LOWERCACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1", **(env or {})}
+
+
+def lower(project: Path, cache_dir: Path, *extra: str, env: dict[str, str] | None = None, out: str = "out"):
     result = subprocess.run(
         [sys.executable, "-m", "lowercache.cli", "lower", "model.py:model", "-t", TARGET, "-o", out, *extra],
-        capture_output=True, text=True, cwd=project, env=full_env, timeout=900,
+        capture_output=True, text=True, cwd=project, env=cli_env(cache_dir, env), timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((project / out / "manifest.json").read_text())
@@ -216,7 +223,7 @@ def test_a_corrupt_record_or_flow_entry_falls_back_to_a_normal_lowering(tmp_path
 
 def test_the_remote_tier_serves_a_record_to_an_empty_cache_in_another_directory(tmp_path, redis_url):
     env = {"LOWERCACHE_REMOTE": redis_url, "LOWERCACHE_HMAC_KEY": "direct-test-key"}
-    first = make_project(tmp_path / "a" / "proj")
+    first = make_project(tmp_path / "a" / "proj", model=PORTABLE_MODEL)
     normal = confirmed(first, tmp_path / "cache-a", env)
     elsewhere = tmp_path / "b" / "checkout"
     shutil.copytree(first, elsewhere, ignore=shutil.ignore_patterns("out", "__pycache__"))

@@ -51,8 +51,9 @@ def _explain(project, cache_dir, *args) -> str:
     return _run(project, cache_dir, *args, explain=True).stdout.decode()
 
 
-def _plain(project, *args):
-    return subprocess.run([sys.executable, "script.py", *args], cwd=project, capture_output=True, timeout=120)
+def _plain(project, *args, env=None):
+    return subprocess.run([sys.executable, "script.py", *args], cwd=project, capture_output=True, env={**os.environ, **(env or {})},
+                          timeout=120)
 
 
 def test_an_unchanged_command_is_replayed_with_its_files_and_output(tmp_path, cache_dir):

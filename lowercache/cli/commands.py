@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Iterator, List, Optional
 
@@ -249,7 +250,13 @@ def _progress() -> Iterator[Any]:
         return
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    from .. import direct
+
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True) as progress:
+        refresh = getattr(progress.live, "_refresh_thread", None)  # rich's redraw thread: ours, not the factory's
+        if isinstance(refresh, threading.Thread):
+            refresh.name = "lowercache-progress"
+            direct.own_thread(refresh)
         task = progress.add_task("loading", total=None)
 
         def live(phase: str, record: Any, label: str) -> None:

@@ -1,0 +1,83 @@
+"""What a record cannot hear, made part of it where it can be: files native code may read, and code that sees its location.
+
+No audit event fires when C, C++ or Rust code opens a file
+(``safetensors.torch.load_file``, ``torch.from_file``, a native tokenizer).
+So a record (``direct.Recorder``) also keeps the state of every file in the
+project tree that such code commonly reads (weights, arrays, exported
+graphs) and of every file beside the model, as git's index does: by stat,
+hashed only when the stat is in doubt. The sweep is bounded; past a bound
+the record is not trusted, and ``explain`` says why.
+
+A record answers in another directory (a copy, a second clone through the
+remote tier) only when the code cannot have seen where it runs: a source
+that names ``__file__`` or a call of ``os.getcwd()`` ties it to its
+directory (:data:`LOCATION_NAMES`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Callable
+
+# Suffixes of files native code commonly reads itself: weights, arrays, exported graphs, other frameworks' models.
+NATIVE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npy", ".npz", ".onnx", ".tflite", ".pb", ".h5",
+                   ".gguf", ".msgpack", ".data", ".raw", ".dat")
+MAX_FILES = 2000  # files a record keeps (each is stat'ed on every hit)
+MAX_ENTRIES = 100_000  # directory entries the sweep looks at
+MAX_SECONDS = 1.0  # time the sweep may take at record time
+HASH_BYTES = 1 << 30  # content hashed at record time up to this total; larger trees are proven unchanged by stat only
+_SKIPPED_DIRS = frozenset({".git", "__pycache__"})
+
+# Names in source text through which code can learn where it runs. Conservative by design: a name in a comment
+# counts too, and only makes the record answer in its own directory.
+LOCATION_NAMES = re.compile(
+    rb"__file__|__cached__|__spec__|__path__|getcwd|\bcwd\b|_getframe|currentframe|co_filename|getsourcefile|getabsfile"
+    rb"|inspect\.getfile|inspect\.stack|extract_stack"
+)
+
+
+def sweep(root: str, beside: list[str], skip: list[str], user: Callable[[str], bool]) -> tuple[list[str], str | None]:
+    """Files under ``root`` with a :data:`NATIVE_SUFFIXES` suffix, and every file (but Python sources) in ``beside``.
+
+    ``skip``: directories left out (the output, the cache); ``user``: whether a path is the user's (not
+    site-packages, not the standard library). Returns the paths, and why none can be trusted when a bound
+    (:data:`MAX_FILES`, :data:`MAX_ENTRIES`, :data:`MAX_SECONDS`) was passed (None otherwise).
+    """
+    deadline = time.monotonic() + MAX_SECONDS
+    skipped = tuple(os.path.join(os.path.abspath(d), "") for d in skip)
+    found: set[str] = set()
+    for directory in beside:
+        for entry in _entries(directory):
+            if entry.is_file() and not entry.name.endswith((".py", ".pyc")) and not (entry.path + os.sep).startswith(skipped):
+                found.add(entry.path)
+    pending, seen = [root], 0
+    while pending:
+        directory = pending.pop()
+        entries = _entries(directory)
+        names = {e.name for e in entries}
+        if "pyvenv.cfg" in names or {"manifest.json", "model.pte"} <= names:
+            continue  # a virtual environment (covered by the toolchain's identity), or a lowering's output directory
+        for entry in entries:
+            seen += 1
+            if (entry.path + os.sep).startswith(skipped) or not user(entry.path + os.sep):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                if entry.name not in _SKIPPED_DIRS:
+                    pending.append(entry.path)
+            elif entry.name.lower().endswith(NATIVE_SUFFIXES) and entry.is_file():
+                found.add(entry.path)
+        if len(found) > MAX_FILES:
+            return [], f"is in a project with more than {MAX_FILES} data files (weights and the like) native code could read unseen"
+        if seen > MAX_ENTRIES or time.monotonic() > deadline:
+            return [], f"is in a project too large to sweep for data files native code could read (over {MAX_ENTRIES} entries or {MAX_SECONDS:g} s)"
+    return sorted(found), None
+
+
+def _entries(directory: str) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(directory) as it:
+            return list(it)
+    except OSError:
+        return []
