@@ -43,6 +43,8 @@ def test_the_first_lower_says_it_starts_the_server_and_shows_progress_from_it(ow
     starting = shown.find("starting the lowering server")
     table = shown.find("lowercache steps")
     assert 0 <= starting < table, shown[:2000]
-    # the spinner, drawn by the server's child on the client's terminal, names the stages as they run
-    assert "quantize: ethos-u55-128" in shown[starting:table], shown[starting:table][:2000]
+    # the spinner, drawn by the server's child on the client's terminal, names the stages as they run (a stage shorter
+    # than one refresh may be skipped: any of them shows it drew)
+    between = shown[starting:table]
+    assert any(stage in between for stage in ("export", "quantize:", "to_edge", "tosa: partition", "vela: partition")), between[:2000]
     assert server.status()  # it went through the server
