@@ -281,6 +281,8 @@ class Request:
     remote: str | None = None
     no_direct: bool = False
     as_json: bool = False
+    system_config: str | None = None
+    memory_mode: str | None = None
     cwd: str = field(default_factory=os.getcwd)
 
     @property
@@ -297,6 +299,7 @@ class Request:
                 "target": self.target,
                 "per_tensor": self.per_tensor,
                 "calibration": self.calibration,
+                "vela": [self.system_config, self.memory_mode],
             }
         )
 
@@ -317,7 +320,8 @@ class Request:
 
 
 _VALUE_OPTIONS = {"--target": "target", "-t": "target", "--out": "out_dir", "-o": "out_dir", "--cache-dir": "cache_dir",
-                  "--calibration": "calibration", "--remote": "remote"}
+                  "--calibration": "calibration", "--remote": "remote", "--system-config": "system_config",
+                  "--memory-mode": "memory_mode"}
 _FLAG_OPTIONS = {"--no-cache": "no_cache", "--per-tensor": "per_tensor", "--no-direct": "no_direct", "--json": "as_json",
                  "--no-server": None}
 
@@ -704,12 +708,14 @@ def listen(recorder: Recorder) -> None:
     _active[:] = [recorder]
 
 
-def start(model: str, target: str, out_dir: Any, per_tensor: bool, calibration: Any, settings: Settings) -> Recorder | None:
+def start(model: str, target: str, out_dir: Any, per_tensor: bool, calibration: Any, settings: Settings,
+          system_config: str | None = None, memory_mode: str | None = None) -> Recorder | None:
     """A (paused) recorder for this ``lower`` run, or None when direct mode is off or nothing could be stored."""
     if not settings.direct or settings.disable or settings.read_only:
         return None
     request = Request(model=model, target=target, out_dir=str(out_dir), per_tensor=per_tensor,
-                      calibration=str(calibration) if calibration is not None else None)
+                      calibration=str(calibration) if calibration is not None else None,
+                      system_config=system_config, memory_mode=memory_mode)
     recorder = Recorder(request, settings)
     listen(recorder)  # one lowering at a time; a failed run's recorder is dropped
     if calibration is not None:
@@ -1062,7 +1068,8 @@ def _report(request: Request, manifest: dict[str, Any], written: list[Path], sec
 # -- what a record names (``lowercache watch`` polls it) ----------------------------------------------
 
 
-def recorded_files(model: str, target: str, per_tensor: bool, calibration: str | None, settings: Settings) -> list[str]:
+def recorded_files(model: str, target: str, per_tensor: bool, calibration: str | None, settings: Settings,
+                   system_config: str | None = None, memory_mode: str | None = None) -> list[str]:
     """The files the latest record of this ``lower`` says its factory read, outside site-packages and lowercache.
 
     That is the model file, the project's modules it imported and the files
@@ -1072,7 +1079,8 @@ def recorded_files(model: str, target: str, per_tensor: bool, calibration: str |
     """
     from .cache.tiers import open_store
 
-    request = Request(model=model, target=target, out_dir="", per_tensor=per_tensor, calibration=calibration)
+    request = Request(model=model, target=target, out_dir="", per_tensor=per_tensor, calibration=calibration,
+                      system_config=system_config, memory_mode=memory_mode)
     try:
         store = open_store(settings)
     except LowercacheError:

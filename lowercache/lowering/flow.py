@@ -79,12 +79,13 @@ def target_spec_digest(target: Target, store: Store | None) -> str:
     """Digest of the target's compile spec, memoized per toolchain in the store.
 
     Building a compile spec imports the Arm backend (seconds); the spec is a
-    pure function of the target name and the backend's sources, which the
+    pure function of the target name, Vela's options and the backend's sources, which the
     toolchain digest covers, so a warm run need not import it. A tiered store
     shares the memo through its remote, so a remote hit need not either; a
     remembered value that is not a digest is ignored.
     """
-    name = f"memo/compile_spec/{target.name}/{digest_json(toolchain_parts())}"
+    options = digest_json([target.name, target.system_config, target.memory_mode])  # each Vela option its own spec
+    name = f"memo/compile_spec/{target.name}/{options}/{digest_json(toolchain_parts())}"
     remembered = store.get_record(name) if store is not None else None
     if isinstance(remembered, str) and re.fullmatch(r"[0-9a-f]{32}", remembered):
         return remembered
@@ -113,6 +114,9 @@ def flow_parts(
         return None
     parts["quantizer"] = target.quantization_config
     parts["target"] = target.name
+    # Vela's options: in the compile spec (so the .pte's delegate specs and Vela's flags), not in the TOSA step's
+    parts["system_config"] = target.system_config or "default"
+    parts["memory_mode"] = target.memory_mode or "default"
     parts["compile_spec"] = target_spec_digest(target, store)
     parts["pass_insertions"] = insertions
     parts["flow"] = FLOW_VERSION
