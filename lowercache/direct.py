@@ -33,7 +33,7 @@ from typing import Any, Callable, ClassVar, Iterator, TypeVar
 from .cache.digests import digest, digest_json
 from .cache.store import Entry
 from .cache.toolchain import toolchain_parts
-from . import startup
+from . import delegation, startup
 from .config import Settings, load_settings
 from .errors import LowercacheError
 from .lowering.targets import resolve
@@ -1033,6 +1033,7 @@ def _manifest(record: dict[str, Any], flow: Entry, tier: str, seconds: float) ->
         "passes": [],
         "files": {name: {"size": len(data), "xxh3_128": digest(data)} for name, data in sorted(flow.blobs.items())},
         "direct": {"outcome": "hit", "torch_imported": "torch" in sys.modules},
+        **({"delegation": flow.meta["delegation"]} if "delegation" in flow.meta else {}),
     }
 
 
@@ -1048,6 +1049,9 @@ def _count(store: Any, request: Request, record: dict[str, Any], flow: Entry, se
 
 def _report(request: Request, manifest: dict[str, Any], written: list[Path], seconds: float) -> None:
     print(f"lowercache: direct mode: served from the record, no factory run ({seconds:.2f}s)", file=sys.stderr)
+    said = delegation.line(manifest.get("delegation"))
+    if said is not None:
+        print(f"lowercache: {said}", file=sys.stderr)
     if request.as_json:
         summary = {
             "model": manifest.get("model"),
@@ -1059,6 +1063,7 @@ def _report(request: Request, manifest: dict[str, Any], written: list[Path], sec
             "seconds": round(seconds, 4),
             "saved_seconds": manifest["steps"][0]["saved"],
             "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
+            **delegation.json_part(manifest.get("delegation")),
         }
         print(json.dumps(summary, indent=2, sort_keys=True))
     else:

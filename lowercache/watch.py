@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from . import direct, estimates
+from . import delegation, direct, estimates
 from .config import Settings
 from .errors import LowercacheError
 from .lowering.targets import resolve
@@ -263,6 +263,9 @@ def run(plan: Plan, runner: Runner, settings: Settings, emit: Callable[[str], No
                             emit(f"  {line}")
                         continue
                     emit(f"  {report(outcome, plan.out_for(target))}")
+                    said = delegation.line((outcome.summary or {}).get("delegation"))
+                    if said is not None:
+                        emit(f"  {said}")
                     estimate = estimates.read(plan.out_for(target), target)
                     if estimate is not None:
                         before = previous.get(target)

@@ -26,6 +26,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .. import delegation
 from ..errors import LowercacheError
 
 app = typer.Typer(
@@ -198,6 +199,7 @@ def lower(
     except Exception as e:  # a failure inside torch.export or ExecuTorch
         _fail_lowering(e)
     _print_summary(artifacts.records, artifacts.stages)
+    _print_delegation(artifacts.delegation)
     if as_json:
         print(json.dumps(_run_summary(artifacts, written, out_dir), indent=2, sort_keys=True))
     else:
@@ -241,7 +243,14 @@ def _run_summary(artifacts: Any, written: list[Path], out_dir: Path) -> dict[str
         "seconds": round(sum(artifacts.stages.values()), 4),
         "saved_seconds": round(sum(r["saved"] for r in artifacts.records if r["outcome"] == "hit"), 4),
         "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
+        **delegation.json_part(artifacts.delegation),
     }
+
+
+def _print_delegation(section: Optional[dict[str, Any]]) -> None:
+    said = delegation.line(section)
+    if said is not None:
+        err.print(f"lowercache: {said}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _print_summary(records: list[dict], stages: dict[str, float]) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import arm, partitionorder, quantize
+from .. import delegation as delegation_report
 from ..speedups import fastcopy, registry, retrace
 from ..speedups.gcfreeze import frozen_heap
 from ..cache.hashing import Unhashable, digest, digest_json, inputs_digest, program_parts
@@ -45,6 +46,7 @@ class Artifacts:
     stages: dict[str, float] = field(default_factory=dict)
     manifest: dict[str, Any] = field(default_factory=dict)
     nodes: dict[str, int] = field(default_factory=dict)  # retraced vs copied in ExportPass retraces, and fast copies
+    delegation: dict[str, Any] | None = None  # what runs outside the delegate (lowercache/delegation.py)
 
     @property
     def pte(self) -> bytes:
@@ -133,13 +135,15 @@ def run_stock(
     session: Session | None = None,
     parts: dict[str, str] | None = None,
     partition_orders: list[list[str]] | None = None,
+    delegation: list[dict[str, Any]] | None = None,
 ) -> bytes:
     """The stock ExecuTorch flow from an exported program; returns the .pte bytes.
 
     With a ``session``, the quantization stage runs as its cached step
     (``quantize.py``, keyed by the flow's ``parts``); without, it is the stock code.
     ``partition_orders`` collects the order the partitions were lowered in
-    (see ``partitionorder.py``).
+    (see ``partitionorder.py``); ``delegation`` what the edge program runs
+    outside its delegates, read before ``to_executorch`` (which it does not change).
     """
     from executorch.exir import to_edge_transform_and_lower
 
@@ -158,6 +162,8 @@ def run_stock(
     if partition_orders is not None:
         partitionorder.record_order(partitioner, partition_orders)
     edge = run("to_edge", lambda: to_edge_transform_and_lower(program, partitioner=[partitioner]))
+    if delegation is not None:
+        delegation.append(delegation_report.summarize(edge.exported_program().graph_module))
     return run("to_executorch", lambda: edge.to_executorch().buffer)
 
 
@@ -178,12 +184,16 @@ def lower_program(
     def compute() -> Entry:
         # Hooks only around the computation: installing them imports the Arm
         # backend (seconds), which a hit does not need.
+        found: list[dict[str, Any]] = []
         with arm.hooks(), activate(session):
             before = {k: len(session.outputs.get(k, [])) for k in ("tosa", "vela")}
-            pte = run_stock(program, target, example_inputs, calibration, stages, session, parts)
+            pte = run_stock(program, target, example_inputs, calibration, stages, session, parts, delegation=found)
         blobs = {"model.pte": bytes(pte)}
+        tensor_modules = []
         for i, entry in enumerate(session.outputs.get("tosa", [])[before["tosa"] :]):
             blobs[f"partition_{i}.tosa"] = entry.blobs["tosa"]
+            tensor_modules.append(entry.meta.get("tensor_modules", {}))
+        summary = {**found[0], "kernels": delegation_report.kernels(blobs["model.pte"]), "tensor_modules": tensor_modules}
         for i, entry in enumerate(session.outputs.get("vela", [])[before["vela"] :]):
             for name, data in entry.blobs.items():
                 if name == "command_stream":
@@ -192,7 +202,7 @@ def lower_program(
                     blobs[f"partition_{i}.vela_summary.txt"] = data
                 elif name.startswith("output/"):
                     blobs[f"partition_{i}.vela_{name[len('output/'):]}"] = data
-        return Entry(blobs=blobs)
+        return Entry(meta={"delegation": summary}, blobs=blobs)
 
     retrace.reset_stats()
     fastcopy.reset_stats()
@@ -204,6 +214,7 @@ def lower_program(
         parts=parts or {},
         stages=stages.seconds,
         nodes={"retraced": counts["redispatched"], "copied": counts["reused"], "copied_fast": fastcopy.stats()["copied"]},
+        delegation=entry.meta.get("delegation"),
     )
 
 
@@ -240,4 +251,5 @@ def manifest(artifacts: Artifacts, target: Target, model: str) -> dict[str, Any]
             if r["kind"] == "pass"
         ],
         "files": {name: {"size": len(data), "xxh3_128": digest(data)} for name, data in sorted(artifacts.files.items())},
+        **({"delegation": artifacts.delegation} if artifacts.delegation is not None else {}),
     }
