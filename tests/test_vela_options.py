@@ -122,3 +122,12 @@ def test_build_file_takes_them_per_model_and_checks_them(tmp_path):
     """))
     with pytest.raises(LowercacheError, match="models.kws: --memory-mode applies to Ethos-U targets only"):
         buildfile.load(tmp_path / "lowercache.toml")
+
+
+def test_verify_checks_the_record_of_its_own_setting(tmp_path, cache_dir):
+    """A confirmed record of the default setting must not answer verify --memory-mode Sram_Only (it would mismatch)."""
+    for _ in range(2):
+        assert cli("lower", TINY, "-t", "ethos-u55-128", "-o", tmp_path / "out", cache_dir=cache_dir).returncode == 0
+    run = cli("verify", TINY, "-t", "ethos-u55-128", "--memory-mode", "Sram_Only", "--no-server", cache_dir=cache_dir)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "direct record: none answers (no record)" in run.stdout, run.stdout
