@@ -150,3 +150,13 @@ def test_inserted_layers_take_their_neighbours_module_and_renamed_tensors_still_
 ])
 def test_the_line(section, said):
     assert delegation.line(section) == said
+
+
+def test_watch_says_what_falls_back_and_names_layers_by_module(tmp_path, cache_dir):
+    _sort_model(tmp_path)
+    run = cli("watch", "sorting.py:model", "-t", TARGET, "-o", "out", "--no-server", "--max-runs", "1", cache_dir=cache_dir, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert LINE.removeprefix("lowercache: ") in run.stdout, run.stdout
+    layer_lines = [line for line in run.stdout.splitlines() if line.strip().startswith("layers")]
+    assert layer_lines and all("tosa_" not in line for line in layer_lines), run.stdout
+    assert any("features.3.conv Conv2D" in line for line in layer_lines), run.stdout
