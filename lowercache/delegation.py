@@ -75,6 +75,7 @@ def json_part(section: Optional[dict[str, Any]]) -> dict[str, Any]:
 
 
 def is_conversion(op: str) -> bool:
+    """A quantize/dequantize at a delegate's edge: the quantized flow puts them around every delegate, so not a fallback."""
     return op.rpartition(".")[0] in _CONVERSIONS
 
 
