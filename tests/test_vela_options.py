@@ -131,3 +131,19 @@ def test_verify_checks_the_record_of_its_own_setting(tmp_path, cache_dir):
     run = cli("verify", TINY, "-t", "ethos-u55-128", "--memory-mode", "Sram_Only", "--no-server", cache_dir=cache_dir)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "direct record: none answers (no record)" in run.stdout, run.stdout
+
+
+def test_system_configs_are_served_each_their_own_files(tmp_path, cache_dir):
+    fresh = {}
+    for config in ("Ethos_U55_High_End_Embedded", "Ethos_U55_Deep_Embedded"):
+        out = tmp_path / f"fresh-{config}"
+        run = cli("lower", TINY, "-t", "ethos-u55-128", "-o", out, "--system-config", config, "--no-cache", "--no-server",
+                  cache_dir=cache_dir)
+        assert run.returncode == 0, run.stderr
+        fresh[config] = _files(out)
+        served = tmp_path / config
+        assert cli("lower", TINY, "-t", "ethos-u55-128", "-o", served, "--system-config", config, cache_dir=cache_dir).returncode == 0
+        assert _files(served) == fresh[config]
+    assert fresh["Ethos_U55_High_End_Embedded"] != fresh["Ethos_U55_Deep_Embedded"]
+    assert "partition_0.vela_out_summary_Ethos_U55_Deep_Embedded.csv" in fresh["Ethos_U55_Deep_Embedded"]
+    assert _outcomes(tmp_path / "Ethos_U55_Deep_Embedded", "flow") == ["miss"]
