@@ -304,10 +304,10 @@ def verify(
         settings = _settings(cache_dir, disable=False, remote=remote)
         if no_server:
             settings = dataclasses.replace(settings, server=False)
+        resolve(target, **vela)
         loaded = loading.load_model(model)
         samples = loading.load_calibration(str(calibration)) if calibration is not None else None
         reference: list = []
-        resolve(target, **vela)
         mismatches = run_verify(loaded, target, settings, calibration=samples, reference=reference, **vela)
         more, checked = served_now(model, target, settings, reference[0], str(calibration) if calibration else None, args, environ, **vela)
         mismatches += more
