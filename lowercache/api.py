@@ -43,13 +43,16 @@ def lower(
     name: str | None = None,
     listener: Listener | None = None,
     settings: Settings | None = None,
+    system_config: str | None = None,
+    memory_mode: str | None = None,
 ) -> Artifacts:
     """Lower ``model`` for ``target`` as the stock ExecuTorch Arm flow would, from cache when possible.
 
-    ``per_channel=False`` quantizes weights per tensor. ``name`` identifies the model in run history (``lowercache explain``);
+    ``per_channel=False`` quantizes weights per tensor. ``system_config`` and ``memory_mode`` choose Vela's
+    (Ethos-U targets; default: ExecuTorch's for the target). ``name`` identifies the model in run history (``lowercache explain``);
     it defaults to the module's class name.
     """
-    resolved = resolve(target, per_channel)
+    resolved = resolve(target, per_channel, system_config, memory_mode)
     settings = settings or load_settings(cache_dir=cache_dir, disable=None if use_cache else True)
     registry.select(settings.speedups)
     if isinstance(model, torch.export.ExportedProgram):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, TypeVar
 
-from . import startup, sweep
+from . import delegation, startup, sweep
 from .cache.digests import digest, digest_json
 from .cache.store import Entry
 from .cache.toolchain import lowercache_digest, toolchain_parts
@@ -311,6 +311,8 @@ class Request:
     remote: str | None = None
     no_direct: bool = False
     as_json: bool = False
+    system_config: str | None = None
+    memory_mode: str | None = None
     cwd: str = field(default_factory=os.getcwd)
 
     @property
@@ -327,6 +329,7 @@ class Request:
                 "target": self.target,
                 "per_tensor": self.per_tensor,
                 "calibration": self.calibration,
+                "vela": [self.system_config, self.memory_mode],
             }
         )
 
@@ -347,7 +350,8 @@ class Request:
 
 
 _VALUE_OPTIONS = {"--target": "target", "-t": "target", "--out": "out_dir", "-o": "out_dir", "--cache-dir": "cache_dir",
-                  "--calibration": "calibration", "--remote": "remote"}
+                  "--calibration": "calibration", "--remote": "remote", "--system-config": "system_config",
+                  "--memory-mode": "memory_mode"}
 _FLAG_OPTIONS = {"--no-cache": "no_cache", "--per-tensor": "per_tensor", "--no-direct": "no_direct", "--json": "as_json",
                  "--no-server": None}
 
@@ -960,12 +964,14 @@ def listen(recorder: Recorder) -> None:
     _active[:] = [recorder]
 
 
-def start(model: str, target: str, out_dir: Any, per_tensor: bool, calibration: Any, settings: Settings) -> Recorder | None:
+def start(model: str, target: str, out_dir: Any, per_tensor: bool, calibration: Any, settings: Settings,
+          system_config: str | None = None, memory_mode: str | None = None) -> Recorder | None:
     """A (paused) recorder for this ``lower`` run, or None when direct mode is off or nothing could be stored."""
     if not settings.direct or settings.disable or settings.read_only:
         return None
     request = Request(model=model, target=target, out_dir=str(out_dir), per_tensor=per_tensor,
-                      calibration=str(calibration) if calibration is not None else None)
+                      calibration=str(calibration) if calibration is not None else None,
+                      system_config=system_config, memory_mode=memory_mode)
     recorder = Recorder(request, settings)
     listen(recorder)  # one lowering at a time; a failed run's recorder is dropped
     if calibration is not None:
@@ -1290,6 +1296,7 @@ def _manifest(record: dict[str, Any], flow: Entry, tier: str, seconds: float) ->
         "passes": [],
         "files": {name: {"size": len(data), "xxh3_128": digest(data)} for name, data in sorted(flow.blobs.items())},
         "direct": {"outcome": "hit", "torch_imported": "torch" in sys.modules},
+        **({"delegation": flow.meta["delegation"]} if "delegation" in flow.meta else {}),
     }
 
 
@@ -1305,6 +1312,9 @@ def _count(store: Any, request: Request, record: dict[str, Any], flow: Entry, se
 
 def _report(request: Request, manifest: dict[str, Any], written: list[Path], seconds: float) -> None:
     print(f"lowercache: direct mode: served from the record, no factory run ({seconds:.2f}s)", file=sys.stderr)
+    said = delegation.line(manifest.get("delegation"))
+    if said is not None:
+        print(f"lowercache: {said}", file=sys.stderr)
     if request.as_json:
         summary = {
             "model": manifest.get("model"),
@@ -1316,6 +1326,7 @@ def _report(request: Request, manifest: dict[str, Any], written: list[Path], sec
             "seconds": round(seconds, 4),
             "saved_seconds": manifest["steps"][0]["saved"],
             "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
+            **delegation.json_part(manifest.get("delegation")),
         }
         print(json.dumps(summary, indent=2, sort_keys=True))
     else:
@@ -1325,7 +1336,8 @@ def _report(request: Request, manifest: dict[str, Any], written: list[Path], sec
 # -- what a record names (``lowercache watch`` polls it) ----------------------------------------------
 
 
-def recorded_files(model: str, target: str, per_tensor: bool, calibration: str | None, settings: Settings) -> list[str]:
+def recorded_files(model: str, target: str, per_tensor: bool, calibration: str | None, settings: Settings,
+                   system_config: str | None = None, memory_mode: str | None = None) -> list[str]:
     """The files the latest record of this ``lower`` says its factory read, outside site-packages and lowercache.
 
     That is the model file, the project's modules it imported and the files
@@ -1335,7 +1347,8 @@ def recorded_files(model: str, target: str, per_tensor: bool, calibration: str |
     """
     from .cache.tiers import open_store
 
-    request = Request(model=model, target=target, out_dir="", per_tensor=per_tensor, calibration=calibration)
+    request = Request(model=model, target=target, out_dir="", per_tensor=per_tensor, calibration=calibration,
+                      system_config=system_config, memory_mode=memory_mode)
     try:
         store = open_store(settings)
     except LowercacheError:

@@ -9,14 +9,18 @@ recomputed for them. Vela's per-layer estimates are not among those files
 lowering's Vela flags), so they come from running Vela once more, with
 ``--verbose-performance``, on the partition's TOSA file as written; that
 run is used only when its summary CSV equals the lowering's, byte for byte
-(the same Vela flags, hence the same estimates). Imports no torch.
+(the same Vela flags, hence the same estimates). Each layer is labelled by
+the user's module path, from the manifest's map of TOSA tensor names
+(:mod:`lowercache.delegation`). Imports no torch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import io
+import json
 import os
 import re
 import struct
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .cache.digests import digest
+from .delegation import pte_operators
 
 _SUMMARY_CSV = re.compile(r"^partition_(\d+)\.vela_out_summary_(.+)\.csv$")
 _OPERATORS = re.compile(r"^(CPU|NPU) operators = (\d+)", re.MULTILINE)
@@ -43,10 +48,18 @@ MAX_LAYER_LINES = 8
 class Layer:
     """One row of Vela's per-layer estimate."""
 
-    name: str
+    name: str  # Vela's: the TOSA output tensor's name, or ``#N`` for an operator Vela inserted
     operator: str
     cycles: float
     placement: str = "NPU"
+    module: str = ""  # the user's module path (``features.3.conv``), from the lowering's manifest
+
+    @property
+    def label(self) -> str:
+        """``features.3.conv Conv2D``; Vela's own name when the module is unknown."""
+        if not self.module:
+            return f"{self.name} {self.operator}"
+        return f"{self.module} {self.operator}{' (inserted by Vela)' if self.name.startswith('#') else ''}"
 
 
 @dataclass
@@ -108,6 +121,7 @@ def read(out_dir: Path, target: str, per_layer: bool = True) -> Optional[Estimat
     if not found:
         return None
     estimate = Estimate(target=target)
+    tensor_modules = _tensor_modules(out_dir)
     for index, name in found:
         try:
             summary_bytes = (out_dir / name).read_bytes()
@@ -121,6 +135,8 @@ def read(out_dir: Path, target: str, per_layer: bool = True) -> Optional[Estimat
         if per_layer:
             tosa = out_dir / f"partition_{index}.tosa"
             partition.layers, partition.layers_note = layers(tosa, target, summary, summary_bytes)
+            if partition.layers is not None and index < len(tensor_modules):
+                partition.layers = named(partition.layers, tensor_modules[index])
         estimate.partitions.append(partition)
     try:
         estimate.outside = pte_operators((out_dir / "model.pte").read_bytes())
@@ -129,69 +145,32 @@ def read(out_dir: Path, target: str, per_layer: bool = True) -> Optional[Estimat
     return estimate
 
 
+def _tensor_modules(out_dir: Path) -> list[dict[str, str]]:
+    """Per partition, each TOSA tensor's module path, as the lowering's ``manifest.json`` records them (none if unreadable)."""
+    try:
+        found = json.loads((out_dir / "manifest.json").read_text())["delegation"]["tensor_modules"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    if not isinstance(found, list):
+        return []
+    return [m if isinstance(m, dict) else {} for m in found]
+
+
+def named(layer_list: list[Layer], modules: dict[str, str]) -> list[Layer]:
+    """The layers with their module paths; a layer Vela inserted takes the next named layer's (else the previous one's)."""
+    paths = [modules.get(layer.name, "") if isinstance(modules.get(layer.name), str) else "" for layer in layer_list]
+    for i, layer in enumerate(layer_list):
+        if layer.name.startswith("#"):
+            after = next((p for p in paths[i + 1 :] if p), "")
+            paths[i] = after or next((p for p in reversed(paths[:i]) if p), "")
+    return [dataclasses.replace(layer, module=path) for layer, path in zip(layer_list, paths)]
+
+
 def _read_text(path: Path) -> str:
     try:
         return path.read_text(errors="replace")
     except OSError:
         return ""
-
-
-# -- the operators a .pte runs itself (outside every delegate) ----------------------------------------
-
-
-class _Table:
-    """Just enough of the flatbuffer format to read the ``.pte``'s operator table (schema: executorch's program.fbs)."""
-
-    def __init__(self, buf: bytes, pos: int):
-        self.buf, self.pos = buf, pos
-        self.vtable = pos - struct.unpack_from("<i", buf, pos)[0]
-        self.vsize = struct.unpack_from("<H", buf, self.vtable)[0]
-
-    def _field(self, index: int) -> Optional[int]:
-        slot = 4 + 2 * index
-        if slot >= self.vsize:
-            return None
-        offset = struct.unpack_from("<H", self.buf, self.vtable + slot)[0]
-        return self.pos + offset if offset else None
-
-    def _target(self, index: int) -> Optional[int]:
-        at = self._field(index)
-        return None if at is None else at + struct.unpack_from("<I", self.buf, at)[0]
-
-    def string(self, index: int) -> str:
-        at = self._target(index)
-        if at is None:
-            return ""
-        length = struct.unpack_from("<I", self.buf, at)[0]
-        return self.buf[at + 4 : at + 4 + length].decode("utf-8", "replace")
-
-    def tables(self, index: int) -> list["_Table"]:
-        at = self._target(index)
-        if at is None:
-            return []
-        length = struct.unpack_from("<I", self.buf, at)[0]
-        items = []
-        for i in range(length):
-            slot = at + 4 + 4 * i
-            items.append(_Table(self.buf, slot + struct.unpack_from("<I", self.buf, slot)[0]))
-        return items
-
-
-# Field indices in program.fbs: Program.execution_plan = 1; ExecutionPlan.operators = 6; Operator.name = 0, .overload = 1.
-_PROGRAM_PLANS, _PLAN_OPERATORS, _OPERATOR_NAME, _OPERATOR_OVERLOAD = 1, 6, 0, 1
-
-
-def pte_operators(pte: bytes) -> list[str]:
-    """The operators the ``.pte``'s plans call as CPU kernels (``aten::add.out``): what the delegates left to the CPU."""
-    if pte[4:6] != b"ET":
-        raise ValueError("not an ExecuTorch program")
-    program = _Table(pte, struct.unpack_from("<I", pte, 0)[0])
-    names = set()
-    for plan in program.tables(_PROGRAM_PLANS):
-        for op in plan.tables(_PLAN_OPERATORS):
-            name, overload = op.string(_OPERATOR_NAME), op.string(_OPERATOR_OVERLOAD)
-            names.add(f"{name}.{overload}" if overload else name)
-    return sorted(names)
 
 
 # -- Vela's per-layer estimate --------------------------------------------------------------------------
@@ -320,12 +299,13 @@ def _cpu_line(after: Estimate, before: Optional[Estimate]) -> str:
 
 
 def _keyed(layer_list: list[Layer]) -> dict[tuple[str, int], Layer]:
-    """Layers by (name, occurrence). Layers Vela inserted itself are named by a running number (``#130``),
+    """Layers by (label, occurrence): module path and operator, which an edit elsewhere leaves alone (TOSA names take
+    graph-wide counters). Without a module, by name; layers Vela inserted are named by a running number (``#130``),
     which any edit shifts: those are matched by operator and occurrence instead."""
     seen: dict[str, int] = {}
     keyed = {}
     for layer in layer_list:
-        name = f"#{layer.operator}" if layer.name.startswith("#") else layer.name
+        name = layer.label if layer.module else f"#{layer.operator}" if layer.name.startswith("#") else layer.name
         n = seen.get(name, 0)
         seen[name] = n + 1
         keyed[(name, n)] = layer
@@ -338,20 +318,20 @@ def _layer_lines(partition: Partition, old: Optional[Partition], several: bool) 
         return [f"layers{where}: {partition.layers_note}"]
     if old is None or old.layers is None:
         slowest = sorted(partition.layers, key=lambda layer: -layer.cycles)[:3]
-        top = ", ".join(f"{layer.name} {layer.operator} {_num(layer.cycles)}" for layer in slowest)
+        top = ", ".join(f"{layer.label} {_num(layer.cycles)}" for layer in slowest)
         return [f"layers{where}: {len(partition.layers)}; most cycles: {top}"]
     now, then = _keyed(partition.layers), _keyed(old.layers)
     changed = []
     for key, layer in now.items():
         prev = then.get(key)
         if prev is None:
-            changed.append((layer.cycles, f"+ {layer.name} {layer.operator} {_num(layer.cycles)} cycles (new)"))
+            changed.append((layer.cycles, f"+ {layer.label} {_num(layer.cycles)} cycles (new)"))
         elif prev.cycles != layer.cycles or prev.placement != layer.placement or prev.operator != layer.operator:
             placement = f", {prev.placement} -> {layer.placement}" if prev.placement != layer.placement else ""
-            changed.append((abs(layer.cycles - prev.cycles), f"  {layer.name} {layer.operator} cycles {_change(prev.cycles, layer.cycles)}{placement}"))
+            changed.append((abs(layer.cycles - prev.cycles), f"  {layer.label} cycles {_change(prev.cycles, layer.cycles)}{placement}"))
     for key, layer in then.items():
         if key not in now:
-            changed.append((layer.cycles, f"- {layer.name} {layer.operator} {_num(layer.cycles)} cycles (gone)"))
+            changed.append((layer.cycles, f"- {layer.label} {_num(layer.cycles)} cycles (gone)"))
     if not changed:
         return [f"layers{where}: {len(partition.layers)}, none changed"]
     changed.sort(key=lambda c: -c[0])

@@ -108,18 +108,20 @@ def lower_in_new_process(model: str, target: str, args: list[str], env: dict[str
 
 
 def served_now(model: str, target: str, settings: Settings, reference: Artifacts, calibration: str | None,
-               args: list[str], environ: dict[str, str]) -> tuple[list[Mismatch], list[str]]:
+               args: list[str], environ: dict[str, str], system_config: str | None = None,
+               memory_mode: str | None = None) -> tuple[list[Mismatch], list[str]]:
     """What ``lower`` would serve now, each compared with a stock lowering in a new process: mismatches and what was checked.
 
-    ``args``: the cache options as given (``--cache-dir``, ``--remote``,
-    ``--calibration``), for the new processes; ``environ``: the environment
+    ``args``: the options as given (``--cache-dir``, ``--remote``,
+    ``--calibration``, Vela's), for the new processes; ``environ``: the environment
     the command started with (before torch set variables of its own).
     """
     env = {k: v for k, v in environ.items() if k not in ("LOWERCACHE_SPEEDUPS", "LOWERCACHE_DIRECT")}
     stock = Artifacts(lower_in_new_process(model, target, [*args, "--no-cache", "--no-server"], {**env, "LOWERCACHE_SPEEDUPS": "none"}))
     mismatches = compare("stock in this process", reference, stock)
     checked = ["stock in a new process"]
-    request = direct.Request(model=model, target=target, out_dir="", calibration=calibration)
+    request = direct.Request(model=model, target=target, out_dir="", calibration=calibration, system_config=system_config,
+                             memory_mode=memory_mode)
     store = _store(settings)
     found = direct.lookup(request, settings, store, environ) if store is not None else "no cache"
     if store is not None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from . import direct, estimates
+from . import delegation, direct, estimates
 from .config import Settings
 from .errors import LowercacheError
 from .lowering.targets import resolve
@@ -46,6 +46,8 @@ class Plan:
     lower_options: list[str] = field(default_factory=list)
     per_tensor: bool = False
     calibration: Optional[str] = None
+    system_config: Optional[str] = None
+    memory_mode: Optional[str] = None
     interval: float = 0.5
     max_runs: Optional[int] = None
 
@@ -60,8 +62,9 @@ class Plan:
 
 
 def plan(model: str, targets: list[str], out_dir: Path, **options: Any) -> Plan:
-    """A checked plan: known targets (each once, by their canonical names) and a model file that exists."""
-    names = list(dict.fromkeys(resolve(t).name for t in targets))
+    """A checked plan: known targets (each once, by their canonical names), Vela options they take, a model file that exists."""
+    vela = {k: options.get(k) for k in ("system_config", "memory_mode")}
+    names = list(dict.fromkeys(resolve(t, **vela).name for t in targets))
     result = Plan(model=model, targets=names, out_dir=out_dir, **options)
     if not model.endswith(".pt2") and not model.rpartition(":")[0]:
         raise LowercacheError(f"bad model {model!r}; expected path/to/file.py:factory or a .pt2 file")
@@ -260,6 +263,9 @@ def run(plan: Plan, runner: Runner, settings: Settings, emit: Callable[[str], No
                             emit(f"  {line}")
                         continue
                     emit(f"  {report(outcome, plan.out_for(target))}")
+                    said = delegation.line((outcome.summary or {}).get("delegation"))
+                    if said is not None:
+                        emit(f"  {said}")
                     estimate = estimates.read(plan.out_for(target), target)
                     if estimate is not None:
                         before = previous.get(target)
@@ -267,7 +273,8 @@ def run(plan: Plan, runner: Runner, settings: Settings, emit: Callable[[str], No
                         for line in estimates.describe(estimate, before):
                             emit(f"    {line}")
                         previous[target] = estimate
-                    read_by[target] = direct.recorded_files(plan.model, target, plan.per_tensor, plan.calibration, settings)
+                    read_by[target] = direct.recorded_files(plan.model, target, plan.per_tensor, plan.calibration, settings,
+                                                            plan.system_config, plan.memory_mode)
                 files.track(fixed.union(*read_by.values()), baseline)
                 rounds += 1
                 if plan.max_runs is not None and rounds >= plan.max_runs:

@@ -23,8 +23,10 @@ os.environ["LOWERCACHE_SERVER"] = "0"
 SMALL_TARGETS = ("tosa-int", "tosa-fp", "ethos-u55-128", "ethos-u55-256", "ethos-u85-256")
 
 
-def stock_pte(module, example_inputs, target: str, calibration=None, per_channel: bool = True, strict: bool = False) -> bytes:
-    """The .pte stock ExecuTorch produces, with no lowercache code involved; ``strict``: both exports dynamo's."""
+def stock_pte(module, example_inputs, target: str, calibration=None, per_channel: bool = True, strict: bool = False,
+              **vela_options) -> bytes:
+    """The .pte stock ExecuTorch produces, with no lowercache code involved; ``strict``: both exports dynamo's;
+    ``vela_options``: EthosUCompileSpec's ``system_config`` / ``memory_mode``."""
     from executorch.backends.arm.ethosu import EthosUCompileSpec, EthosUPartitioner
     from executorch.backends.arm.quantizer import EthosUQuantizer, TOSAQuantizer, get_symmetric_quantization_config
     from executorch.backends.arm.tosa.compile_spec import TosaCompileSpec
@@ -34,7 +36,7 @@ def stock_pte(module, example_inputs, target: str, calibration=None, per_channel
 
     ep = torch.export.export(module, example_inputs, strict=strict)
     ethos = target.startswith("ethos-u")
-    spec = EthosUCompileSpec(target) if ethos else TosaCompileSpec({"tosa-int": "TOSA-1.0+INT", "tosa-fp": "TOSA-1.0+FP"}[target])
+    spec = EthosUCompileSpec(target, **vela_options) if ethos else TosaCompileSpec({"tosa-int": "TOSA-1.0+INT", "tosa-fp": "TOSA-1.0+FP"}[target])
     if target != "tosa-fp":
         # The quantizer may adjust the compile spec's pass pipeline config, so
         # the partitioner is made after quantization, as in the README's flow.

@@ -40,6 +40,11 @@ def error_lines(result):
 
 def stock_tiny(target):
     """Stock bytes of examples/tiny_cnn.py (its own module, not models.tiny_cnn)."""
+    return stock_tiny_with(target)
+
+
+def stock_tiny_with(target, **vela_options):
+    """Stock bytes of examples/tiny_cnn.py with EthosUCompileSpec's Vela options."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("tiny_example", ROOT / "examples" / "tiny_cnn.py")
@@ -48,7 +53,7 @@ def stock_tiny(target):
     from .conftest import stock_pte
 
     net, example = module.model()
-    return stock_pte(net, example, target)
+    return stock_pte(net, example, target, **vela_options)
 
 
 def test_lower_twice_writes_identical_outputs_and_explains(tmp_path, cache_dir):

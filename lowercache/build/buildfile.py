@@ -37,6 +37,8 @@ class Pair:
     calibration: Optional[str] = None
     per_tensor: bool = False
     memory: int = 2 * 2**30  # bytes one lowering may use: bounds -j, and the Ray task declares it
+    system_config: Optional[str] = None  # Vela's, for Ethos-U targets
+    memory_mode: Optional[str] = None
 
     def lower_args(self, options: list[str]) -> list[str]:
         """``lower`` as a user would type it for this pair, plus the build-wide ``options``."""
@@ -44,6 +46,8 @@ class Pair:
             "lower", self.model, "--target", self.target, "--out", self.out,
             *(["--calibration", self.calibration] if self.calibration else []),
             *(["--per-tensor"] if self.per_tensor else []),
+            *(["--system-config", self.system_config] if self.system_config else []),
+            *(["--memory-mode", self.memory_mode] if self.memory_mode else []),
             *options,
         ]
 
@@ -138,6 +142,8 @@ def _schema() -> Any:
         targets: Optional[list[Target]] = Field(None, min_length=1)
         calibration: Optional[str] = None
         per_tensor: bool = Field(False, alias="per-tensor")
+        system_config: Optional[str] = Field(None, alias="system-config")
+        memory_mode: Optional[str] = Field(None, alias="memory-mode")
         layout: Optional[Layout] = None
         memory: Optional[Size] = None
 
@@ -191,8 +197,13 @@ def load(path: Path) -> Build:
         layout = entry.layout or spec.layout
         memory = parse_size(entry.memory or spec.memory)
         for target in targets:
+            try:
+                resolve(target, system_config=entry.system_config, memory_mode=entry.memory_mode)
+            except LowercacheError as e:
+                raise LowercacheError(f"{where}: {e}") from None
             out = os.path.join(spec.out, layout.format(model=name, target=target))
-            pairs.append(Pair(name, entry.model, target, out, entry.calibration, entry.per_tensor, memory))
+            pairs.append(Pair(name, entry.model, target, out, entry.calibration, entry.per_tensor, memory,
+                              entry.system_config, entry.memory_mode))
     outs = [os.path.normpath(p.out) for p in pairs]
     clash = next((o for o in outs if outs.count(o) > 1), None)
     if clash is not None:

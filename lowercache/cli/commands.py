@@ -27,6 +27,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .. import delegation
 from ..errors import LowercacheError
 
 app = typer.Typer(
@@ -62,6 +63,8 @@ RemoteUrl = typer.Option(
 NoServer = typer.Option(False, "--no-server", help=r"Run in this process, not through the warm server \[env: LOWERCACHE_SERVER=0].")
 
 PerTensor = typer.Option(False, "--per-tensor", help="Quantize weights per tensor instead of per channel.")
+SystemConfig = typer.Option(None, "--system-config", help="Ethos-U: Vela's system config from its Arm/vela.ini (default: ExecuTorch's for the target).")
+MemoryMode = typer.Option(None, "--memory-mode", help="Ethos-U: Vela's memory mode from its Arm/vela.ini, e.g. Shared_Sram, Sram_Only (default: ExecuTorch's for the target).")
 NoDirect = typer.Option(False, "--no-direct", help=r"Do not answer from a direct-mode record (docs/direct-mode.md) \[env: LOWERCACHE_DIRECT=0].")
 
 
@@ -195,6 +198,8 @@ def lower(
     no_server: bool = NoServer,
     as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary of the run on stdout."),
     no_direct: bool = NoDirect,
+    system_config: Optional[str] = SystemConfig,
+    memory_mode: Optional[str] = MemoryMode,
 ) -> None:
     """Lower MODEL for a target, serving unchanged work from the cache."""
 
@@ -204,11 +209,11 @@ def lower(
 
     try:
         settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote, direct=False if no_direct else None)
-        resolve(target)
+        resolve(target, system_config=system_config, memory_mode=memory_mode)
         api.check_output_dir(out_dir)
         if not settings.disable:
             api.open_store(settings).close()  # fail early on an unusable cache directory
-        recorder = direct.start(model, target, out_dir, per_tensor, calibration, settings)  # what the factory reads
+        recorder = direct.start(model, target, out_dir, per_tensor, calibration, settings, system_config, memory_mode)  # what the factory reads
         loaded = direct.recorded(recorder, loading.load_model, model)
         samples = None
         if calibration is not None:
@@ -224,6 +229,8 @@ def lower(
                 name=loaded.name,
                 listener=direct.listening(recorder, listener),
                 settings=settings,
+                system_config=system_config,
+                memory_mode=memory_mode,
             )
         direct.finish(recorder, artifacts.records, artifacts.manifest)
         written = api.write_artifacts(artifacts, out_dir)
@@ -232,6 +239,7 @@ def lower(
     except Exception as e:  # a failure inside torch.export or ExecuTorch
         _fail_lowering(e)
     _print_summary(artifacts.records, artifacts.stages)
+    _print_delegation(artifacts.delegation)
     if as_json:
         print(json.dumps(_run_summary(artifacts, written, out_dir), indent=2, sort_keys=True))
     else:
@@ -281,7 +289,14 @@ def _run_summary(artifacts: Any, written: list[Path], out_dir: Path) -> dict[str
         "seconds": round(sum(artifacts.stages.values()), 4),
         "saved_seconds": round(sum(r["saved"] for r in artifacts.records if r["outcome"] == "hit"), 4),
         "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
+        **delegation.json_part(artifacts.delegation),
     }
+
+
+def _print_delegation(section: Optional[dict[str, Any]]) -> None:
+    said = delegation.line(section)
+    if said is not None:
+        err.print(f"lowercache: {said}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _print_summary(records: list[dict], stages: dict[str, float]) -> None:
@@ -304,6 +319,11 @@ def _print_summary(records: list[dict], stages: dict[str, float]) -> None:
     err.print(f"total {total:.2f}s; served from cache: {saved:.2f}s of work saved")
 
 
+def _vela_args(system_config: Optional[str], memory_mode: Optional[str]) -> list[str]:
+    """Vela's options as ``lower`` takes them, for the ``lower`` command lines another command runs."""
+    return [*(["--system-config", system_config] if system_config else []), *(["--memory-mode", memory_mode] if memory_mode else [])]
+
+
 @app.command()
 @_logged_tracebacks_hidden()
 def verify(
@@ -313,24 +333,29 @@ def verify(
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration file, as for lower (.pt or .npz)."),
     remote: Optional[str] = RemoteUrl,
     no_server: bool = NoServer,
+    system_config: Optional[str] = SystemConfig,
+    memory_mode: Optional[str] = MemoryMode,
 ) -> None:
     """Lower with and without the cache (and in a fresh cache); fail on any byte difference."""
     from ..lowering import loading
+    from ..lowering.targets import resolve
     from ..verify import served_now
     from ..verify import verify as run_verify
 
     environ = dict(os.environ)  # as the command started: torch sets variables of its own once it lowers
     args = [*(["--cache-dir", str(cache_dir)] if cache_dir else []), *(["--remote", remote] if remote else []),
-            *(["--calibration", str(calibration)] if calibration is not None else [])]
+            *(["--calibration", str(calibration)] if calibration is not None else []), *_vela_args(system_config, memory_mode)]
+    vela = {"system_config": system_config, "memory_mode": memory_mode}
     try:
         settings = _settings(cache_dir, disable=False, remote=remote)
         if no_server:
             settings = dataclasses.replace(settings, server=False)
+        resolve(target, **vela)
         loaded = loading.load_model(model)
         samples = loading.load_calibration(str(calibration)) if calibration is not None else None
         reference: list = []
-        mismatches = run_verify(loaded, target, settings, calibration=samples, reference=reference)
-        more, checked = served_now(model, target, settings, reference[0], str(calibration) if calibration else None, args, environ)
+        mismatches = run_verify(loaded, target, settings, calibration=samples, reference=reference, **vela)
+        more, checked = served_now(model, target, settings, reference[0], str(calibration) if calibration else None, args, environ, **vela)
         mismatches += more
     except LowercacheError as e:
         _fail(str(e), 2)
@@ -356,6 +381,8 @@ def watch(
     remote: Optional[str] = RemoteUrl,
     no_server: bool = NoServer,
     no_direct: bool = NoDirect,
+    system_config: Optional[str] = SystemConfig,
+    memory_mode: Optional[str] = MemoryMode,
     interval: float = typer.Option(0.5, "--interval", help="Seconds between polls of the watched files.", min=0.05),
     max_runs: Optional[int] = typer.Option(None, "--max-runs", hidden=True, min=1, help="Stop after N rounds of lowering (tests)."),
 ) -> None:
@@ -367,10 +394,11 @@ def watch(
         *(["--calibration", str(calibration)] if calibration else []),
         *(["--remote", remote] if remote else []),
         *[flag for flag, on in (("--no-cache", no_cache), ("--per-tensor", per_tensor), ("--no-server", no_server), ("--no-direct", no_direct)) if on],
+        *_vela_args(system_config, memory_mode),
     ]
     try:
         plan = watching.plan(
-            model, targets, out_dir, lower_options=options, per_tensor=per_tensor,
+            model, targets, out_dir, lower_options=options, per_tensor=per_tensor, system_config=system_config, memory_mode=memory_mode,
             calibration=str(calibration) if calibration else None, interval=interval, max_runs=max_runs,
         )
         settings = _settings(cache_dir, disable=False, remote="")  # the local store, for the records of what each lowering read

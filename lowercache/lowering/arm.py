@@ -6,6 +6,9 @@ Two hook points, both wrapped rather than subclassed (the backends are
 - ``TOSABackend._preprocess``: one partition's edge program to TOSA bytes
   (the ~146-pass pipeline, node visitors, serialization). Step kind ``tosa``.
   Its key is computed before the call, because the call mutates its input.
+  Within it, ``process_call_function`` (imported by name into the same
+  module) is wrapped to note each TOSA tensor's module path, read only, for
+  Vela's per-layer labels (``lowercache/delegation.py``).
 - ``vela_compile`` as imported into ``ethosu/backend.py``: TOSA bytes to the
   Ethos-U command stream. Step kind ``vela``.
 
@@ -40,6 +43,7 @@ import threading
 from typing import Any
 
 from . import partitionorder, passes, qparams
+from .. import delegation
 from ..speedups import registry
 from ..speedups.patching import Patch
 from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
@@ -50,6 +54,7 @@ from ..cache.toolchain import toolchain_parts
 
 _lock = threading.Lock()
 _originals: dict[str, Any] = {}
+_naming = threading.local()  # .modules: the TOSA tensor name -> module path map of the partition this thread lowers
 
 
 def compile_spec_digest(spec: Any) -> str:
@@ -170,11 +175,26 @@ def _tosa_preprocess(edge_program: Any, compile_spec: Any) -> Any:
     index = len(session.outputs.get("tosa", []))
 
     def compute() -> Entry:
-        result = original(edge_program, compile_spec)
-        return Entry(blobs={"tosa": bytes(result.processed_bytes)})
+        _naming.modules = {}
+        try:
+            result = original(edge_program, compile_spec)
+            modules = _naming.modules
+        finally:
+            _naming.modules = None
+        return Entry(meta={"tensor_modules": modules}, blobs={"tosa": bytes(result.processed_bytes)})
 
     entry = session.run("tosa", f"partition {index}", parts, compute)
     return PreprocessResult(processed_bytes=entry.blobs["tosa"])
+
+
+def _process_call_function(node: Any, *args: Any, **kwargs: Any) -> Any:
+    """Each TOSA operator's output tensor is named after its node: note the node's module path (read only)."""
+    modules = getattr(_naming, "modules", None)
+    if modules is not None:
+        path = delegation.module_path(node)
+        if path is not None:
+            modules[node.name] = path
+    return _originals["process_call_function"](node, *args, **kwargs)
 
 
 def _vela_compile(
@@ -238,6 +258,8 @@ def _wrap_module(module_name: str) -> None:
     if module_name == TOSA_MODULE and "tosa" not in _originals:
         _originals["tosa"] = module.TOSABackend._preprocess
         module.TOSABackend._preprocess = staticmethod(_tosa_preprocess)
+        _originals["process_call_function"] = module.process_call_function
+        module.process_call_function = _process_call_function
     if module_name == ETHOSU_MODULE and "vela" not in _originals:
         _originals["vela"] = module.vela_compile
         module.vela_compile = _vela_compile
@@ -248,6 +270,7 @@ def _unwrap_modules() -> None:
 
     if "tosa" in _originals:
         importlib.import_module(TOSA_MODULE).TOSABackend._preprocess = staticmethod(_originals.pop("tosa"))
+        importlib.import_module(TOSA_MODULE).process_call_function = _originals.pop("process_call_function")
     if "vela" in _originals:
         importlib.import_module(ETHOSU_MODULE).vela_compile = _originals.pop("vela")
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import arm, partitionorder, quantize
+from .. import delegation as delegation_report
 from ..speedups import fastcopy, registry, retrace
 from ..speedups.gcfreeze import frozen_heap
 from ..cache.hashing import Unhashable, digest, digest_json, inputs_digest, program_parts
@@ -45,6 +46,7 @@ class Artifacts:
     stages: dict[str, float] = field(default_factory=dict)
     manifest: dict[str, Any] = field(default_factory=dict)
     nodes: dict[str, int] = field(default_factory=dict)  # retraced vs copied in ExportPass retraces, and fast copies
+    delegation: dict[str, Any] | None = None  # what runs outside the delegate (lowercache/delegation.py)
 
     @property
     def pte(self) -> bytes:
@@ -79,12 +81,13 @@ def target_spec_digest(target: Target, store: Store | None) -> str:
     """Digest of the target's compile spec, memoized per toolchain in the store.
 
     Building a compile spec imports the Arm backend (seconds); the spec is a
-    pure function of the target name and the backend's sources, which the
+    pure function of the target name, Vela's options and the backend's sources, which the
     toolchain digest covers, so a warm run need not import it. A tiered store
     shares the memo through its remote, so a remote hit need not either; a
     remembered value that is not a digest is ignored.
     """
-    name = f"memo/compile_spec/{target.name}/{digest_json(toolchain_parts())}"
+    options = digest_json([target.name, target.system_config, target.memory_mode])  # each Vela option its own spec
+    name = f"memo/compile_spec/{target.name}/{options}/{digest_json(toolchain_parts())}"
     remembered = store.get_record(name) if store is not None else None
     if isinstance(remembered, str) and re.fullmatch(r"[0-9a-f]{32}", remembered):
         return remembered
@@ -113,6 +116,9 @@ def flow_parts(
         return None
     parts["quantizer"] = target.quantization_config
     parts["target"] = target.name
+    # Vela's options: in the compile spec (so the .pte's delegate specs and Vela's flags), not in the TOSA step's
+    parts["system_config"] = target.system_config or "default"
+    parts["memory_mode"] = target.memory_mode or "default"
     parts["compile_spec"] = target_spec_digest(target, store)
     parts["pass_insertions"] = insertions
     parts["flow"] = FLOW_VERSION
@@ -129,13 +135,15 @@ def run_stock(
     session: Session | None = None,
     parts: dict[str, str] | None = None,
     partition_orders: list[list[str]] | None = None,
+    delegation: list[dict[str, Any]] | None = None,
 ) -> bytes:
     """The stock ExecuTorch flow from an exported program; returns the .pte bytes.
 
     With a ``session``, the quantization stage runs as its cached step
     (``quantize.py``, keyed by the flow's ``parts``); without, it is the stock code.
     ``partition_orders`` collects the order the partitions were lowered in
-    (see ``partitionorder.py``).
+    (see ``partitionorder.py``); ``delegation`` what the edge program runs
+    outside its delegates, read before ``to_executorch`` (which it does not change).
     """
     from executorch.exir import to_edge_transform_and_lower
 
@@ -154,6 +162,8 @@ def run_stock(
     if partition_orders is not None:
         partitionorder.record_order(partitioner, partition_orders)
     edge = run("to_edge", lambda: to_edge_transform_and_lower(program, partitioner=[partitioner]))
+    if delegation is not None:
+        delegation.append(delegation_report.summarize(edge.exported_program().graph_module))
     return run("to_executorch", lambda: edge.to_executorch().buffer)
 
 
@@ -174,12 +184,16 @@ def lower_program(
     def compute() -> Entry:
         # Hooks only around the computation: installing them imports the Arm
         # backend (seconds), which a hit does not need.
+        found: list[dict[str, Any]] = []
         with arm.hooks(), activate(session):
             before = {k: len(session.outputs.get(k, [])) for k in ("tosa", "vela")}
-            pte = run_stock(program, target, example_inputs, calibration, stages, session, parts)
+            pte = run_stock(program, target, example_inputs, calibration, stages, session, parts, delegation=found)
         blobs = {"model.pte": bytes(pte)}
+        tensor_modules = []
         for i, entry in enumerate(session.outputs.get("tosa", [])[before["tosa"] :]):
             blobs[f"partition_{i}.tosa"] = entry.blobs["tosa"]
+            tensor_modules.append(entry.meta.get("tensor_modules", {}))
+        summary = {**found[0], "kernels": delegation_report.kernels(blobs["model.pte"]), "tensor_modules": tensor_modules}
         for i, entry in enumerate(session.outputs.get("vela", [])[before["vela"] :]):
             for name, data in entry.blobs.items():
                 if name == "command_stream":
@@ -188,7 +202,7 @@ def lower_program(
                     blobs[f"partition_{i}.vela_summary.txt"] = data
                 elif name.startswith("output/"):
                     blobs[f"partition_{i}.vela_{name[len('output/'):]}"] = data
-        return Entry(blobs=blobs)
+        return Entry(meta={"delegation": summary}, blobs=blobs)
 
     retrace.reset_stats()
     fastcopy.reset_stats()
@@ -200,6 +214,7 @@ def lower_program(
         parts=parts or {},
         stages=stages.seconds,
         nodes={"retraced": counts["redispatched"], "copied": counts["reused"], "copied_fast": fastcopy.stats()["copied"]},
+        delegation=entry.meta.get("delegation"),
     )
 
 
@@ -236,4 +251,5 @@ def manifest(artifacts: Artifacts, target: Target, model: str) -> dict[str, Any]
             if r["kind"] == "pass"
         ],
         "files": {name: {"size": len(data), "xxh3_128": digest(data)} for name, data in sorted(artifacts.files.items())},
+        **({"delegation": artifacts.delegation} if artifacts.delegation is not None else {}),
     }

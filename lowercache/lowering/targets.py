@@ -7,8 +7,12 @@ lowercache-specific: these are the objects a stock Arm export script builds.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from ..errors import LowercacheError
 
@@ -27,7 +31,9 @@ ETHOSU_TARGETS = (
     "ethos-u85-2048",
 )
 TARGETS = tuple(TOSA_TARGETS) + ETHOSU_TARGETS
-
+# The Vela config file ExecuTorch's EthosUCompileSpec names by default, and the section kinds the options choose from.
+VELA_CONFIG = "Arm/vela.ini"
+VELA_OPTIONS = (("--system-config", "System_Config"), ("--memory-mode", "Memory_Mode"))
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,8 @@ class Target:
 
     name: str
     per_channel: bool = True  # weights quantized per channel (the stock default) or per tensor
+    system_config: Optional[str] = None  # Vela's system config (None: ExecuTorch's default for the target)
+    memory_mode: Optional[str] = None  # Vela's memory mode (None: ExecuTorch's default for the target)
 
     @property
     def quantization_config(self) -> str:
@@ -56,7 +64,7 @@ class Target:
         if self.is_ethosu:
             from executorch.backends.arm.ethosu import EthosUCompileSpec
 
-            return EthosUCompileSpec(self.name)
+            return EthosUCompileSpec(self.name, system_config=self.system_config, memory_mode=self.memory_mode)
         from executorch.backends.arm.tosa.compile_spec import TosaCompileSpec
 
         return TosaCompileSpec(TOSA_TARGETS[self.name])
@@ -82,9 +90,32 @@ class Target:
         return quantizer
 
 
-def resolve(name: str, per_channel: bool = True) -> Target:
-    """The target called ``name``, or a one-line error listing the known ones."""
+def resolve(name: str, per_channel: bool = True, system_config: Optional[str] = None, memory_mode: Optional[str] = None) -> Target:
+    """The target called ``name`` with Vela's options, or a one-line error listing the known targets or option values."""
     key = name.strip().lower()
     if key not in TARGETS:
         raise LowercacheError(f"unknown target {name!r}; known targets: {', '.join(TARGETS)}")
-    return Target(key, per_channel)
+    for (flag, kind), value in zip(VELA_OPTIONS, (system_config, memory_mode)):
+        if value is None:
+            continue
+        if not key.startswith("ethos-u"):
+            raise LowercacheError(f"{flag} applies to Ethos-U targets only, not {key}")
+        known = vela_sections(kind)
+        if value not in known:
+            raise LowercacheError(f"unknown {flag} {value!r}; Vela's {VELA_CONFIG} has: {', '.join(known) or 'none'}")
+    return Target(key, per_channel, system_config, memory_mode)
+
+
+@functools.cache
+def vela_sections(kind: str) -> tuple[str, ...]:
+    """The ``[kind.NAME]`` section names of Vela's bundled config file, found without importing Vela (or torch)."""
+    spec = importlib.util.find_spec("ethosu")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        try:
+            with open(os.path.join(root, "config_files", VELA_CONFIG)) as f:
+                text = f.read()
+        except OSError:
+            continue
+        return tuple(re.findall(rf"^\[{kind}\.([^\]]+)\]", text, re.MULTILINE))
+    return ()
