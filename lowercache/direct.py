@@ -38,7 +38,7 @@ from .cache.toolchain import lowercache_digest, toolchain_parts
 from .config import Settings, load_settings
 from .errors import LowercacheError
 from .lowering.targets import resolve
-from .output import check_output_dir, write_files
+from .output import check_output_dir, counted, write_files
 
 KIND = "direct"
 T = TypeVar("T")
@@ -1330,7 +1330,7 @@ def _report(request: Request, manifest: dict[str, Any], written: list[Path], sec
         }
         print(json.dumps(summary, indent=2, sort_keys=True))
     else:
-        print(f"wrote {len(written)} files to {request.out_dir}")
+        print(f"wrote {counted(len(written), 'file')} to {request.out_dir}")
 
 
 # -- what a record names (``lowercache watch`` polls it) ----------------------------------------------

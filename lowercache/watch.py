@@ -32,6 +32,7 @@ from . import delegation, direct, estimates
 from .config import Settings
 from .errors import LowercacheError
 from .lowering.targets import resolve
+from .output import counted
 
 Runner = Callable[[list[str]], object]  # a command line -> its exit code
 
@@ -289,7 +290,7 @@ def run(plan: Plan, runner: Runner, settings: Settings, emit: Callable[[str], No
 def _listing(paths: dict[str, Any], most: int = 6) -> str:
     names = [os.path.relpath(p) for p in sorted(paths)]
     more = f" and {len(names) - most} more" if len(names) > most else ""
-    return f"{len(names)} files: {', '.join(names[:most])}{more}"
+    return f"{counted(len(names), 'file')}: {', '.join(names[:most])}{more}"
 
 
 def _wait_for_change(files: Files, interval: float) -> list[str]:

@@ -386,3 +386,16 @@ def test_housekeeping_commands_import_no_torch(command, tmp_path, cache_dir):
     result = subprocess.run([sys.executable, "-c", code, *command], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "LOWERCACHE_DIR": str(cache_dir)})
     assert result.stderr.strip().splitlines()[-1].startswith("False False "), result.stderr[-2000:]
+
+
+def test_stats_json_and_zero_and_a_json_error(tmp_path, cache_dir):
+    lowered = cli("lower", TINY, "-t", "tosa-fp", "-o", tmp_path / "out", cache_dir=cache_dir)
+    assert lowered.returncode == 0 and "wrote 3 files" in lowered.stdout, lowered.stdout
+    figures = json.loads(cli("stats", "--json", cache_dir=cache_dir).stdout)
+    assert figures["outcomes"]["flow"]["miss"] == 1 and figures["steps"] > 0
+    assert cli("stats", "--zero", cache_dir=cache_dir).returncode == 0
+    zeroed = json.loads(cli("stats", "--json", cache_dir=cache_dir).stdout)
+    assert zeroed["outcomes"] == {} and zeroed["saved_seconds"] == 0 and zeroed["steps"] == figures["steps"]
+    failed = cli("lower", "nothere.py:model", "-t", "tosa-fp", "-o", tmp_path / "x", "--json", cache_dir=cache_dir, cwd=tmp_path)
+    assert failed.returncode == 2
+    assert json.loads(failed.stdout) == {"error": "model file not found: nothere.py", "exit": 2}

@@ -131,7 +131,7 @@ class Watch:
 
     def round(self, start: int) -> str:
         """One lowering round's output: from ``start`` to the 'watching' line after it."""
-        return self.wait_for(r"\] watching \d+ files", start)
+        return self.wait_for(r"\] watching \d+ files?", start)
 
     def stop(self) -> int:
         self.process.send_signal(signal.SIGINT)

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from .. import estimates
 from ..errors import LowercacheError
+from ..output import counted
 
 REPORT_VERSION = 1
 JSON_NAME = "build-report.json"
@@ -132,7 +133,7 @@ def compare(before: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
 def tally(rows: list[dict[str, Any]], took: str = "") -> str:
     """How the pairs came out, in words: ``9 pairs{took}: 6 from the cache, 3 lowered, 0 failed, 0 not run``."""
     counts = {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES}
-    return (f"{len(rows)} pairs{took}: {counts['hit']} from the cache, {counts['miss']} lowered, {counts['failed']} failed, "
+    return (f"{counted(len(rows), 'pair')}{took}: {counts['hit']} from the cache, {counts['miss']} lowered, {counts['failed']} failed, "
             f"{counts['skipped']} not run")
 
 

@@ -408,6 +408,17 @@ class Store:
                     out[key] = value
         return out
 
+    def zero_counters(self) -> None:
+        """Set the hit, miss and time-saved counters back to zero (``stats --zero``, as ``ccache -z``); entries stay."""
+        if not self.writable:
+            return
+        try:
+            with self._meta.transact():
+                for key in list(self.counters()):
+                    self._meta.delete(key)
+        except (OSError, sqlite3.Error) as e:
+            self._failed("meta", e)
+
     def put_record(self, name: str, value: Any) -> None:
         if not self.writable:
             return

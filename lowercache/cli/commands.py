@@ -29,6 +29,7 @@ from rich.table import Table
 
 from .. import delegation
 from ..errors import LowercacheError
+from ..output import counted
 
 app = typer.Typer(
     help="Incremental, caching lowering of PyTorch models to Arm targets (TOSA, Ethos-U).",
@@ -60,12 +61,12 @@ RemoteUrl = typer.Option(
     None, "--remote", help=r"Shared cache: redis://host:port/db or s3://bucket/prefix \[env: LOWERCACHE_REMOTE]."
 )
 # Read by main() before the command runs (lowercache.client); declared so the command accepts it.
-NoServer = typer.Option(False, "--no-server", help=r"Run in this process, not through the warm server \[env: LOWERCACHE_SERVER=0].")
+NoServer = typer.Option(False, "--no-server", metavar="", help=r"Run in this process, not through the warm server \[env: LOWERCACHE_SERVER=0].")
 
-PerTensor = typer.Option(False, "--per-tensor", help="Quantize weights per tensor instead of per channel.")
+PerTensor = typer.Option(False, "--per-tensor", metavar="", help="Quantize weights per tensor instead of per channel.")
 SystemConfig = typer.Option(None, "--system-config", help="Ethos-U: Vela's system config from its Arm/vela.ini (default: ExecuTorch's for the target).")
 MemoryMode = typer.Option(None, "--memory-mode", help="Ethos-U: Vela's memory mode from its Arm/vela.ini, e.g. Shared_Sram, Sram_Only (default: ExecuTorch's for the target).")
-NoDirect = typer.Option(False, "--no-direct", help=r"Do not answer from a direct-mode record (docs/direct-mode.md) \[env: LOWERCACHE_DIRECT=0].")
+NoDirect = typer.Option(False, "--no-direct", metavar="", help=r"Do not answer from a direct-mode record (docs/direct-mode.md) \[env: LOWERCACHE_DIRECT=0].")
 
 
 def _setup_logging() -> None:
@@ -106,8 +107,13 @@ def _logged_tracebacks_hidden() -> Iterator[None]:
             h.removeFilter(_no_traceback)
 
 
+_json_errors = False  # ``lower --json``: a failure is also one JSON object on stdout, where a script reads the summary
+
+
 def _fail(message: str, code: int) -> None:
     print(f"lowercache: error: {message}", file=sys.stderr)
+    if _json_errors:
+        print(json.dumps({"error": message, "exit": code}, sort_keys=True))
     raise typer.Exit(code)
 
 
@@ -191,21 +197,23 @@ def lower(
     target: str = TargetOption,
     out_dir: Path = typer.Option(..., "--out", "-o", help="Directory that receives model.pte, TOSA, Vela output, manifest.json."),
     cache_dir: Optional[Path] = CacheDir,
-    no_cache: bool = typer.Option(False, "--no-cache", help="Lower without reading or writing the cache."),
+    no_cache: bool = typer.Option(False, "--no-cache", metavar="", help="Lower without reading or writing the cache."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help=".pt file with a list of input tuples (torch.load weights_only), or .npz with one array per input, samples on axis 0."),
     per_tensor: bool = PerTensor,
     remote: Optional[str] = RemoteUrl,
     no_server: bool = NoServer,
-    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary of the run on stdout."),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print a machine-readable summary of the run on stdout."),
     no_direct: bool = NoDirect,
     system_config: Optional[str] = SystemConfig,
     memory_mode: Optional[str] = MemoryMode,
 ) -> None:
     """Lower MODEL for a target, serving unchanged work from the cache."""
-
+    global _json_errors
     from .. import api, direct
     from ..lowering import loading
     from ..lowering.targets import resolve
+
+    _json_errors = as_json
 
     try:
         settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote, direct=False if no_direct else None)
@@ -243,7 +251,7 @@ def lower(
     if as_json:
         print(json.dumps(_run_summary(artifacts, written, out_dir), indent=2, sort_keys=True))
     else:
-        out.print(f"wrote {len(written)} files to {out_dir}")
+        out.print(f"wrote {counted(len(written), 'file')} to {out_dir}")
 
 
 @contextlib.contextmanager
@@ -312,7 +320,7 @@ def _print_summary(records: list[dict], stages: dict[str, float]) -> None:
         if bulk:
             counts = ", ".join(f"{n} {o}" for o, n in sorted(outcome_counts(bulk)[kind].items()))
             seconds = sum(r["seconds"] for r in bulk)
-            table.add_row(f"{kind}: {len(bulk)} steps", counts, f"{seconds:.2f}", f"{sum(r['saved'] for r in bulk):.2f}")
+            table.add_row(f"{kind}: {counted(len(bulk), 'step')}", counts, f"{seconds:.2f}", f"{sum(r['saved'] for r in bulk):.2f}")
     err.print(table)
     saved = sum(r["saved"] for r in records if r["outcome"] == "hit")
     total = sum(stages.values())
@@ -375,7 +383,7 @@ def watch(
     targets: List[str] = typer.Option(..., "--target", "-t", help="A target, as for lower; repeat -t for several.", autocompletion=_complete_target),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Output directory; with several -t, each target's output goes to DIR/<target>/."),
     cache_dir: Optional[Path] = CacheDir,
-    no_cache: bool = typer.Option(False, "--no-cache", help="Lower without reading or writing the cache (no record of what the factory read is kept: the model file is watched)."),
+    no_cache: bool = typer.Option(False, "--no-cache", metavar="", help="Lower without reading or writing the cache (no record of what the factory read is kept: the model file is watched)."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration file, as for lower (.pt or .npz)."),
     per_tensor: bool = PerTensor,
     remote: Optional[str] = RemoteUrl,
@@ -418,7 +426,7 @@ def build(
     names: Optional[List[str]] = typer.Argument(None, help="Models to build, by their names in the build file (default: all)."),
     build_file: Optional[Path] = typer.Option(None, "--file", "-f", help=r"Build file (default: lowercache.toml, else \[tool.lowercache] in pyproject.toml, in the working directory)."),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Pairs lowered at once (default: the core count, bounded by memory; with ray: every pair)."),
-    keep_going: bool = typer.Option(False, "--keep-going", "-k", help="Build the other pairs after a failure; report failures at the end (exit 1)."),
+    keep_going: bool = typer.Option(False, "--keep-going", "-k", metavar="", help="Build the other pairs after a failure; report failures at the end (exit 1)."),
     executor: str = typer.Option("local", "--executor", help=r"local (worker processes on this machine) or ray (pip install 'lowercache\[ray]')."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help=r"The Ray cluster (default: a Ray on this machine) \[env: RAY_ADDRESS]."),
     compare: Optional[Path] = typer.Option(None, "--compare", help="A previous build-report.json: say what changed since."),
@@ -454,20 +462,34 @@ def bench(ctx: typer.Context) -> None:
 
 
 @app.command()
-def stats(cache_dir: Optional[Path] = CacheDir) -> None:
+def stats(
+    cache_dir: Optional[Path] = CacheDir,
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the figures as one JSON object on stdout."),
+    zero: bool = typer.Option(False, "--zero", "-z", metavar="", help="Set the counters (hits, misses, time saved) back to zero; entries stay."),
+) -> None:
     """Entries, size and hit rate by step kind."""
     with _local_store(cache_dir) as store:
+        if zero:
+            store.zero_counters()
+            out.print(f"counters of {store.directory} set to zero", markup=False, highlight=False)
+            return
         counters = store.counters()
         entries = store.entry_count()
+        outcomes = ("hit", "remote_hit", "miss", "skip", "bypass", "noop", "ran")
+        kinds = sorted({k.split("/")[1] for k in counters if k.startswith("count/")})
+        if as_json:
+            by_kind = {kind: {o: counters.get(f"count/{kind}/{o}", 0) for o in outcomes} for kind in kinds}
+            print(json.dumps({"cache_dir": str(store.directory), "steps": entries["actions"], "blobs": entries["blobs"],
+                              "bytes": store.volume(), "saved_seconds": counters.get("saved_ms", 0) / 1000, "outcomes": by_kind},
+                             indent=2, sort_keys=True))
+            return
         out.print(f"cache directory  {store.directory}")
         out.print(f"entries          {entries['actions']} steps, {entries['blobs']} blobs")
         out.print(f"size             {store.volume() / 2**20:.1f} MiB")
         out.print(f"time saved       {counters.get('saved_ms', 0) / 1000:.1f} s")
         table = Table(title="outcomes by step kind")
-        outcomes = ("hit", "remote_hit", "miss", "skip", "bypass", "noop", "ran")
         for column in ("kind", "hits (local+remote)", "of which remote", "miss", "skip", "bypass", "noop", "ran", "hit rate"):
             table.add_column(column)
-        kinds = sorted({k.split("/")[1] for k in counters if k.startswith("count/")})
         for kind in kinds:
             n = {o: counters.get(f"count/{kind}/{o}", 0) for o in outcomes}
             looked = n["hit"] + n["miss"]
@@ -480,7 +502,7 @@ def stats(cache_dir: Optional[Path] = CacheDir) -> None:
 def explain(
     model: str = typer.Argument(..., help="The MODEL as given to `lowercache lower`."),
     target: str = TargetOption,
-    passes: bool = typer.Option(False, "--passes", help="List every Arm pass of the latest run that ran passes."),
+    passes: bool = typer.Option(False, "--passes", metavar="", help="List every Arm pass of the latest run that ran passes."),
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Say which named key parts changed for the last miss of MODEL on a target."""
@@ -518,7 +540,7 @@ def _model_name(model: str) -> str:
 @app.command()
 def gc(
     max_size: Optional[str] = typer.Option(None, "--max-size", help="Evict least-recently-used entries down to this size (e.g. 2G)."),
-    verify: bool = typer.Option(False, "--verify", help="Also check every entry and drop corrupt ones."),
+    verify: bool = typer.Option(False, "--verify", metavar="", help="Also check every entry and drop corrupt ones."),
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Evict entries over the size limit (and, with --verify, corrupt ones)."""
@@ -550,8 +572,8 @@ def run(
     cache_dir: Optional[Path] = CacheDir,
     remote: Optional[str] = RemoteUrl,
     outs: List[Path] = typer.Option([], "--out", metavar="DIR", help="A directory outside the working directory the command may write (replayed like the rest)."),
-    explain: bool = typer.Option(False, "--explain", help="Say what the latest run of this command did with its record, and why; run nothing."),
-    no_server: bool = typer.Option(False, "--no-server", help=r"Run the command as a new process, not in a child of the warm server \[env: LOWERCACHE_SERVER=0]."),
+    explain: bool = typer.Option(False, "--explain", metavar="", help="Say what the latest run of this command did with its record, and why; run nothing."),
+    no_server: bool = typer.Option(False, "--no-server", metavar="", help=r"Run the command as a new process, not in a child of the warm server \[env: LOWERCACHE_SERVER=0]."),
 ) -> None:
     """Run a command (e.g. `lowercache run -- python export.py`): replayed from its record when nothing it read changed, else run with its Arm lowering cached, in a child of the warm server when that can stand in for a new python (docs/run.md)."""
     if not ctx.args:
@@ -739,8 +761,8 @@ def _print_version(asked: bool) -> None:
 
 @app.callback()
 def _options(
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show the third-party warnings lowercache holds back."),
-    show_version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+    verbose: bool = typer.Option(False, "--verbose", "-v", metavar="", help="Also show the third-party warnings lowercache holds back."),
+    show_version: bool = typer.Option(False, "--version", metavar="", is_eager=True, callback=_print_version,
                                       help="Print lowercache's version and its toolchain's, and exit."),
 ) -> None:
     global _verbose
