@@ -315,7 +315,7 @@ def _print_summary(records: list[dict], stages: dict[str, float]) -> None:
 
     for r in listed(records):
         table.add_row(f"{r['kind']}: {r['name']}", r["outcome"], f"{r['seconds']:.2f}", f"{r['saved']:.2f}")
-    for kind in sorted(BULK_KINDS):
+    for kind in sorted(BULK_KINDS) if _verbose else ():  # passes, observers, decompositions: internals, shown with -v
         bulk = [r for r in records if r["kind"] == kind]
         if bulk:
             counts = ", ".join(f"{n} {o}" for o, n in sorted(outcome_counts(bulk)[kind].items()))
@@ -324,7 +324,10 @@ def _print_summary(records: list[dict], stages: dict[str, float]) -> None:
     err.print(table)
     saved = sum(r["saved"] for r in records if r["outcome"] == "hit")
     total = sum(stages.values())
-    err.print(f"total {total:.2f}s; served from cache: {saved:.2f}s of work saved")
+    if any(r["outcome"] == "hit" for r in listed(records)):
+        err.print(f"total {total:.2f}s; served from cache: {saved:.2f}s of work saved")
+    else:  # a cold run: the few internal steps another model left are not what the user asked about
+        err.print(f"total {total:.2f}s")
 
 
 def _vela_args(system_config: Optional[str], memory_mode: Optional[str]) -> list[str]:
