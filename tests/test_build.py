@@ -266,3 +266,28 @@ def test_the_example_zoo_build_file_is_valid():
     build = buildfile.load(Path(__file__).resolve().parents[1] / "examples" / "lowercache.toml")
     assert build.names == ["tiny_cnn", "mobilenet_v2"] and len(build.pairs) == 6
     assert {p.memory for p in build.pairs if p.name == "mobilenet_v2"} == {3 * 2**30}
+
+
+def test_a_ray_cluster_that_refuses_the_token_is_one_line_with_the_hint(tmp_path):
+    """A cluster with token authentication (Ray 2.59 on) and another token here: Ray's native client prints a line a
+    second while it retries; the user gets one line that says what to set."""
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'lowercache[ray]'")
+    root = project(tmp_path / "zoo", {"a.py": TINY.format(args="")}, 'targets = ["tosa-fp"]\n[models.a]\nmodel = "a.py:model"\n')
+    head = ("import ray, sys\nray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, _node_ip_address='127.0.0.1')\n"
+            "print(ray.get_runtime_context().gcs_address, flush=True)\nsys.stdin.read()\nray.shutdown()\n")
+    auth = {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+    cluster = subprocess.Popen([sys.executable, "-c", head], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True, env={**os.environ, **auth, "RAY_AUTH_TOKEN": "c" * 32})  # Ray reads these at import
+    try:
+        address = cluster.stdout.readline().strip()
+        assert address, "the Ray cluster did not start"
+        refused = cli("build", "--executor", "ray", "--ray-address", address, cwd=root, env={**auth, "RAY_AUTH_TOKEN": "d" * 32})
+    finally:
+        cluster.stdin.close()
+        cluster.wait(timeout=120)
+    assert refused.returncode != 0
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert lines == [f"lowercache: error: cannot reach the Ray cluster at {address}: it refused this machine's authentication token "
+                     "(set RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH, to the cluster's: `ray get-auth-token` on its head prints it; "
+                     "RAY_AUTH_MODE=token)"], refused.stderr[-3000:]
+    assert not (root / "build").exists()

@@ -13,9 +13,12 @@ output itself, from the shared tier (:func:`fetch`). Secrets such as
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from ..errors import LowercacheError
 from . import local
@@ -42,10 +45,20 @@ class RayExecutor:
         self.ray = ray
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
-            try:
-                ray.init(address=address or os.environ.get("RAY_ADDRESS") or None, logging_level="ERROR", log_to_driver=False)
-            except (ConnectionError, RuntimeError, ValueError) as e:
-                raise LowercacheError(f"cannot reach the Ray cluster{f' at {address}' if address else ''}: {str(e).splitlines()[0]}") from None
+            with _native_stderr() as said:
+                try:
+                    ray.init(address=address or os.environ.get("RAY_ADDRESS") or None, logging_level="ERROR", log_to_driver=False)
+                    failed = None
+                except (ConnectionError, RuntimeError, ValueError) as e:
+                    failed = e
+            where = f" at {address}" if address else ""
+            if failed is not None and "InvalidAuthToken" in said[0]:
+                raise LowercacheError(f"cannot reach the Ray cluster{where}: it refused this machine's authentication token "
+                                      "(set RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH, to the cluster's: `ray get-auth-token` on "
+                                      "its head prints it; RAY_AUTH_MODE=token)") from None
+            if failed is not None:
+                raise LowercacheError(f"cannot reach the Ray cluster{where}: {str(failed).splitlines()[0]}") from None
+            sys.stderr.write(said[0])  # a connection that succeeded keeps whatever Ray's native code said
         self.task = ray.remote(_lower)
         self.jobs, self.cwd, self.syspath, self.options = jobs, cwd, syspath, options
         self.running: dict[Any, tuple[Pair, float]] = {}
@@ -91,6 +104,24 @@ class RayExecutor:
         self.cancel()
         if self.started_ray:
             self.ray.shutdown()
+
+
+@contextlib.contextmanager
+def _native_stderr() -> Iterator[list[str]]:
+    """What native code writes to file descriptor 2 meanwhile (Ray's GCS client retries print a line a second), held
+    back and handed over as ``said[0]`` once the block ends."""
+    said = [""]
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield said
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            said[0] = held.read().decode("utf-8", "replace")
 
 
 def fetch(pair: Pair, cwd: str, syspath: list[str], options: list[str]) -> dict[str, Any]:
