@@ -16,7 +16,6 @@ direct-mode record's answer, and the warm server's answer.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
