@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, TypeVar
 
 from . import delegation, startup, sweep
-from .cache.digests import digest, digest_json
+from .cache.digests import digest, digest_json, stat_key
 from .cache.store import Entry
 from .cache.toolchain import lowercache_digest, toolchain_parts
 from .config import Settings, load_settings
@@ -145,11 +145,6 @@ class Places:
 
 
 # -- what a path holds -------------------------------------------------------------------------------
-
-
-def stat_key(st: os.stat_result) -> list[int]:
-    """What a file's stat says of its identity and age (``watch`` judges its files by it too)."""
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
 
 # What a stat shows besides kind and content, by what the caller observed: ``os.access`` the mode bits and owner,

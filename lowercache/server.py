@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import client, pyexec, startup
+from .cache.digests import stat_key
 from .config import MAX_SECONDS, load_settings
 
 _PR_SET_PDEATHSIG = 1
@@ -795,7 +796,7 @@ class Warm:
     lookups: list[str] = field(default_factory=list)  # module names they looked up
     imported: dict[str, list[str]] = field(default_factory=dict)  # top-level names of those and of every module imported, where found
     installed: tuple[str, ...] = ()  # directories of installed code (stdlib, site-packages, lowercache)
-    files: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)  # every imported module's file: its stamp
+    files: dict[str, list[int] | None] = field(default_factory=dict)  # every imported module's file: its stat_key
 
     def remember_files(self) -> None:
         """Note the file of every module imported so far (3,600 after the warm-up: 10 ms to check again)."""
@@ -812,13 +813,12 @@ class Warm:
         return None
 
 
-def _file_stamp(path: str) -> tuple[int, int, int, int]:
-    """Size, mtime, ctime, inode: an edit in place that keeps size and mtime still moves the ctime."""
+def _file_stamp(path: str) -> list[int] | None:
+    """The file's ``stat_key``, None when it is gone (a file missing at the warm-up stays missing)."""
     try:
-        st = os.stat(path)
+        return stat_key(os.stat(path))
     except OSError:
-        return (-1, -1, -1, -1)
-    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+        return None
 
 
 def _installed_dirs() -> tuple[str, ...]:

@@ -22,7 +22,7 @@ import stat
 import sys
 from typing import Any, Iterable
 
-from .cache.digests import digest, digest_json
+from .cache.digests import digest, digest_json, stat_key
 
 # Variables read before any Python code runs (the interpreter's start, torch's and the OpenMP,
 # MKL and C libraries' native code): a warm process keeps what it made of its own values.
@@ -84,7 +84,7 @@ def _site_dirs() -> list[str]:
 def site_files() -> list[list[Any]]:
     """The files ``site`` runs or that install import hooks: ``.pth`` files, editable finders, top-level modules.
 
-    Each is named with its stat (size, mtime, ctime, inode): ``pip install -e`` of another
+    Each is named with its stat (``stat_key``): ``pip install -e`` of another
     checkout rewrites ``__editable___*_finder.py`` with the same name, and the
     site-packages listing alone cannot see that.
     """
@@ -102,7 +102,7 @@ def site_files() -> list[list[Any]]:
             except OSError:
                 continue
             if stat.S_ISREG(st.st_mode):
-                found.append([directory, entry, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
+                found.append([directory, entry, *stat_key(st)])
     return found
 
 

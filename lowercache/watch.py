@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from . import delegation, direct, estimates
+from .cache.digests import stat_key
 from .config import Settings
 from .errors import LowercacheError
 from .lowering.targets import resolve
@@ -106,7 +107,7 @@ class Files:
         found = []
         for path, (key, content) in self.states.items():
             try:
-                now_key: Optional[tuple[int, ...]] = tuple(direct.stat_key(os.stat(path)))
+                now_key: Optional[tuple[int, ...]] = tuple(stat_key(os.stat(path)))
             except OSError:
                 now_key = None
             if now_key == key:

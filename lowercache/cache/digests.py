@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import xxhash
@@ -16,6 +17,12 @@ def digest(data: bytes | bytearray | memoryview) -> str:
 def digest_json(value: Any) -> str:
     """Digest of a JSON-able value in canonical form (sorted keys, no spaces)."""
     return digest(canonical_json(value).encode())
+
+
+def stat_key(st: os.stat_result) -> list[int]:
+    """What a file's stat says of its identity and age: size, mtime, ctime (an edit in place that keeps size and mtime
+    still moves it), inode, device."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
 
 def canonical_json(value: Any) -> str:

@@ -21,6 +21,8 @@ from typing import Any
 
 import xxhash
 
+from .digests import stat_key
+
 # lowercache's rooms whose code decides what a step produces (not the CLI, the benchmark or the docs).
 _PRODUCING_ROOMS = ("cache", "lowering", "speedups")
 # Modules in those rooms whose code cannot change an artifact's bytes: the remote tiers' transport, the run history,
@@ -93,7 +95,7 @@ def lowercache_digest() -> str:
 
     Parsing the 50 modules takes 0.15 s, too long for a direct-mode hit, so
     each module's digest is kept in a memo file beside the default cache,
-    under its stat (size, mtime, ctime, inode: an edit changes the ctime).
+    under its stat (``stat_key``: an edit changes the ctime).
     """
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     memo = _Memo()
@@ -120,8 +122,7 @@ class _Memo:
             self.entries = {}
 
     def digest(self, path: str) -> str:
-        st = os.stat(path)
-        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        stamp = stat_key(os.stat(path))
         known = self.entries.get(path)
         if isinstance(known, list) and len(known) == 2 and known[0] == stamp and isinstance(known[1], str):
             return known[1]
