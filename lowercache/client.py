@@ -388,7 +388,7 @@ def _relay(running: _Running) -> int:
     raise ServerLost("the server closed the connection")
 
 
-def exec_through_server(argv: list[str], env: dict[str, str], executable: str, hook_dir: str, fds: list[int],
+def exec_through_server(argv: list[str], env: dict[str, str], executable: str, fds: list[int],
                         settings: Settings) -> tuple[int | None, str]:
     """Run a ``python`` command in a child of the warm server, writing to ``fds`` (its descriptors 0-2); for ``lowercache run``.
 
@@ -399,7 +399,7 @@ def exec_through_server(argv: list[str], env: dict[str, str], executable: str, h
     """
     if not settings.server or not hasattr(socket, "SO_PEERCRED"):
         return None, "the server is off"
-    request = {"op": "exec", "argv": argv, "cwd": os.getcwd(), "env": env, "executable": executable, "hook_dir": hook_dir,
+    request = {"op": "exec", "argv": argv, "cwd": os.getcwd(), "env": env, "executable": executable,
                "umask": _umask(), "timeout": None}
     sock = _connected(settings, request, "running the command as a new process")
     if sock is None:

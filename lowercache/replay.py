@@ -59,7 +59,6 @@ from .errors import LowercacheError
 
 KIND = "run"
 # On the wrapped command's PYTHONPATH: its sitecustomize starts the recorder and the Arm hooks (runhook.py).
-HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run")
 RECORD_VERSION = 2
 # Handed to the wrapped process only (it removes them before the script runs).
 ENV_RECORD = "LOWERCACHE_RUN_RECORD"
@@ -432,7 +431,7 @@ def _run_child(command: Command, env: dict[str, str], settings: Settings) -> tup
         python = _our_python(command.argv, env, command.cwd) if pyexec.parse(command.argv) is not None else None
         if python is not None:
             stdin = 0 if _usable(0) else os.open(os.devnull, os.O_RDONLY)
-            code, why = exec_through_server(command.argv, env, python, HOOK_DIR, [stdin, pipes[0][1], pipes[1][1]], settings)
+            code, why = exec_through_server(command.argv, env, python, [stdin, pipes[0][1], pipes[1][1]], settings)
             if stdin:
                 os.close(stdin)
         how = "in a child of the warm server" if code is not None else f"as a new process ({why})"

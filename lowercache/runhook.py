@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from .config import Settings
-from .replay import HOOK_DIR
+from .startup import HOOK_DIR
 
 
 def command_env(settings: Settings) -> dict[str, str]:

@@ -187,7 +187,7 @@ _FIELDS: dict[str, dict[str, Any]] = {
     "stop": {},
     "run": {**_COMMON, "path": _texts(), "tty": _flags, "columns": _whole(0, _MAX_COLUMNS), "lines": _whole(0, _MAX_COLUMNS),
             "encoding": _codecs(codecs.lookup), "errors": _codecs(codecs.lookup_error)},
-    "exec": {**_COMMON, "executable": _absolute, "hook_dir": _text, "umask": _whole(0, 0o777)},
+    "exec": {**_COMMON, "executable": _absolute, "umask": _whole(0, 0o777)},
 }
 _REQUIRED = {"run": ("argv", "cwd", "env", "path"), "exec": ("argv", "cwd", "env", "executable")}
 

@@ -263,7 +263,7 @@ def test_a_child_that_fails_before_the_command_starts_is_declined(server, tmp_pa
     directory = os.open(project, os.O_RDONLY)  # as standard input: the child cannot make a stream of it
     read_end, write_end = os.pipe()
     request = {"op": "exec", "argv": [PY, "marker.py"], "cwd": str(project), "env": dict(server.env), "executable": PY,
-               "hook_dir": "", "umask": 0o022, "timeout": None, "identity": identity}
+               "umask": 0o022, "timeout": None, "identity": identity}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(str(client.private_dir() / client.SOCKET_NAME))
         socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], [directory, write_end, write_end])
