@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from .cache.digests import digest
+from .errors import LowercacheError
 
 
 def counted(n: int, noun: str) -> str:
     """``1 file``, ``2 files``: a count in words, as a user reads it."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-from .errors import LowercacheError
 
 
 def _unwritable(out: Path, why: str) -> LowercacheError:
