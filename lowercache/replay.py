@@ -65,8 +65,6 @@ ENV_RECORD = "LOWERCACHE_RUN_RECORD"
 ENV_OUT = "LOWERCACHE_RUN_OUT"
 # Output kept per stream; a command printing more is run every time.
 MAX_STREAM = 64 * 2**20
-# Variables the interpreter's start builds ``sys.path`` from (with the script's directory, in the record's key).
-_PATH_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONUSERBASE", "PYTHONNOUSERSITE", "PYTHONPLATLIBDIR")
 _STDIN_READS = frozenset({"read", "readline", "readlines", "buffer", "readinto", "detach", "__next__"})
 
 
@@ -218,12 +216,11 @@ def record_in_process(at_exit: bool = True, warm: dict[str, Any] | None = None) 
         recorder.lookups.update(warm["lookups"])
         for name in warm["env"]:
             recorder.read_env(name)
-    for name in _PATH_ENV:  # they make sys.path, which decides what every import finds
-        recorder.read_env(name)
+    # The variables sys.path is built from (PYTHONPATH, PYTHONHOME, HOME for the user site, ...) are in the record's
+    # identity (startup.state); whether the user's site-packages exists decides whether it is on sys.path at all.
     import site
 
-    if site.ENABLE_USER_SITE:  # the user's site-packages, found through HOME
-        recorder.read_env("HOME")
+    if site.ENABLE_USER_SITE:
         recorder.looked_at(site.getusersitepackages())
     listen(recorder)
     if sys.stdin is not None:
