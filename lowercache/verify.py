@@ -16,6 +16,7 @@ direct-mode record's answer, and the warm server's answer.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -108,15 +109,17 @@ def verify(model: LoadedModel, target: str, settings: Settings, reference: list[
     return mismatches
 
 
-def lower_in_new_process(model: str, target: str, args: list[str], env: dict[str, str]) -> dict[str, bytes]:
-    """``lowercache lower`` as a new process of this interpreter, with its flags; the files it wrote, but the manifest."""
+def lower_in_new_process(model: str, target: str, args: list[str], env: dict[str, str]) -> Artifacts:
+    """``lowercache lower`` as a new process of this interpreter, with its flags: the files it wrote but the manifest,
+    and the manifest's steps as the records (which step served each file)."""
     with tempfile.TemporaryDirectory(prefix="lowercache-verify-") as out:
         command = [sys.executable, *startup.interpreter_args(), "-m", "lowercache.cli", "lower", model, "-t", target, "-o", out, *args]
         result = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or ["no output"])[-1]
             raise LowercacheError(f"lowercache lower {' '.join(args)} failed in a new process: {last}")
-        return {p.name: p.read_bytes() for p in sorted(Path(out).iterdir()) if p.is_file() and p.name != "manifest.json"}
+        files = {p.name: p.read_bytes() for p in sorted(Path(out).iterdir()) if p.is_file() and p.name != "manifest.json"}
+        return Artifacts(files, records=json.loads((Path(out) / "manifest.json").read_text()).get("steps", []))
 
 
 def served_now(model: str, target: str, settings: Settings, reference: Artifacts, calibration: str | None,
@@ -129,7 +132,7 @@ def served_now(model: str, target: str, settings: Settings, reference: Artifacts
     the command started with (before torch set variables of its own).
     """
     env = {k: v for k, v in environ.items() if k not in ("LOWERCACHE_SPEEDUPS", "LOWERCACHE_DIRECT")}
-    stock = Artifacts(lower_in_new_process(model, target, [*args, "--no-cache", "--no-server"], {**env, "LOWERCACHE_SPEEDUPS": "none"}))
+    stock = lower_in_new_process(model, target, [*args, "--no-cache", "--no-server"], {**env, "LOWERCACHE_SPEEDUPS": "none"})
     mismatches = compare("stock in this process", reference, stock)
     checked = ["stock in a new process"]
     request = direct.Request(model=model, target=target, out_dir="", calibration=calibration, system_config=system_config,
@@ -148,9 +151,9 @@ def served_now(model: str, target: str, settings: Settings, reference: Artifacts
     if "lowercache.server" in sys.modules:  # this process is a child of the server: the cached run above was its answer
         checked.append("the server's answer (this process)")
     elif settings.server:
-        mismatches += compare("server", Artifacts(lower_in_new_process(model, target, [*args, "--no-direct"], env)), stock)
+        mismatches += compare("server", lower_in_new_process(model, target, [*args, "--no-direct"], env), stock)
         checked.append("the server's answer")
-    return [Mismatch(m.run, m.artifact, m.offset, m.served_by.replace("unknown", m.run), m.up_to_names) for m in mismatches], checked
+    return mismatches, checked
 
 
 def _store(settings: Settings) -> Any:
