@@ -92,21 +92,18 @@ def _equal_up_to_names(a: bytes, b: bytes) -> bool:
         return False
 
 
-def verify(model: LoadedModel, target: str, settings: Settings, reference: list[Artifacts] | None = None,
-           **options: Any) -> list[Mismatch]:
-    """Lower three ways and return every mismatch against the stock reference (appended to ``reference`` when given)."""
+def verify(model: LoadedModel, target: str, settings: Settings, **options: Any) -> tuple[list[Mismatch], Artifacts]:
+    """Lower three ways: every mismatch against the stock reference, and that reference (``served_now`` compares with it)."""
     subject = model.program if model.program is not None else model.module
 
     def run(s: Settings) -> Artifacts:
         return api.lower(subject, model.example_inputs, target=target, settings=s, name=model.name, listener=_quiet, **options)
 
     stock = run(Settings(cache_dir=settings.cache_dir, disable=True, speedups="none"))
-    if reference is not None:
-        reference.append(stock)
     mismatches = compare("cache", run(settings), stock)
     with tempfile.TemporaryDirectory(prefix="lowercache-verify-") as fresh:
         mismatches += compare("fresh cache", run(Settings(cache_dir=fresh)), stock)
-    return mismatches
+    return mismatches, stock
 
 
 def lower_in_new_process(model: str, target: str, args: list[str], env: dict[str, str]) -> Artifacts:

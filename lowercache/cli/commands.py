@@ -364,9 +364,8 @@ def verify(
         resolve(target, **vela)
         loaded = loading.load_model(model)
         samples = loading.load_calibration(str(calibration)) if calibration is not None else None
-        reference: list = []
-        mismatches = run_verify(loaded, target, settings, calibration=samples, reference=reference, **vela)
-        more, checked = served_now(model, target, settings, reference[0], str(calibration) if calibration else None, args, environ, **vela)
+        mismatches, stock = run_verify(loaded, target, settings, calibration=samples, **vela)
+        more, checked = served_now(model, target, settings, stock, str(calibration) if calibration else None, args, environ, **vela)
         mismatches += more
     except LowercacheError as e:
         _fail(str(e), 2)
