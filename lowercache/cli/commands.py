@@ -268,11 +268,11 @@ def _progress() -> Iterator[Any]:
 
     from .. import direct
 
+    before = set(threading.enumerate())
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True) as progress:
-        refresh = getattr(progress.live, "_refresh_thread", None)  # rich's redraw thread: ours, not the factory's
-        if isinstance(refresh, threading.Thread):
-            refresh.name = "lowercache-progress"
-            direct.own_thread(refresh)
+        for thread in set(threading.enumerate()) - before:  # rich's redraw thread, started by entering: ours, not the factory's
+            thread.name = "lowercache-progress"
+            direct.own_thread(thread)
         task = progress.add_task("loading", total=None)
 
         def live(phase: str, record: Any, label: str) -> None:
