@@ -31,7 +31,7 @@ graph), and every node's metadata is of the kinds above or ones a re-trace
 carries over unchanged, and the call comes from ExecuTorch's
 ``_gen_edge_manager_for_partitioners``, which drops the program it passed in
 (the skip returns that program, changed in place; a user's script under
-``lowercache run`` keeps its own calls stock). ``tests/test_decompositions.py`` compares the result,
+``lowercache run`` keeps its own calls stock). ``tests/flow/test_decompositions.py`` compares the result,
 node by node and key by key, with the real call on the test models.
 
 The second call usually has a little to decompose (MobileNetV2: its 52

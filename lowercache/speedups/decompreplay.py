@@ -18,7 +18,7 @@ value comes from. Nothing in it is executed or unpickled; a template that
 does not decode is a miss, with a warning.
 
 A replay builds the nodes as the trace does (measured on every candidate of
-MobileNetV2 and DeiT-tiny, ``tests/test_decompreplay.py`` compares node by
+MobileNetV2 and DeiT-tiny, ``tests/flow/test_decompreplay.py`` compares node by
 node): each value by running the operator on its inputs' values in the
 program's fake mode under ``no_grad`` (the trace runs without grad), then
 ``extract_val`` as the tracer does; ``tensor_meta`` from that value;
