@@ -1,74 +1,6 @@
-"""Skip the re-trace of a ``run_decompositions`` call that has nothing to decompose,
-and re-trace only the nodes of one that has little.
+"""Skip a ``run_decompositions`` call with nothing to decompose, and re-trace only the nodes of one with little, making exactly the changes a full re-trace makes.
 
-``to_edge_transform_and_lower`` calls ``run_decompositions`` three times for a
-partitioner that preserves ops (``_gen_edge_manager_for_partitioners``): to
-functionalize, with the partitioner's ops kept, and once more with the full
-table after the kept ops were renamed into ``EDGE_DO_NOT_DECOMP``. On the
-graphs lowercache sees the third call usually finds nothing left to
-decompose, yet re-traces the whole program through AOT dispatch (about a third
-of all decomposition time). ExecuTorch itself skips such a call on its other
-branch ("safe to skip when none of those targets occur in the graph").
-
-A re-trace of an already decomposed graph keeps every node, name, argument
-and value; what it changes is metadata, and this module makes exactly those
-changes instead of re-tracing:
-
-- every operator node's ``original_aten`` becomes its own operator;
-- a parameter or buffer placeholder takes, from the operators that read it
-  in graph order, their traced fields (``original_aten``, ``torch_fn``,
-  ``from_node``, ...), later readers overwriting earlier ones, as
-  ``_collect_param_buffer_metadata`` does when the call unlifts the program
-  (:func:`_lifted_input_meta`);
-- operators that need exact strides get ``eager_input_vals``, computed by
-  torch's own helpers from the inputs' values.
-
-The skip applies only under conditions that make this the whole effect: the
-program is already in post-dispatch ATen form, the table is non-empty and none
-of its operators occur, every node is a plain operator call (no
-CompositeImplicitAutograd operator, no higher-order operator or nested
-graph), and every node's metadata is of the kinds above or ones a re-trace
-carries over unchanged, and the call comes from ExecuTorch's
-``_gen_edge_manager_for_partitioners``, which drops the program it passed in
-(the skip returns that program, changed in place; a user's script under
-``lowercache run`` keeps its own calls stock). ``tests/test_decompositions.py`` compares the result,
-node by node and key by key, with the real call on the test models.
-
-The second call usually has a little to decompose (MobileNetV2: its 52
-``conv2d`` become ``convolution``; DeiT-tiny: 61 ``transpose`` and 24
-``_unsafe_view`` of 3,559 nodes), yet re-traces everything. Under the same
-conditions, except that table and CompositeImplicitAutograd operators may
-occur, such a call is *localized*: only the nodes it can change (the
-candidates: operators in the table or with a CompositeImplicitAutograd
-kernel) are put in a small program of their own, with their inputs as
-placeholders holding the same fake values (so the same fake mode), and the
-real ``run_decompositions`` runs on that. Its nodes replace the candidates
-(with the metadata that trace gave them), and the rest of the program takes
-the re-trace metadata above (a lifted input's from its readers as they were
-before the call). Names are then given as a trace gives
-them (``trace_names``): in node order by operator name, and every output of a
-multi-output operator a ``getitem`` right after it, used or not (a trace
-creates them all and drops the unused ones, whose names stay taken); the
-signature's output names follow. Anything outside that (symbolic shapes,
-mutable operators, non-tensor values, nodes the small trace removes or that
-would lose all their uses, a structure whose names are not known) takes the
-full call, before the program is touched.
-
-A localized call whose every candidate has a stored template (a ``decomp``
-step, ``decompreplay.py``) builds their nodes from the templates instead of
-tracing the small program; otherwise it traces and stores the templates.
-
-The first call (an empty table on a pre-dispatch program) functionalizes and
-decomposes CompositeImplicitAutograd operators torch does not preserve
-(``reshape`` becomes ``view``, ``to`` of the same dtype disappears). An
-exported model, quantized or float, has no mutation to functionalize, so
-the call is the same localized re-trace (DeiT-tiny Ethos-U55: 10.4 s ->
-1.5 s), on a copy (the real call returns a new program; the caller's is
-left as it was), plus what the trace adds: arguments in the form a trace
-records them, placeholder descriptors, lifted inputs' metadata collected
-from their readers, ``seq_nr``, and, as the trace runs without grad,
-operator outputs' ``tensor_meta`` without ``requires_grad``. Only operators
-torch would decompose are candidates, in every call.
+Why it is exact, and figures: docs/speedups.md#decompositions.
 """
 
 from __future__ import annotations
@@ -87,7 +19,7 @@ from .patching import AttributePatch
 log = logging.getLogger("lowercache")
 
 # Metadata a re-trace of a decomposed graph carries over unchanged or recomputes
-# as described above; a node with any other key takes the stock path.
+# as docs/speedups.md#decompositions lists; a node with any other key takes the stock path.
 _KNOWN_META = frozenset(
     {
         "custom",
