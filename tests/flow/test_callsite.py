@@ -14,7 +14,6 @@ from lowercache.bench import models
 from tests.helpers.oracle import stock_pte
 
 
-
 @pytest.fixture
 def shim(monkeypatch):
     """The shim as the call sites see it, with this file's stamping functions registered as sites."""

@@ -12,7 +12,6 @@ from tests.helpers.graphs import ConvertsAndReshapes, churn_patch, describe, sam
 from tests.helpers.oracle import reference, stock_pte
 
 
-
 def _audit_calls(model: str, target: str, strict: bool = False) -> dict[str, int]:
     """Lower stock; at every call that would be skipped or localized, compare the real re-trace with ours."""
     original = torch.export.ExportedProgram.run_decompositions

@@ -14,7 +14,6 @@ from lowercache.bench import models
 from tests.helpers.oracle import reference
 
 
-
 def test_admits_the_four_quantize_ops_on_the_pinned_toolchain():
     names = sorted(str(op) for op in fakecache.admitted())
     assert names == [

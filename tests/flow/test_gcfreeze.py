@@ -14,7 +14,6 @@ from lowercache.speedups.gcfreeze import frozen_heap
 from tests.helpers.oracle import stock_pte
 
 
-
 @pytest.fixture(autouse=True)
 def _clean_heap():
     gc.unfreeze()

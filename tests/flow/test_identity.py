@@ -11,7 +11,6 @@ from tests.helpers.graphs import SMALL_TARGETS, outcomes
 from tests.helpers.oracle import reference, stock_pte
 
 
-
 @pytest.mark.parametrize("target", SMALL_TARGETS)
 @pytest.mark.parametrize("model", models.SMALL)
 def test_cold_and_warm_match_stock(model, target, cache_dir):
@@ -39,6 +38,7 @@ def test_partition_artifacts_are_the_delegate_payloads(target, cache_dir):
         assert b"Network summary" in artifacts.files["partition_0.vela_summary.txt"]
 
 
+@pytest.mark.quick
 def test_no_cache_matches_stock(cache_dir):
     module, example = models.tiny_cnn()
     artifacts = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir, use_cache=False)
@@ -57,7 +57,6 @@ def test_edits_miss_and_match_stock(edit, cache_dir):
 
 
 def test_calibration_and_per_tensor_match_stock(cache_dir):
-
     module, example = models.tiny_cnn()
     samples = models.calibration_samples(example)
     got = lowercache.lower(module, example, target="tosa-int", cache_dir=cache_dir, calibration=samples, per_channel=False)

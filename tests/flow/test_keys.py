@@ -32,6 +32,7 @@ def base():
     return module, example, parts_of(module, example)
 
 
+@pytest.mark.quick
 def test_rerun_gives_the_same_key(base):
     module, example, parts = base
     again, example2 = models.tiny_cnn()
@@ -39,6 +40,7 @@ def test_rerun_gives_the_same_key(base):
     assert step_key("flow", parts_of(again, example2)) == step_key("flow", parts)
 
 
+@pytest.mark.quick
 def test_one_weight_changes_constants_only(base):
     module, example, parts = base
     edited, _ = models.tiny_cnn()

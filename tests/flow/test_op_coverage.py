@@ -10,7 +10,6 @@ from tests.helpers.op_zoo import ODD, ZOO
 from tests.helpers.oracle import stock_pte
 
 
-
 @pytest.mark.parametrize("target", ("tosa-fp", "tosa-int", "ethos-u55-128", "ethos-u85-256"))
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_cold_warm_and_edit_match_stock(name, target, cache_dir):

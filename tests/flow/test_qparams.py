@@ -11,7 +11,6 @@ from lowercache.lowering.qparams import observer_parts
 from tests.helpers.oracle import reference, stock_pte
 
 
-
 def qparams_outcomes(artifacts):
     return artifacts.manifest["step_counts"].get("qparams", {})
 

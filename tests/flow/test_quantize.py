@@ -15,7 +15,6 @@ from lowercache.cache.store import Entry, Store
 from tests.helpers.oracle import reference, stock_pte
 
 
-
 def counts(artifacts, kind):
     return artifacts.manifest["step_counts"].get(kind, {})
 

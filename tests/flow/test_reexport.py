@@ -19,7 +19,6 @@ from tests.helpers.graphs import without_varying_meta
 from tests.helpers.oracle import reference
 
 
-
 def counts(artifacts, kind):
     return artifacts.manifest["step_counts"].get(kind, {})
 

@@ -37,12 +37,14 @@ def _all_selected():
     registry.select("all")
 
 
+@pytest.mark.quick
 def test_pins_match_the_installed_sources():
     if not _on_audited_toolchain():
         pytest.skip(f"pins were taken on {AUDITED_ON}; here the check is that they switch off (test below)")
     assert {s.name: registry.audited(s.name) for s in registry.SPEEDUPS} == {s.name: True for s in registry.SPEEDUPS}
 
 
+@pytest.mark.quick
 def test_every_switchable_module_is_registered_and_ordered():
     """No patch outside the registry: every speed-ups module with an enable() is an entry, and arm turns each on."""
     folder = ROOT / "lowercache" / "speedups"
@@ -60,6 +62,7 @@ def test_every_switchable_module_is_registered_and_ordered():
         assert "\n" not in entry.why and entry.why.endswith(".")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "text, chosen",
     [

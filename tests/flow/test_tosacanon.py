@@ -7,7 +7,6 @@ from lowercache.lowering.tosacanon import canonical, equal_up_to_names
 from tests.helpers.tosa import MODELS, one_weight_changed, renamed, shuffled
 
 
-
 def test_names_and_order_do_not_change_the_form_and_anything_else_does(partitions):
     for (model, family), tosa in partitions.items():
         form = canonical(tosa)

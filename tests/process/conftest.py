@@ -8,7 +8,6 @@ import pytest
 from tests.helpers.server import Server, alive, remove_snapshot
 
 
-
 @pytest.fixture(scope="module", autouse=True)
 def _snapshot_per_module():
     yield

@@ -260,6 +260,7 @@ def test_ray_build_on_a_local_cluster_shares_results_through_redis(tmp_path, red
         assert flow["outcome"] == "hit" and flow["tier"] == "remote"
 
 
+@pytest.mark.quick
 def test_the_example_zoo_build_file_is_valid():
     from lowercache.build import buildfile
 

@@ -19,7 +19,6 @@ from tests.helpers.cli import ROOT, TINY, cli, error_lines, stock_tiny
 from tests.helpers.oracle import reference, stock_pte
 
 
-
 def test_lower_twice_writes_identical_outputs_and_explains(tmp_path, cache_dir):
     out = tmp_path / "out"
     first = cli("lower", TINY, "--target", "ethos-u55-128", "--out", out, cache_dir=cache_dir)
@@ -333,6 +332,7 @@ def test_help_never_starts_the_server(tmp_path, cache_dir):
     assert not (run / "lowercache" / "server.sock").exists()
 
 
+@pytest.mark.quick
 def test_version_and_explain_of_a_missing_model(tmp_path, cache_dir):
     version = cli("--version", cache_dir=cache_dir)
     assert version.returncode == 0 and version.stdout.startswith("lowercache 0.1.0 (torch 2.13.0")
@@ -340,6 +340,7 @@ def test_version_and_explain_of_a_missing_model(tmp_path, cache_dir):
     assert missing.returncode == 2 and error_lines(missing) == ["lowercache: error: model file nothere.py does not exist"]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("command", [["stats"], ["explain", "model.py:model", "-t", "tosa-fp"], ["gc"], ["config"], ["server", "status"]])
 def test_housekeeping_commands_import_no_torch(command, tmp_path, cache_dir):
     """docs/server.md: the cheap commands stay in the client and never pay torch's import (1.2 s or more)."""

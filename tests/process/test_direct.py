@@ -7,6 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from lowercache.cache.store import Store
@@ -159,6 +160,7 @@ def test_bytecode_older_than_its_source_is_seen(tmp_path, monkeypatch):
     del sys.modules["bytecode_probe"]
 
 
+@pytest.mark.quick
 def test_a_calibration_path_is_keyed_as_the_lowering_records_it():
     from lowercache import direct
 
@@ -167,6 +169,7 @@ def test_a_calibration_path_is_keyed_as_the_lowering_records_it():
     assert typed.key() == recorded.key()
 
 
+@pytest.mark.quick
 def test_module_files_looked_up_ahead_are_the_modules_own(tmp_path):
     """The warm server looks up its modules' files once (``remember_modules``); a child's record must read the same
     paths, and a module made later (or a new object under a remembered name) is looked up as it is now."""

@@ -131,6 +131,7 @@ def test_valid_record_round_trips_in_the_bytes_earlier_releases_wrote():
     assert integral.cost == 3.0 and isinstance(integral.cost, float)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", CASES)
 def test_the_reader_refuses(case):
     with pytest.raises(CorruptEntry):

@@ -20,6 +20,7 @@ from lowercache.cache.store import Store
 from tests.helpers import replay
 
 
+@pytest.mark.quick
 def test_an_unchanged_command_is_replayed_with_its_files_and_output(tmp_path, cache_dir):
     project = replay.project(tmp_path)
     plain = replay.plain(project, "X")

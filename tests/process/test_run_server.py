@@ -26,7 +26,6 @@ from tests.helpers.server import Server
 from tests.helpers.server import alive
 
 
-
 PY = sys.executable
 
 SCRIPT = textwrap.dedent(

@@ -308,6 +308,7 @@ def test_an_unsafe_socket_directory_is_refused_with_one_warning(tmp_path):
         shutil.rmtree(run, ignore_errors=True)
 
 
+@pytest.mark.quick
 def test_config_shows_the_server_settings(tmp_path):
     result = lc("config", env={**os.environ, "LOWERCACHE_SERVER_JOBS": "3"}, cwd=tmp_path, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -16,7 +16,6 @@ from tests.helpers.oracle import reference
 from tests.helpers.services import RedisServer, free_port
 
 
-
 def flow_record(out):
     steps = json.loads((out / "manifest.json").read_text())["steps"]
     return next(s for s in steps if s["kind"] == "flow")
@@ -110,7 +109,6 @@ def test_s3_round_trip(tmp_path, s3_url, monkeypatch):
 
 
 def test_unreachable_remote_is_a_warning_not_a_failure(tmp_path):
-
     result = cli(
         "lower", TINY, "-t", "tosa-fp", "-o", tmp_path / "out", cache_dir=tmp_path / "cache",
         env={"LOWERCACHE_REMOTE": f"redis://127.0.0.1:{free_port()}/0", "LOWERCACHE_HMAC_KEY": "team-secret"},

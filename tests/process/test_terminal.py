@@ -11,7 +11,6 @@ import time
 from tests.helpers.server import TINY, Server
 
 
-
 def at_a_terminal(server: Server, *args: str, timeout: float = 600) -> tuple[int, str]:
     """The command with a pseudo-terminal as its stdin, stdout and stderr: its exit code and everything it showed."""
     leader, follower = os.openpty()

@@ -10,7 +10,6 @@ from lowercache.lowering.targets import resolve
 from tests.helpers.cli import TINY, cli
 
 
-
 def test_verify_passes_then_catches_a_wrong_but_well_formed_entry(tmp_path, cache_dir):
     ok = cli("verify", TINY, "--target", "tosa-int", cache_dir=cache_dir)
     assert ok.returncode == 0, ok.stderr

@@ -227,6 +227,7 @@ def test_bad_input_is_one_line_and_exit_2(session):
         assert result.stderr.strip().splitlines() == [result.stderr.strip()] and message in result.stderr
 
 
+@pytest.mark.quick
 def test_vela_inserted_layers_are_matched_by_operator_not_by_their_running_number():
     def partition(*layers: tuple[str, str, float]) -> estimates.Partition:
         return estimates.Partition(0, {"cycles_total": "10"}, 0, 3, [estimates.Layer(n, op, c) for n, op, c in layers])

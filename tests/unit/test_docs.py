@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from typer.main import get_command
 
 from lowercache import config
@@ -13,6 +14,8 @@ from lowercache.speedups import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
+
+pytestmark = pytest.mark.quick
 
 
 def test_every_setting_is_in_the_configuration_page():
@@ -52,3 +55,11 @@ def test_readme_is_a_front_door():
     assert len(quick) == 2
     ci = (ROOT / ".ci" / "run").read_text()
     assert quick[1].split("&& ", 1)[1] in ci  # CI runs the README's own test command
+
+
+def test_ci_runs_the_readmes_test_command():
+    readme = (ROOT / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("pip install -e '.[test]' && "))
+    command = line.split(" && ", 1)[1]
+    assert command.startswith("python -m pytest")
+    assert command in (ROOT / ".ci" / "run").read_text()

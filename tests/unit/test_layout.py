@@ -7,8 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "lowercache"
+
+pytestmark = pytest.mark.quick
 
 
 def test_import_contracts_are_kept():

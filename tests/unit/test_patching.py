@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from lowercache.speedups.patching import AttributePatch
+
+pytestmark = pytest.mark.quick
 
 
 class Base:

@@ -62,6 +62,7 @@ class Stuck(rm.Remote):
 # -- wire format -----------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_seal_round_trip_signed_and_unsigned():
     bound = rm.digest_key(KEY)
     assert rm.unseal(rm.seal(COMPRESSIBLE, None, bound), None, bound) == COMPRESSIBLE
@@ -82,6 +83,7 @@ def test_unseal_refuses_what_is_not_a_sealed_value(blob, error):
         rm.unseal(blob, None, None)
 
 
+@pytest.mark.quick
 def test_unseal_checks_the_signature():
     bound = rm.digest_key(KEY)
     signed_a = rm.seal(b"data", b"key A", bound)
@@ -256,6 +258,7 @@ def test_redis_ttl(redis_url, raw_redis):
     assert raw_redis.ttl("lowercache/blob/" + "0" * 32) == -1  # no TTL: kept until evicted
 
 
+@pytest.mark.quick
 def test_tampered_redis_value_is_refused(redis_url, raw_redis, caplog):
     remote = rm.connect(redis_url, hmac_key=b"A")
     remote.put(KEY, COMPRESSIBLE)

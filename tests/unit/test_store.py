@@ -6,8 +6,11 @@ import logging
 import pickle
 
 import diskcache
+import pytest
 
 from lowercache.cache.store import Entry, Store
+
+pytestmark = pytest.mark.quick
 
 
 def value_files(directory):

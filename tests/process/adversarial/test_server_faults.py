@@ -30,7 +30,6 @@ from tests.helpers.runserver import explain
 from tests.helpers.server import TARGET, TINY, WAIT, alive, base_env, errors, lc, tiny_stock, wait_until, warnings_of
 
 
-
 def raw(server, line: bytes, timeout: float = 60) -> dict | None:
     """Send one raw request line to ``server``'s socket and return its reply (None when it closes without one)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
