@@ -437,7 +437,7 @@ def build(
     no_direct: bool = NoDirect,
 ) -> None:
     """Lower every (model, target) pair of the build file through the cache, in parallel; write build-report.json and .md."""
-    from ..build import buildfile, schedule
+    from ..zoo import buildfile, schedule
 
     try:
         if executor not in ("local", "ray"):
