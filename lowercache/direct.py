@@ -69,7 +69,7 @@ _UNRECORDABLE = {
 
 def _on_remote_thread() -> bool:
     """Whether this thread is a remote tier's call (a remote exists only once its module is imported)."""
-    remote = sys.modules.get("lowercache.cache.remote")
+    remote = sys.modules.get("lowercache.cache.remote.guarded")
     return remote is not None and threading.current_thread().name.startswith(remote.THREAD_PREFIX)
 
 
