@@ -833,7 +833,7 @@ def _installed_dirs() -> tuple[str, ...]:
 
 def _warm_up(warm: Warm) -> None:
     """Import the stack single-threaded and lower a tiny model into a throwaway cache, listening to what it reads."""
-    from .direct import listen, remember_modules
+    from .record.recorder import listen, remember_modules
     from .replay import CommandRecorder
 
     settings = load_settings()

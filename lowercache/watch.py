@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from . import delegation, direct, estimates
+from .record.places import path_state
 from .cache.digests import stat_key
 from .config import Settings
 from .errors import LowercacheError
@@ -81,7 +82,7 @@ def plan(model: str, targets: list[str], out_dir: Path, **options: Any) -> Plan:
 def _state(path: str) -> tuple[Optional[tuple[int, ...]], Optional[str]]:
     """(stat key, content digest), as direct mode records them; (None, None) for a missing or unreadable file."""
     try:
-        state = direct.path_state(path)
+        state = path_state(path)
     except OSError:
         return None, None
     if state["kind"] != "file":

@@ -266,13 +266,13 @@ def _progress() -> Iterator[Any]:
         return
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from .. import direct
+    from ..record.recorder import own_thread
 
     before = set(threading.enumerate())
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True) as progress:
         for thread in set(threading.enumerate()) - before:  # rich's redraw thread, started by entering: ours, not the factory's
             thread.name = "lowercache-progress"
-            direct.own_thread(thread)
+            own_thread(thread)
         task = progress.add_task("loading", total=None)
 
         def live(phase: str, record: Any, label: str) -> None:
