@@ -582,7 +582,7 @@ def run(
         _fail("nothing to run; usage: lowercache run -- python script.py", 2)
     if explain:
         from ..cache.tiers import open_store
-        from ..replay import Command, explain as explain_command
+        from ..run.replay import Command, explain as explain_command
 
         try:
             _settings(cache_dir, remote=remote, server=False if no_server else None)  # a bad flag is an error here too
@@ -595,7 +595,7 @@ def run(
         finally:
             store.close()
         return
-    from ..runhook import run_command
+    from ..run.launch import run_command
 
     try:
         code = run_command(list(ctx.args), [str(o) for o in outs], cache_dir=cache_dir, remote=remote, no_server=no_server)

@@ -106,9 +106,9 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
 
 
 def _run_ahead_unheard() -> bool:
-    """Whether this thread forks ``lowercache run``'s runner, or is that runner (``run/runahead.py``, not imported
+    """Whether this thread forks ``lowercache run``'s runner, or is that runner (``run/ahead.py``, not imported
     by the client: 7 ms it need not pay)."""
-    unrecorded = getattr(sys.modules.get("lowercache.run.runahead"), "unrecorded", None)  # None while it is imported
+    unrecorded = getattr(sys.modules.get("lowercache.run.ahead"), "unrecorded", None)  # None while it is imported
     return unrecorded is not None and unrecorded()
 
 

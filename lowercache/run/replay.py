@@ -1,7 +1,7 @@
 """Command-level replay for ``lowercache run``, as ccache replays a compile.
 
 The first run of ``lowercache run -- CMD`` runs CMD with a recorder in its
-Python process (``direct.py``'s, for the whole process): the script, the
+Python process (``record/recorder.py``'s, for the whole process): the script, the
 user's modules it imports, the files it reads, looks at and lists, the
 module names it looks up and the environment variables it reads. The files
 it writes (under the working directory or an ``--out`` directory) and its
@@ -36,17 +36,17 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import pyexec
-from .cache.digests import digest, digest_json
-from .client import exec_through_server
-from .cache.store import Entry
-from .config import Settings, load_settings
-from .errors import LowercacheError
-from .record.places import Places, path_state, project_root
-from .record.recorder import Recorder, listen, opens_to_write
-from .record.trust import UNSEEN, Words, check_inputs, identity, identity_changed, inputs_changed, put_status, status_lines, verdict
+from ..cache.digests import digest, digest_json
+from ..client import exec_through_server
+from ..cache.store import Entry
+from ..config import Settings, load_settings
+from ..errors import LowercacheError
+from ..record.places import Places, path_state, project_root
+from ..record.recorder import Recorder, listen, opens_to_write
+from ..record.trust import UNSEEN, Words, check_inputs, identity, identity_changed, inputs_changed, put_status, status_lines, verdict
 
 KIND = "run"
-# On the wrapped command's PYTHONPATH: its sitecustomize starts the recorder and the Arm hooks (runhook.py).
+# On the wrapped command's PYTHONPATH: its sitecustomize starts the recorder and the Arm hooks (hook.py).
 RECORD_VERSION = 2
 # Handed to the wrapped process only (it removes them before the script runs).
 ENV_RECORD = "LOWERCACHE_RUN_RECORD"
@@ -194,7 +194,7 @@ def python_identity() -> dict[str, str]:
 
 
 def record_in_process(at_exit: bool = True, warm: dict[str, Any] | None = None) -> Callable[[], None] | None:
-    """Record this process for the ``lowercache run`` that started it (``lowercache/_run/sitecustomize.py`` calls this).
+    """Record this process for the ``lowercache run`` that started it (``lowercache/run/_site/sitecustomize.py`` calls this).
 
     Returns the function that hands the observation over, registered as the
     first exit handler unless ``at_exit`` is false (a child of the warm
@@ -458,7 +458,7 @@ def run(command: Command, settings: Settings, env: dict[str, str]) -> int:
     """``lowercache run``: replay the command from its record when every input is as recorded, else run and record it."""
     store = None
     if settings.direct and not settings.disable:
-        from .cache.tiers import open_store
+        from ..cache.tiers import open_store
 
         try:
             store = open_store(settings)
