@@ -12,7 +12,7 @@ PACKAGE = ROOT / "lowercache"
 
 
 def test_import_contracts_are_kept():
-    """pyproject's import-linter contracts: rooms layered CLI -> API -> flow -> speed-ups -> cache, no circles."""
+    """pyproject's import-linter contracts: rooms layered, torch kept out of the fast path, no circles."""
     result = subprocess.run(
         [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"],
         cwd=ROOT,
@@ -21,6 +21,28 @@ def test_import_contracts_are_kept():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "0 broken" in result.stdout
+
+
+def _contracts() -> dict[str, dict]:
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    return {c["type"]: c for c in config["contracts"]}
+
+
+def test_the_design_doc_draws_the_layers_of_the_contract():
+    """docs/design.md's Layout and pyproject's layers contract describe the flow the same way."""
+    layers = [layer.replace("lowercache.", "") for layer in _contracts()["layers"]["layers"]]
+    design = (ROOT / "docs" / "design.md").read_text()
+    drawn = design.split("## Layout", 1)[1].split("```", 2)[1].strip().splitlines()
+    assert drawn == layers
+
+
+def test_the_fast_path_is_kept_from_torch_by_contract():
+    forbidden = _contracts()["forbidden"]
+    assert set(forbidden["forbidden_modules"]) == {"torch", "executorch"}
+    assert {"lowercache.cli", "lowercache.direct", "lowercache.record", "lowercache.client", "lowercache.config",
+            "lowercache.cache.store", "lowercache.cache.tiers", "lowercache.cache.remote"} <= set(forbidden["source_modules"])
 
 
 def _module_name(path: Path) -> str:
