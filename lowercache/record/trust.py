@@ -72,7 +72,7 @@ def identity_changed(recorded: Any, now: dict[str, Any]) -> str | None:
 def inputs_changed(inputs: dict[str, Any], places: Places, recorded_ns: int, cwd: str, environ: dict[str, str] | Any) -> str | None:
     """What differs between recorded inputs (variables, files, listings, module lookups) and now, or None.
 
-    Shared by ``lower``'s records and ``lowercache run``'s command records (``replay.py``).
+    Shared by ``lower``'s records and ``lowercache run``'s command records (``run/replay.py``).
     """
     location = inputs["location"]
     if location["root"] != places.anchors["root"] and not location["portable"]:
