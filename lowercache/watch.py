@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from . import delegation, direct, estimates
-from .record.places import path_state
 from .cache.digests import stat_key
 from .config import Settings
 from .errors import LowercacheError
 from .lowering.targets import resolve
 from .output import counted
+from .record.places import path_state
 
 Runner = Callable[[list[str]], object]  # a command line -> its exit code
 

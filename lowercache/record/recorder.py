@@ -21,7 +21,7 @@ from .. import sweep
 from ..cache.digests import digest_json
 from ..cache.toolchain import lowercache_digest
 from ..config import Settings
-from .places import RACY_NS, Places, path_state, bytecode_matches, entries, named, size, stdlib_dirs, work_tree
+from .places import RACY_NS, Places, bytecode_matches, entries, named, path_state, size, stdlib_dirs, work_tree
 from .trust import env_digest
 
 _SYSTEM_DIRS = ("/proc/", "/sys/", "/dev/")

@@ -35,15 +35,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import pyexec
 from ..cache.digests import digest, digest_json
-from ..client import exec_through_server
 from ..cache.store import Entry
+from ..client import exec_through_server
 from ..config import Settings, load_settings
 from ..errors import LowercacheError
 from ..record.places import Places, path_state, project_root
 from ..record.recorder import Recorder, listen, opens_to_write
 from ..record.trust import UNSEEN, Words, check_inputs, identity, identity_changed, inputs_changed, put_status, status_lines, verdict
+from . import pyexec
 
 KIND = "run"
 # On the wrapped command's PYTHONPATH: its sitecustomize starts the recorder and the Arm hooks (hook.py).
