@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/census.py --models tiny_cnn,residual_cnn,transformer_block \\
         --targets ethos-u55-128,tosa-fp --cache-dir /tmp/census-cache --out benchmarks/results/census
 
-For each model and target it runs ``lowercache.lowering.census`` (a cached
+For each model and target it runs the census of ``pass_census.py`` (a cached
 step: a second run with the same cache directory is a hit) with regions cut at
 the depth of the block the benchmark's edits touch, prints one markdown table
 of classes and one of the global passes by time, and writes each census as
@@ -24,7 +24,7 @@ import torch
 def _census(model: str, target_name: str, store: object) -> dict:
     from lowercache.bench.models import EDITED_BLOCKS, MODELS
     from lowercache.cache.steps import Session
-    from lowercache.lowering import census
+    import pass_census as census  # beside this script
     from lowercache.lowering.targets import resolve
 
     module, example_inputs = MODELS[model]()
@@ -46,7 +46,7 @@ def _gist(fact: str) -> str:
 
 def main(argv: list[str]) -> int:
     from lowercache.cache.store import Store
-    from lowercache.lowering import census
+    import pass_census as census  # beside this script
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny_cnn,residual_cnn,transformer_block")

@@ -78,7 +78,7 @@ class Settings:
     server_idle_timeout: int = 600  # seconds without a request before the server exits
     server_jobs: int = 0  # requests lowered at once, the rest queued; 0: the core count
     server_timeout: int = 3600  # seconds one request may run before its process is killed; 0: no limit
-    # lowercache run: a copy of the script goes on non-strictly from its first strict export (lowering/runahead.py).
+    # lowercache run: a copy of the script goes on non-strictly from its first strict export (run/ahead.py).
     run_ahead: bool = True
     origin: dict[str, str] = field(default_factory=dict)  # where each value came from
 

@@ -39,9 +39,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import client, pyexec, startup
+from . import client, startup
 from .cache.digests import stat_key
 from .config import MAX_SECONDS, load_settings
+from .run import pyexec
 
 _PR_SET_PDEATHSIG = 1
 
@@ -705,7 +706,7 @@ def _child(message: dict[str, Any], parent: int, out_w: int, err_w: int, inherit
 
 
 def _exec_child(message: dict[str, Any], parent: int, fds: list[int], inherited: list[int], warm: Warm, started: int) -> int:
-    """In the forked child: be the new ``python`` process ``lowercache run`` would have started (``pyexec.py``).
+    """In the forked child: be the new ``python`` process ``lowercache run`` would have started (``run/pyexec.py``).
 
     ``started`` gets ``S`` just before the command's own code runs. A fault
     before that writes ``E`` and why, and the client runs the command as a
@@ -728,10 +729,10 @@ def _exec_child(message: dict[str, Any], parent: int, fds: list[int], inherited:
         os.write(started, b"E" + f"{type(e).__name__}: {e}".encode()[:4000])
         return 1
     dump = None
-    try:  # what lowercache/_run/sitecustomize.py does in a new process, with the server's imports' reads added to the record
+    try:  # what lowercache/run/_site/sitecustomize.py does in a new process, with the server's imports' reads added to the record
         from .errors import show_warnings_in_one_line
-        from .replay import record_in_process
-        from .runhook import activate_in_process
+        from .run.hook import activate_in_process
+        from .run.replay import record_in_process
 
         dump = record_in_process(at_exit=False, warm={"env": warm.read_env, "lookups": warm.lookups})
         show_warnings_in_one_line()
@@ -787,7 +788,7 @@ def _thread_count(default: int) -> int:
 
 @dataclass
 class Warm:
-    """What the warm-up left that a child standing in for a new ``python`` process needs (``pyexec.py``)."""
+    """What the warm-up left that a child standing in for a new ``python`` process needs (``run/pyexec.py``)."""
 
     threads: int  # torch's default thread count, before the server set one
     start_env: dict[str, str]  # the environment as the server started
@@ -833,8 +834,8 @@ def _installed_dirs() -> tuple[str, ...]:
 
 def _warm_up(warm: Warm) -> None:
     """Import the stack single-threaded and lower a tiny model into a throwaway cache, listening to what it reads."""
-    from .direct import listen, remember_modules
-    from .replay import CommandRecorder
+    from .record.recorder import listen, remember_modules
+    from .run.replay import CommandRecorder
 
     settings = load_settings()
     recorder = CommandRecorder("/", settings, [])

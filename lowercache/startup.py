@@ -32,7 +32,7 @@ NAMES = ("HOME", "LANG")
 # A server's child sets the thread count itself (server.py); lowercache's own settings are read fresh in the child.
 SET_BY_CHILD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # ``lowercache run`` puts this directory (its ``sitecustomize``) on a command's PYTHONPATH: it says nothing of the user's.
-HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_run")
+HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run", "_site")
 # Flags that say how the interpreter was driven, not how it runs code (``-i``).
 _NOT_RUN = ("inspect", "interactive", "n_fields", "n_sequence_fields", "n_unnamed_fields")
 

@@ -2,7 +2,7 @@
 
 No audit event fires when C, C++ or Rust code opens a file
 (``safetensors.torch.load_file``, ``torch.from_file``, a native tokenizer).
-So a record (``direct.Recorder``) also keeps the state of every file in the
+So a record (``record/recorder.py``'s ``Recorder``) also keeps the state of every file in the
 project tree that such code commonly reads (weights, arrays, exported
 graphs) and of every file beside the model, as git's index does: by stat,
 hashed only when the stat is in doubt. The sweep is bounded; past a bound

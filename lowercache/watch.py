@@ -34,6 +34,7 @@ from .config import Settings
 from .errors import LowercacheError
 from .lowering.targets import resolve
 from .output import counted
+from .record.places import path_state
 
 Runner = Callable[[list[str]], object]  # a command line -> its exit code
 
@@ -81,7 +82,7 @@ def plan(model: str, targets: list[str], out_dir: Path, **options: Any) -> Plan:
 def _state(path: str) -> tuple[Optional[tuple[int, ...]], Optional[str]]:
     """(stat key, content digest), as direct mode records them; (None, None) for a missing or unreadable file."""
     try:
-        state = direct.path_state(path)
+        state = path_state(path)
     except OSError:
         return None, None
     if state["kind"] != "file":

@@ -42,7 +42,7 @@ class StepRecord:
     saved: float = 0.0
     output: str = ""
     note: str = ""
-    tier: str = ""  # for hits: "local", "remote", "memory" (seen earlier this run) or "run ahead" (lowering/runahead.py)
+    tier: str = ""  # for hits: "local", "remote", "memory" (seen earlier this run) or "run ahead" (run/ahead.py)
     nodes: dict[str, int] = field(default_factory=dict)  # passes: nodes retraced / copied by their retrace
 
     def to_json(self) -> dict[str, Any]:
@@ -222,7 +222,7 @@ _fallback: list[Callable[[], "Session | None"]] = []
 
 
 class Ahead(Protocol):
-    """A process computing this run's steps ahead of it (``lowering/runahead.py``), or, in that process, its announcer."""
+    """A process computing this run's steps ahead of it (``run/ahead.py``), or, in that process, its announcer."""
 
     def wait(self, key: str) -> bool:
         """Wait while step ``key`` is being computed ahead; whether the store may now hold it."""

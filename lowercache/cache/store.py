@@ -103,7 +103,7 @@ _live: "weakref.WeakSet[Store]" = weakref.WeakSet()  # every store of this proce
 
 
 def close_for_fork() -> bool:
-    """Close this thread's connections of every store in the process, before a fork (``lowering/runahead.py``).
+    """Close this thread's connections of every store in the process, before a fork (``run/ahead.py``).
 
     SQLite's state must not cross a fork: the child would share the parent's
     lock bookkeeping and the WAL's shared memory through the copied library

@@ -2,10 +2,14 @@
 
 A key includes the versions of torch, executorch, tosa-tools and Vela, a hash
 of the Arm backend's Python sources (a local patch to a pass changes the key
-even when the version string does not) and a hash of lowercache's own sources
-that produce results (the cache engine, the lowering flow, the speed-ups), as
-torch's compile cache hashes its own code: an upgrade that changes a step's
-code misses instead of serving what the old code produced.
+even when the version string does not) and a hash of lowercache's own
+byte-shaping code (:data:`BYTE_SHAPING`: the lowering flow, the speed-ups, and
+the code that makes keys and stored forms), as torch's compile cache hashes
+its own code: an upgrade that changes a step's code misses instead of serving
+what the old code produced. Each module counts as its syntax tree without
+docstrings, so an edit to a docstring or a comment keeps every key, and an
+edit to code that shapes no bytes (the CLI, the record, ``run``, the remote
+transport) keeps them too.
 """
 
 from __future__ import annotations
@@ -23,11 +27,10 @@ import xxhash
 
 from .digests import stat_key
 
-# lowercache's rooms whose code decides what a step produces (not the CLI, the benchmark or the docs).
-_PRODUCING_ROOMS = ("cache", "lowering", "speedups")
-# Modules in those rooms whose code cannot change an artifact's bytes: the remote tiers' transport, the run history,
-# which tiers to open, the index file's upkeep, and the pass census (research, reached from a test and a benchmark).
-_NOT_PRODUCING = frozenset({"cache/remote.py", "cache/history.py", "cache/tiers.py", "cache/dbfile.py", "lowering/census.py"})
+# lowercache's modules whose code decides the bytes a step stores, relative to the package: whole rooms (a
+# trailing "/") and single modules. Nothing else is hashed: a module added elsewhere shapes no key until named here.
+BYTE_SHAPING = ("lowering/", "speedups/", "cache/digests.py", "cache/hashing.py", "cache/records.py", "cache/steps.py")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MEMO_VERSION = 1
 
 
@@ -78,46 +81,56 @@ def code_digest(source: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(ast.dump(tree, include_attributes=False).encode())
 
 
-def producing_modules() -> list[str]:
-    """The producing rooms' modules, as paths relative to the package, sorted."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def byte_shaping_modules(package: str = _PACKAGE) -> list[str]:
+    """The declared byte-shaping modules found in ``package``, as ``/``-separated paths relative to it, sorted."""
     found = []
-    for room in _PRODUCING_ROOMS:
-        for directory, dirs, files in os.walk(os.path.join(package, room)):
+    for declared in BYTE_SHAPING:
+        if not declared.endswith("/"):
+            found += [declared] if os.path.isfile(os.path.join(package, declared)) else []
+            continue
+        for directory, dirs, files in os.walk(os.path.join(package, declared)):
             dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-            found += [os.path.relpath(os.path.join(directory, f), package) for f in files if f.endswith(".py")]
-    return sorted(m for m in found if m.replace(os.sep, "/") not in _NOT_PRODUCING)
+            found += [os.path.relpath(os.path.join(directory, f), package).replace(os.sep, "/") for f in files if f.endswith(".py")]
+    return sorted(found)
+
+
+def package_digest(package: str, remember: bool = True) -> str:
+    """Digest of the code of ``package``'s byte-shaping modules, as syntax trees; ``remember``: keep module digests in the memo."""
+    memo = _Memo(remember)
+    h = xxhash.xxh3_128()
+    for module in byte_shaping_modules(package):
+        h.update(module.encode() + b"\0" + memo.digest(os.path.join(package, module)).encode() + b"\0")
+    memo.save()
+    return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=1)
 def lowercache_digest() -> str:
-    """Digest of the code of lowercache's producing modules, as syntax trees: a docstring or comment edit keeps every key.
+    """Digest of the code of lowercache's byte-shaping modules, as syntax trees: a docstring or comment edit keeps every key.
 
     Parsing the modules takes too long for a direct-mode hit, so
     each module's digest is kept in a memo file beside the default cache,
     under its stat (``stat_key``: an edit changes the ctime).
     """
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    memo = _Memo()
-    h = xxhash.xxh3_128()
-    for module in producing_modules():
-        h.update(module.replace(os.sep, "/").encode() + b"\0" + memo.digest(os.path.join(package, module)).encode() + b"\0")
-    memo.save()
-    return h.hexdigest()
+    return package_digest(_PACKAGE)
 
 
 class _Memo:
     """Module digests by path and stat, in ``<default cache>/toolchain-digests.json``; any fault means parsing again."""
 
-    def __init__(self) -> None:
+    def __init__(self, remember: bool = True) -> None:
         from ..config import default_cache_dir
 
         self.path = default_cache_dir() / "toolchain-digests.json"
+        self.remember = remember
         self.changed = False
+        if not remember:
+            self.entries: dict[str, Any] = {}
+            return
         try:
             loaded = json.loads(self.path.read_text())
             valid = isinstance(loaded, dict) and loaded.get("version") == _MEMO_VERSION and isinstance(loaded.get("modules"), dict)
-            self.entries: dict[str, Any] = loaded["modules"] if valid else {}
+            self.entries = loaded["modules"] if valid else {}
         except (OSError, ValueError):
             self.entries = {}
 
@@ -133,7 +146,7 @@ class _Memo:
         return digest
 
     def save(self) -> None:
-        if not self.changed:
+        if not (self.changed and self.remember):
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

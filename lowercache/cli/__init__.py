@@ -9,7 +9,7 @@ a hit, so three paths that need neither come first:
   child runs the commands below;
 - ``run -- COMMAND`` with only the options it usually has (``--out``,
   ``--cache-dir``, ``--remote``, ``--no-server``), parsed here and run by
-  the same core as the typer command (``runhook.run_command``).
+  the same core as the typer command (``run/launch.py``'s ``run_command``).
 
 Anything else (``--help``, ``--explain``, a global option, an unusual
 spelling) goes to the typer commands in :mod:`lowercache.cli.commands`.
@@ -104,7 +104,7 @@ def run_light(argv: List[str], outs: List[str], cache_dir: str | None, remote: s
     from ..shadowing import own_imports
 
     with own_imports():
-        from ..runhook import run_command
+        from ..run.launch import run_command
 
     show_warnings_in_one_line()
     try:

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import re
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -266,13 +265,13 @@ def _progress() -> Iterator[Any]:
         return
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from .. import direct
+    from ..record.recorder import own_thread
 
     before = set(threading.enumerate())
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True) as progress:
         for thread in set(threading.enumerate()) - before:  # rich's redraw thread, started by entering: ours, not the factory's
             thread.name = "lowercache-progress"
-            direct.own_thread(thread)
+            own_thread(thread)
         task = progress.add_task("loading", total=None)
 
         def live(phase: str, record: Any, label: str) -> None:
@@ -437,7 +436,7 @@ def build(
     no_direct: bool = NoDirect,
 ) -> None:
     """Lower every (model, target) pair of the build file through the cache, in parallel; write build-report.json and .md."""
-    from ..build import buildfile, schedule
+    from ..zoo import buildfile, schedule
 
     try:
         if executor not in ("local", "ray"):
@@ -582,7 +581,7 @@ def run(
         _fail("nothing to run; usage: lowercache run -- python script.py", 2)
     if explain:
         from ..cache.tiers import open_store
-        from ..replay import Command, explain as explain_command
+        from ..run.replay import Command, explain as explain_command
 
         try:
             _settings(cache_dir, remote=remote, server=False if no_server else None)  # a bad flag is an error here too
@@ -595,7 +594,7 @@ def run(
         finally:
             store.close()
         return
-    from ..runhook import run_command
+    from ..run.launch import run_command
 
     try:
         code = run_command(list(ctx.args), [str(o) for o in outs], cache_dir=cache_dir, remote=remote, no_server=no_server)

@@ -47,11 +47,11 @@ from __future__ import annotations
 import json
 import logging
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from . import programstore, runahead
+from . import programstore
 from ..cache.hashing import (
     IGNORED_META,
     Unhashable,
@@ -516,7 +516,7 @@ def laid_out_as_strict(
 ) -> torch.export.ExportedProgram | None:
     """A non-strict re-export of ``converted`` laid out as a strict one is; None if this cannot be done.
 
-    For the runner (``runahead.py``) only: dynamo lifts the converted model's
+    For the runner (``run/ahead.py``) only: dynamo lifts the converted model's
     tensors in the order its ``forward`` first reads them and gives each
     lifted placeholder an ``example_value``, where the non-strict trace lifts
     them in the module's own order, tensors the graph never reads among them.
@@ -567,7 +567,7 @@ def _in_script(mod: Any, args: Any, kwargs: Any = None, **options: Any) -> torch
     (aot_arm_compiler's default) is keyed apart, and its served program gets
     back dynamo's metadata (``restore``). Any other call is torch's own; the
     first strict export of a module that is not a GraphModule also starts the
-    runner (``runahead.py``), which takes that export non-strict, and its
+    runner (``run/ahead.py``), which takes that export non-strict, and its
     strict re-export as ``lower``'s non-strict step laid out as the strict
     program (``laid_out_as_strict``), which is cheaper than dynamo's trace.
     """
@@ -577,10 +577,10 @@ def _in_script(mod: Any, args: Any, kwargs: Any = None, **options: Any) -> torch
     if (session is None or kwargs or any(v for k, v in options.items() if k != "strict") or type(strict) is not bool
             or not isinstance(args, tuple) or not isinstance(mod, torch.fx.GraphModule)
             or not any(_is_filled(n) for n in mod.graph.nodes)):
-        if strict is True and session is not None and not isinstance(mod, torch.fx.GraphModule) and runahead.fork(session):
+        if strict is True and session is not None and not isinstance(mod, torch.fx.GraphModule) and _runner.fork(session):
             options = {**options, "strict": False}  # this is the runner: from here on the non-strict way
         return original(mod, args, kwargs, **options)
-    if strict and runahead.running_ahead():
+    if strict and _runner.running_ahead():
         try:
             program = export(mod, args, "", session, session.store is not None, exporter=original)[0]
             laid_out = laid_out_as_strict(program, mod)
@@ -592,5 +592,34 @@ def _in_script(mod: Any, args: Any, kwargs: Any = None, **options: Any) -> torch
     return export(mod, args, "", session, session.store is not None, exporter=original, strict=strict)[0]
 
 
-# On for the life of a ``lowercache run`` process (runhook.py), never in ``lower``'s own flow.
+class Runner(Protocol):
+    """What the script patch asks of ``lowercache run``'s runner ahead (``run/ahead.py``)."""
+
+    def fork(self, session: Session) -> bool: ...
+
+    def running_ahead(self) -> bool: ...
+
+
+class _NoRunner:
+    """Nothing runs ahead until ``run/hook.py`` names the runner: the lowering room does not import the run room."""
+
+    @staticmethod
+    def fork(session: Session) -> bool:
+        return False
+
+    @staticmethod
+    def running_ahead() -> bool:
+        return False
+
+
+_runner: Runner = _NoRunner()
+
+
+def run_ahead_with(runner: Runner) -> None:
+    """Let the script patch start ``runner`` at a script's first strict export (``run/hook.py``, with the patch)."""
+    global _runner
+    _runner = runner
+
+
+# On for the life of a ``lowercache run`` process (run/hook.py), never in ``lower``'s own flow.
 script_patch = AttributePatch(lambda: [torch.export], "export", _in_script)

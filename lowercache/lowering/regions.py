@@ -21,7 +21,7 @@ A region's key is built from named parts, so an edit can be explained:
 - the toolchain identity (``cache/toolchain.py``).
 
 The same form, with names kept aside, is what the pass census
-(``census.py``) compares to decide whether a pass acts within a region.
+(``benchmarks/pass_census.py``) compares to decide whether a pass acts within a region.
 """
 
 from __future__ import annotations

@@ -135,15 +135,55 @@ def test_keys_cover_lowercaches_own_producing_code():
     assert code != before and other_code != code
     assert same_code == code  # a docstring or comment edit keeps every key
     assert toolchain.lowercache_digest() == before
-    assert "cache/remote.py" not in toolchain.producing_modules()  # the transport shapes no bytes
-    assert "lowering/flow.py" in toolchain.producing_modules()
-    assert "cli" not in toolchain._PRODUCING_ROOMS and not any((package / room / "cli").exists() for room in toolchain._PRODUCING_ROOMS)
+    modules = toolchain.byte_shaping_modules()
+    assert "lowering/flow.py" in modules and "cache/steps.py" in modules
+    assert not any(m.startswith(("cache/remote/", "cli/", "record/", "run/")) for m in modules)  # transport, CLI, record, run
+    assert "cache/store.py" not in modules and "direct.py" not in modules
+
+
+@pytest.fixture
+def package_copy(tmp_path):
+    """A copy of the lowercache package to edit, and its byte-shaping digest as it is."""
+    import shutil
+
+    package = Path(toolchain.__file__).resolve().parent.parent
+    copy = tmp_path / "lowercache"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy, toolchain.package_digest(str(copy), remember=False)
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{old!r} is no longer in {path.name}: choose another line to edit"
+    path.write_text(text.replace(old, new, 1))
+
+
+def test_a_docstring_or_comment_edit_in_a_byte_shaping_module_keeps_the_key(package_copy):
+    copy, before = package_copy
+    flow_py = copy / "lowering" / "flow.py"
+    _edit(flow_py, '"""', '"""An edited docstring.\n\n')
+    flow_py.write_text(flow_py.read_text() + "\n# a comment at the end\n")
+    assert toolchain.package_digest(str(copy), remember=False) == before
+
+
+def test_a_code_edit_in_a_byte_shaping_module_changes_the_key(package_copy):
+    copy, before = package_copy
+    _edit(copy / "lowering" / "flow.py", "\nfrom __future__ import annotations\n", "\nfrom __future__ import annotations\n\nEDITED = 1\n")
+    assert toolchain.package_digest(str(copy), remember=False) != before
+
+
+def test_a_code_edit_outside_the_byte_shaping_modules_keeps_the_key(package_copy):
+    """The Redis transport, the CLI and the store move or check bytes; they make none, so editing them keeps every key."""
+    copy, before = package_copy
+    for module in ("cache/remote/redis.py", "cli/commands.py", "cache/store.py"):
+        _edit(copy / module, "\nfrom __future__ import annotations\n", "\nfrom __future__ import annotations\n\nEDITED = 1\n")
+    assert toolchain.package_digest(str(copy), remember=False) == before
 
 
 _FIRST_AND_LATER_EXPORT = """
 import json
 from lowercache.bench import models
-from lowercache.lowering import census
+from benchmarks import pass_census as census
 from lowercache.lowering.arm import tosa_parts
 from lowercache.lowering.flow import export
 from lowercache.lowering.targets import resolve

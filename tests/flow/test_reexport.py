@@ -290,7 +290,7 @@ def _stock_converted(model: str):
 
 @pytest.mark.parametrize("model", ["residual_cnn", "transformer_block", "tiny_cnn, stock"])
 def test_non_strict_re_export_laid_out_as_strict_has_the_strict_key_forms(model):
-    """The runner's re-export (``runahead.py``): the steps after it read what they would read after the strict one."""
+    """The runner's re-export (``run/ahead.py``): the steps after it read what they would read after the strict one."""
     if model.endswith(", stock"):
         converted, example = _stock_converted(model.split(",")[0])
     else:

@@ -7,10 +7,11 @@ import collections
 import pytest
 import torch
 
+from benchmarks import pass_census as census
 from lowercache.bench.models import EDITED_BLOCKS, MODELS
 from lowercache.cache.steps import Session
 from lowercache.cache.store import Store
-from lowercache.lowering import census, regions
+from lowercache.lowering import regions
 from lowercache.lowering.targets import resolve
 
 SMALL = ("tiny_cnn", "residual_cnn", "transformer_block")

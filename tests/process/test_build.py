@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lowercache.build import report
+from lowercache.zoo import report
 
 from tests.helpers.oracle import reference
 
@@ -262,7 +262,7 @@ def test_ray_build_on_a_local_cluster_shares_results_through_redis(tmp_path, red
 
 @pytest.mark.quick
 def test_the_example_zoo_build_file_is_valid():
-    from lowercache.build import buildfile
+    from lowercache.zoo import buildfile
 
     build = buildfile.load(Path(__file__).resolve().parents[2] / "examples" / "lowercache.toml")
     assert build.names == ["tiny_cnn", "mobilenet_v2"] and len(build.pairs) == 6

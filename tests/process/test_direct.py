@@ -135,28 +135,28 @@ def test_bytecode_older_than_its_source_is_seen(tmp_path, monkeypatch):
     """Python trusts a pyc by the source's size and whole-second mtime: a same-size save within that second runs old code."""
     import importlib
 
-    from lowercache import direct
+    from lowercache.record import places
 
     monkeypatch.setattr(sys, "dont_write_bytecode", False)
     monkeypatch.syspath_prepend(str(tmp_path))
     source = tmp_path / "bytecode_probe.py"
     source.write_text("X = 1\n")
     module = importlib.import_module("bytecode_probe")
-    assert os.path.exists(module.__cached__) and direct.bytecode_matches(module.__file__, module.__cached__)
+    assert os.path.exists(module.__cached__) and places.bytecode_matches(module.__file__, module.__cached__)
     before = os.stat(source)
     source.write_text("X = 2\n")
     os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
     del sys.modules["bytecode_probe"]
     module = importlib.import_module("bytecode_probe")
     assert module.X == 1  # the stale bytecode ran
-    assert not direct.bytecode_matches(module.__file__, module.__cached__)
+    assert not places.bytecode_matches(module.__file__, module.__cached__)
     # a later save with bytecode writing off: Python compiles the source afresh and the old pyc stays on disk
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     source.write_text("X = 33\n")
     os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns + 5_000_000_000))
     del sys.modules["bytecode_probe"]
     module = importlib.import_module("bytecode_probe")
-    assert module.X == 33 and direct.bytecode_matches(module.__file__, module.__cached__)
+    assert module.X == 33 and places.bytecode_matches(module.__file__, module.__cached__)
     del sys.modules["bytecode_probe"]
 
 
@@ -175,15 +175,15 @@ def test_module_files_looked_up_ahead_are_the_modules_own(tmp_path):
     paths, and a module made later (or a new object under a remembered name) is looked up as it is now."""
     import types
 
-    from lowercache import direct
+    from lowercache.record import recorder
 
-    direct.remember_modules()
+    recorder.remember_modules()
     for module in list(sys.modules.values()):
         origin = getattr(module, "__file__", None)
-        assert direct._module_file(module) == (os.path.abspath(origin) if isinstance(origin, str) else None)
+        assert recorder._module_file(module) == (os.path.abspath(origin) if isinstance(origin, str) else None)
     fresh = types.ModuleType("json")  # same name as a remembered module, another object
     fresh.__file__ = str(tmp_path / "json.py")
-    assert direct._module_file(fresh) == str(tmp_path / "json.py")
+    assert recorder._module_file(fresh) == str(tmp_path / "json.py")
     relative = types.ModuleType("rel")
     relative.__file__ = "rel.py"
-    assert direct._module_file(relative) == os.path.abspath("rel.py")
+    assert recorder._module_file(relative) == os.path.abspath("rel.py")

@@ -1,4 +1,4 @@
-"""Run ahead (``lowering/runahead.py``): at a script's first strict export, a confined copy goes on non-strictly and fills the cache.
+"""Run ahead (``run/ahead.py``): at a script's first strict export, a confined copy goes on non-strictly and fills the cache.
 
 The script here lags on purpose after its first export (in the script's own
 process only), so the runner reaches the partition's TOSA lowering and Vela
@@ -22,7 +22,7 @@ import pytest
 
 from lowercache.bench import models
 from lowercache.cache.store import Store
-from lowercache.lowering import runahead
+from lowercache.run import ahead as runahead
 
 from tests.helpers.oracle import stock_pte
 from tests.helpers.runserver import run

@@ -1,4 +1,4 @@
-"""``lowercache run``'s command-level replay (lowercache/replay.py), on small scripts without torch.
+"""``lowercache run``'s command-level replay (lowercache/run/replay.py), on small scripts without torch.
 
 Each run is a real ``lowercache run`` process wrapping a real Python process;
 the assertions are on the files written, the output, the exit code and what

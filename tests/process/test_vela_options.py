@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from lowercache import direct
-from lowercache.build import buildfile
+from lowercache.zoo import buildfile
 from lowercache.errors import LowercacheError
 from lowercache.lowering.targets import resolve, vela_sections
 

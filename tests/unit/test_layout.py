@@ -16,7 +16,7 @@ pytestmark = pytest.mark.quick
 
 
 def test_import_contracts_are_kept():
-    """pyproject's import-linter contracts: rooms layered CLI -> API -> flow -> speed-ups -> cache, no circles."""
+    """pyproject's import-linter contracts: rooms layered, torch kept out of the fast path, no circles."""
     result = subprocess.run(
         [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"],
         cwd=ROOT,
@@ -25,6 +25,28 @@ def test_import_contracts_are_kept():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "0 broken" in result.stdout
+
+
+def _contracts(kind: str) -> list[dict]:
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    return [c for c in config["contracts"] if c["type"] == kind]
+
+
+def test_the_design_doc_draws_the_layers_of_the_contract():
+    """docs/design.md's Layout and pyproject's layers contract describe the flow the same way."""
+    (contract,) = _contracts("layers")
+    layers = [layer.replace("lowercache.", "") for layer in contract["layers"]]
+    design = (ROOT / "docs" / "design.md").read_text()
+    drawn = design.split("## Layout", 1)[1].split("```", 2)[1].strip().splitlines()
+    assert drawn == layers
+
+
+def test_the_fast_path_is_kept_from_torch_by_contract():
+    kept = {m for c in _contracts("forbidden") if set(c["forbidden_modules"]) == {"torch", "executorch"} for m in c["source_modules"]}
+    assert kept == {"lowercache.cli", "lowercache.direct", "lowercache.record", "lowercache.client", "lowercache.config",
+                    "lowercache.cache.store", "lowercache.cache.tiers", "lowercache.cache.remote"}
 
 
 def _module_name(path: Path) -> str:

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .. import direct
-from ..errors import LowercacheError
 from ..output import check_output_dir
 from . import local, report
 from .buildfile import Build, Pair

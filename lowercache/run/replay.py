@@ -1,7 +1,7 @@
 """Command-level replay for ``lowercache run``, as ccache replays a compile.
 
 The first run of ``lowercache run -- CMD`` runs CMD with a recorder in its
-Python process (``direct.py``'s, for the whole process): the script, the
+Python process (``record/recorder.py``'s, for the whole process): the script, the
 user's modules it imports, the files it reads, looks at and lists, the
 module names it looks up and the environment variables it reads. The files
 it writes (under the working directory or an ``--out`` directory) and its
@@ -35,36 +35,32 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..cache.digests import digest, digest_json
+from ..cache.store import Entry
+from ..client import exec_through_server
+from ..config import Settings, load_settings
+from ..errors import LowercacheError
+from ..record.places import Places, path_state, project_root
+from ..record.recorder import Recorder, listen, opens_to_write
+from ..record.trust import UNSEEN, Words, check_inputs, identity, identity_changed, inputs_changed, put_status, status_lines, verdict
 from . import pyexec
-from .cache.digests import digest, digest_json
-from .client import exec_through_server
-from .cache.store import Entry
-from .config import Settings, load_settings
-from .direct import (
-    UNSEEN,
-    Places,
-    Recorder,
-    check_inputs,
-    identity,
-    identity_changed,
-    inputs_changed,
-    listen,
-    opens_to_write,
-    path_state,
-    project_root,
-    put_status,
-    status_lines,
-)
-from .errors import LowercacheError
 
 KIND = "run"
-# On the wrapped command's PYTHONPATH: its sitecustomize starts the recorder and the Arm hooks (runhook.py).
+# On the wrapped command's PYTHONPATH: its sitecustomize starts the recorder and the Arm hooks (hook.py).
 RECORD_VERSION = 2
 # Handed to the wrapped process only (it removes them before the script runs).
 ENV_RECORD = "LOWERCACHE_RUN_RECORD"
 ENV_OUT = "LOWERCACHE_RUN_OUT"
 # Output kept per stream; a command printing more is run every time.
 MAX_STREAM = 64 * 2**20
+# How command records say the one confirm rule (``record/trust.py``).
+WORDS = Words(
+    who="the command",
+    same="writes the same files",
+    gave_same="wrote the same files",
+    differed="identical inputs wrote different files: the command reads something no record can see, "
+             "such as the time or an unseeded random generator",
+)
 _STDIN_READS = frozenset({"read", "readline", "readlines", "buffer", "readinto", "detach", "__next__"})
 
 
@@ -93,10 +89,10 @@ class Command:
 
 
 class CommandRecorder(Recorder):
-    """``direct.Recorder`` for a whole process: writes under the allowed directories are its outputs."""
+    """The recorder of a whole process: writes under the allowed directories are its outputs."""
 
     def __init__(self, root: str, settings: Settings, allowed: list[str]):
-        super().__init__(Command(argv=[], cwd=root), settings)
+        super().__init__(root, settings)
         cache = os.path.abspath(str(settings.cache_dir)) + os.sep
         self.cache = cache
         self.covered += (cache,)  # lowercache's own store: reads are the cache's, writes its entries
@@ -198,7 +194,7 @@ def python_identity() -> dict[str, str]:
 
 
 def record_in_process(at_exit: bool = True, warm: dict[str, Any] | None = None) -> Callable[[], None] | None:
-    """Record this process for the ``lowercache run`` that started it (``lowercache/_run/sitecustomize.py`` calls this).
+    """Record this process for the ``lowercache run`` that started it (``lowercache/run/_site/sitecustomize.py`` calls this).
 
     Returns the function that hands the observation over, registered as the
     first exit handler unless ``at_exit`` is false (a child of the warm
@@ -462,7 +458,7 @@ def run(command: Command, settings: Settings, env: dict[str, str]) -> int:
     """``lowercache run``: replay the command from its record when every input is as recorded, else run and record it."""
     store = None
     if settings.direct and not settings.disable:
-        from .cache.tiers import open_store
+        from ..cache.tiers import open_store
 
         try:
             store = open_store(settings)
@@ -580,7 +576,13 @@ def _store(store: Any, command: Command, settings: Settings, env: dict[str, str]
     }
     _check(record)
     old = _load(store, command)
-    record["status"], record["reason"] = _verdict(old, record, command, settings, env)
+
+    def changed(previous: dict[str, Any]) -> str | None:
+        _check(previous)
+        return identity_changed(previous.get("identity"), record["identity"]) or inputs_changed(
+            previous["inputs"], Places(command.root), previous["recorded_ns"], command.cwd, env)
+
+    verdict(old.meta if old is not None else None, changed, [], lambda previous: _written(previous) == _written(record), WORDS).stamp(record)
     store.put(KIND, command.key(), Entry(meta=record, blobs=blobs, cost=cost))
     store.add_counts({KIND: {"miss": 1}})
     _set_status(store, command, "record", record["status"], record["reason"])
@@ -589,25 +591,3 @@ def _store(store: Any, command: Command, settings: Settings, env: dict[str, str]
 def _written(record: dict[str, Any]) -> list[Any]:
     return [[o["ref"], o["kind"], o.get("digest"), o.get("mode")] for o in record["outputs"]]
 
-
-def _verdict(old: Entry | None, record: dict[str, Any], command: Command, settings: Settings, env: dict[str, str]) -> tuple[str, str]:
-    """``unconfirmed`` (waits for a re-run with the same inputs), ``confirmed`` (used) or ``untrusted`` (never used)."""
-    previous = old.meta if old is not None else None
-    if previous is not None and previous.get("status") == "untrusted":
-        record["for_good"] = True
-        return "untrusted", str(previous.get("reason"))
-    since = None
-    if previous is not None:
-        try:
-            _check(previous)
-            since = identity_changed(previous.get("identity"), record["identity"]) or inputs_changed(
-                previous["inputs"], Places(command.root), previous["recorded_ns"], command.cwd, env)
-        except (ValueError, KeyError, TypeError):
-            previous = None
-    if previous is None or since is not None:
-        changed = f" ({since} since the previous record)" if since else ""
-        return "unconfirmed", f"recorded{changed}; used once a re-run with the same inputs writes the same files"
-    if _written(previous) != _written(record):
-        return "untrusted", ("identical inputs wrote different files: the command reads something no record can see, "
-                             "such as the time or an unseeded random generator")
-    return "confirmed", "a re-run with the same inputs wrote the same files"

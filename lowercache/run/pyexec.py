@@ -45,7 +45,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from . import startup
+from .. import startup
 
 @dataclass(frozen=True)
 class Invocation:

@@ -12,11 +12,11 @@ import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
 if os.environ.get("LOWERCACHE_RUN") == "1":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(_here)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(_here))))  # lowercache/run/_site: three up
     try:
         from lowercache.errors import show_warnings_in_one_line
-        from lowercache.replay import record_in_process
-        from lowercache.runhook import activate_in_process
+        from lowercache.run.hook import activate_in_process
+        from lowercache.run.replay import record_in_process
 
         record_in_process()
         show_warnings_in_one_line()

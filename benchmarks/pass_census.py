@@ -5,7 +5,7 @@ that runs on it acts within the region, or reads across its boundary only
 facts that can be checked. The census finds out, pass by pass, on a real
 model: it runs the TOSA backend pipeline on the partition's edge program one
 pass at a time, as stock does, and before each pass cuts the graph into
-regions (``regions.py``) and runs the same pass (a fresh instance from a
+regions (``lowercache/lowering/regions.py``) and runs the same pass (a fresh instance from a
 pipeline built for the region) on each region extracted as a standalone
 program. It then compares each region's nodes in the whole graph's result
 with the standalone result (operators, arguments, metadata, constants'
@@ -47,10 +47,10 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from . import quantize, regions
-from ..cache.steps import Session
-from ..cache.store import Entry
-from .targets import Target
+from lowercache.cache.steps import Session
+from lowercache.cache.store import Entry
+from lowercache.lowering import quantize, regions
+from lowercache.lowering.targets import Target
 
 CENSUS_VERSION = "census:v1"
 LOCAL, GIVEN_FACTS, GLOBAL, UNEXERCISED = "local", "local given facts", "global", "not exercised"
@@ -409,7 +409,7 @@ def census(
     name: str = "model",
 ) -> dict[str, Any]:
     """The census of ``program`` for ``target``, served from the store when its key is unchanged."""
-    from .flow import flow_parts
+    from lowercache.lowering.flow import flow_parts
 
     calibration = list(calibration) if calibration is not None else [tuple(example_inputs)]
     parts = census_parts(flow_parts(program, target, example_inputs, calibration, session.store), depth)

@@ -1,0 +1,626 @@
+"""The audit-hook recorder: what code reads while it runs, for direct mode's ``lower`` records and ``lowercache run``'s.
+
+It hears Python's audit events (files opened, directories listed, module
+names looked up, code compiled, processes, network, writes) and watches
+``os.environ`` and ``os.stat``, while it is listening and not paused. What
+cannot be recorded (a network connection, a subprocess, a write outside
+scratch space, a change of directory) is noted as a refusal: such a run is
+never served from a record. See docs/direct-mode.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Callable, ClassVar, Iterator
+
+from .. import sweep
+from ..cache.digests import digest_json
+from ..cache.toolchain import lowercache_digest
+from ..config import Settings
+from .places import RACY_NS, Places, bytecode_matches, entries, named, path_state, size, stdlib_dirs, work_tree
+from .trust import env_digest
+
+_SYSTEM_DIRS = ("/proc/", "/sys/", "/dev/")
+_PYCACHE = os.sep + "__pycache__" + os.sep
+# lowercache's own package: the rooms whose code the toolchain identity covers are not a record's inputs.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What a stat shows besides kind and content, by what the caller observed: ``os.access`` the mode bits and owner,
+# ``os.stat``/``os.path.getmtime`` also the mtime. Kept only for paths a caller observed so (``Recorder.looked_at``).
+_META = {"mode": ("mode", "uid", "gid"), "meta": ("mode", "uid", "gid", "mtime_ns")}
+
+
+# Audit events after which no record can say what the factory read. Network use on a remote tier's
+# own call thread is the cache's traffic (its entries are checked like any other), not the code's.
+_NETWORK = ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo", "socket.gethostbyname",
+            "socket.gethostbyname_ex", "socket.gethostbyaddr", "socket.getnameinfo", "urllib.Request", "http.client.connect",
+            "ftplib.connect", "smtplib.connect", "imaplib.open", "poplib.connect", "nntplib.connect", "webbrowser.open")
+_UNRECORDABLE = {
+    **dict.fromkeys(_NETWORK, "used the network"),
+    **dict.fromkeys(
+        ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.spawn"),
+        "ran a process",
+    ),
+    "os.chdir": "changed the working directory",
+    "sqlite3.connect": "opened an SQLite database",
+}
+
+
+def _on_remote_thread() -> bool:
+    """Whether this thread is a remote tier's call (a remote exists only once its module is imported)."""
+    remote = sys.modules.get("lowercache.cache.remote.guarded")
+    return remote is not None and threading.current_thread().name.startswith(remote.THREAD_PREFIX)
+
+
+# Audit events that change files: a direct hit would not make the change. Paths in __pycache__ (bytecode) are the import system's.
+_WRITES = ("os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.truncate", "os.chmod", "os.chown", "os.link", "os.symlink",
+           "os.utime", "shutil.rmtree", "shutil.move")
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+
+
+def opens_to_write(args: tuple[Any, ...]) -> bool:
+    """Whether an ``open`` audit event's arguments (path, mode, flags) open the file to change it."""
+    flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+    mode = args[1] if isinstance(args[1], str) else ""
+    return bool(flags & _WRITE_FLAGS) or any(c in mode for c in "wax+")
+
+
+
+_active: list["Recorder"] = []
+# lowercache's own threads (the progress display at a terminal), by identity: a factory's thread of the same name still counts.
+_own_threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+
+
+def own_thread(thread: threading.Thread) -> None:
+    """Mark a thread lowercache itself started while a recorder listens: no factory left it running."""
+    _own_threads.add(thread)
+
+
+_hooked = False
+# The environment as the process started (kept by ``keep_initial_environ`` before anything else runs): torch
+# sets variables of its own at import, and a record must compare what the user's environment held.
+_initial_env: dict[str, str] | None = None
+
+
+def keep_initial_environ() -> None:
+    """Take the environment now, as this command's start-up environment (direct mode, before torch is imported)."""
+    global _initial_env
+    _initial_env = dict(os.environ)
+
+
+def initial_environ() -> dict[str, str] | Any:
+    """The environment as this command started (torch sets variables of its own when it is imported)."""
+    return _initial_env if _initial_env is not None else os.environ
+
+
+_heard: frozenset[str] = frozenset()  # the listening recorder's ``heard``: a global is the cheapest test per event
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if event in _heard and _active and not _active[-1].paused and not _run_ahead_unheard():
+        _active[-1].event(event, args)
+
+
+def _run_ahead_unheard() -> bool:
+    """Whether this thread forks ``lowercache run``'s runner, or is that runner (``run/ahead.py``, not imported
+    by the client: 7 ms it need not pay)."""
+    unrecorded = getattr(sys.modules.get("lowercache.run.ahead"), "unrecorded", None)  # None while it is imported
+    return unrecorded is not None and unrecorded()
+
+
+# This module and run/replay.py (whose recorder hands events on to this one's): frames of neither raised an event.
+_RECORDER_FILES = frozenset({os.path.abspath(__file__), os.path.join(_PACKAGE, "run", "replay.py")})
+
+
+def _event_caller() -> Any:
+    """The frame that raised the audit event being handled: the first outside the recorder's own modules."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename) in _RECORDER_FILES:
+        frame = frame.f_back
+    return frame
+
+
+def _abspath(path: Any) -> str | None:
+    if isinstance(path, int) or path is None:
+        return None
+    try:
+        return os.path.abspath(os.fsdecode(os.fspath(path)))
+    except TypeError:
+        return None
+
+
+# Modules whose file was looked up ahead (``remember_modules``), by identity: the warm server's, so that each
+# child's record need not ask 5000 modules for their ``__file__`` again (0.02 s per command).
+_module_files: dict[int, tuple[Any, str | None]] = {}
+
+
+def remember_modules() -> None:
+    """Look up every imported module's file now, for records made later in this process or its forked children."""
+    for module in list(sys.modules.values()):
+        origin = getattr(module, "__file__", None)
+        if not isinstance(origin, str) or os.path.isabs(origin):  # a relative one depends on the working directory
+            _module_files[id(module)] = (module, _absolute(origin))
+
+
+def _module_file(module: Any) -> str | None:
+    """The absolute path of the module's ``__file__``, or None if it has none."""
+    known = _module_files.get(id(module))
+    if known is not None and known[0] is module:
+        return known[1]
+    return _absolute(getattr(module, "__file__", None))
+
+
+def _absolute(origin: Any) -> str | None:
+    return os.path.abspath(origin) if isinstance(origin, str) else None
+
+
+
+
+class Recorder:
+    """Collects what code under ``root`` reads while it listens: a factory and its export (direct mode), a whole process (``run``).
+
+    ``paused`` while lowercache's own stages run: their reads are the toolchain's, covered by its identity.
+    """
+
+    def __init__(self, root: str, settings: Settings):
+        self.settings = settings
+        self.places = Places(root)
+        self.covered = tuple(d + os.sep for d in (*stdlib_dirs(), *self.places.anchors.values()) if d != self.places.anchors["root"])
+        self.covered += tuple(os.path.join(_PACKAGE, room) + os.sep for room in ("cache", "lowering", "speedups"))
+        self.paused = True
+        self.paths: set[str] = set()
+        self.listings: set[str] = set()
+        self.lookups: set[str] = set()
+        self.env: dict[str, str | None] = {}
+        self.env_listed = False
+        self.unrecordable: list[str] = []
+        self.written: set[str] = set()
+        self._looked: set[str] = set()  # paths ``looked_at`` already took: linecache stats each file again and again
+        import tempfile
+
+        self.scratch = (os.path.realpath(tempfile.gettempdir()) + os.sep, os.path.abspath(tempfile.gettempdir()) + os.sep)
+        self.syspath = [self.places.ref(os.path.abspath(p or ".")) for p in sys.path]
+        self.started_ns = time.time_ns()
+        self._threads = set(threading.enumerate())
+        self.meta: dict[str, set[str]] = {}  # path -> stat fields a caller observed (``looked_at``)
+        self.located: list[str] = []  # how the code observed where the project is (``observed_location``)
+        self.package = _PACKAGE + os.sep
+        self.bytecode: dict[str, str] = {}  # source -> the .pyc that ran for it (``ran_bytecode``)
+        self.initial_env = dict(initial_environ())
+        self.stdlib = tuple(d + os.sep for d in stdlib_dirs())
+
+    def _user(self, path: str) -> bool:
+        return not path.startswith(self.covered) and not path.startswith(_SYSTEM_DIRS) and "__pycache__" not in path
+
+    def refuse(self, why: str) -> None:
+        if why not in self.unrecordable:
+            self.unrecordable.append(why)
+
+    # The events ``event`` acts on; the hook passes no other. ``builtins.id`` alone fires 220 000 times in the strict
+    # re-export of a quantized MobileNetV2, and going through these checks took 1.2 us per event, where the hook's
+    # membership test (``_heard``) takes 0.2 us.
+    heard: ClassVar[frozenset[str]] = frozenset(
+        {"open", "os.listdir", "os.scandir", "import", "compile", "ctypes.dlopen", *_UNRECORDABLE, *_WRITES}
+    )
+
+    def event(self, event: str, args: tuple[Any, ...]) -> None:
+        if event == "open":
+            path = _abspath(args[0])
+            if path is None:
+                if isinstance(args[0], int) and args[0] > 2:
+                    self.opened_fd(args[0])
+                return
+            if opens_to_write(args):
+                self.wrote(path)
+            elif self._user(path):
+                self.paths.add(path)
+            elif path.endswith(".pyc") and _PYCACHE in path and not path.startswith(self.covered):
+                self.ran_bytecode(path)
+        elif event in ("os.listdir", "os.scandir"):
+            self.listed(args, sys._getframe(2))  # frames: event, _audit, the caller of os.listdir
+        elif event == "import":
+            self.lookups.add(args[0])
+        elif event in _UNRECORDABLE:
+            if not (event in _NETWORK and _on_remote_thread()):
+                self.refuse(_UNRECORDABLE[event])
+        elif event in _WRITES:
+            remade = _abspath(args[0]) if event == "os.mkdir" and args[2] == -1 else None
+            if remade is not None and os.path.isdir(remade):
+                self.remade(remade)
+                return
+            for path in [_abspath(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]:
+                self.wrote(path or "?")
+        elif event == "compile":
+            self.compiled(args, _event_caller())
+        elif event == "ctypes.dlopen" and isinstance(args[0], str) and os.sep in args[0]:
+            path = os.path.abspath(args[0])
+            if self._user(path):
+                self.paths.add(path)
+
+    def opened_fd(self, fd: int) -> None:
+        """``open(fd)``: importlib writes bytecode so (``_write_atomic``: ``os.open``, then ``FileIO(fd)``), a scratch write.
+
+        Any other descriptor (a pipe, a socket, a file of the user's) says nothing of what it reads: refused.
+        """
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if os.path.isabs(target) and _PYCACHE in target:
+            self.wrote(target)
+        else:
+            self.refuse("opened a file descriptor")
+
+    def ran_bytecode(self, pyc: str) -> None:
+        """A ``.pyc`` read stands for its source: a module run from it (``exec_module`` of a file outside
+        ``sys.modules``, ``torch.hub.load(source='local')``) stats its source but never opens it."""
+        import importlib.util
+
+        try:
+            source = importlib.util.source_from_cache(pyc)
+        except ValueError:
+            return
+        if self._user(source):
+            self.paths.add(source)
+            self.bytecode[source] = pyc
+
+    def listed(self, args: tuple[Any, ...], caller: Any) -> None:
+        """A directory listing made from frame ``caller``."""
+        if caller.f_code.co_filename.startswith("<frozen importlib") or not self.by_user(caller):
+            return  # the import system's scans (module lookups are recorded by name), installed libraries' own
+        path = _abspath(args[0] if args and args[0] is not None else ".")
+        if path is None:
+            self.refuse("listed a directory by descriptor")
+        elif self._user(path):
+            self.listings.add(path)
+
+    def remade(self, path: str) -> None:
+        """``os.mkdir`` of a directory there already fails (EEXIST) and changes nothing: ``os.makedirs(exist_ok=True)``,
+        as torch's ``cache_dir()`` does for ``TORCHINDUCTOR_CACHE_DIR`` in every process once one has lowered."""
+
+    def wrote(self, path: str) -> None:
+        """A file the window changed is no input; outside scratch space (temporary files, bytecode) it is a side effect a hit would skip."""
+        self.written.add(path)
+        scratch = path.startswith(self.scratch) or "__pycache__" in path or path == os.devnull
+        if not scratch:
+            self.refuse(f"wrote {path}")
+
+    def looked_at(self, path: Any, how: str = "kind") -> None:
+        """``os.stat`` and friends: whether a file exists can decide what the factory does, and so can its
+        mode (``how`` ``mode``: ``os.access``) or mtime (``meta``: ``os.stat``, ``os.path.getmtime``)."""
+        if type(path) is str:
+            if (path, how) in self._looked:
+                return
+            self._looked.add((path, how))  # a relative path is the same file throughout: a change of directory is refused
+        found = _abspath(path)
+        if found is not None and self._user(found):
+            self.paths.add(found)
+            if how != "kind":
+                self.meta.setdefault(found, set()).update(_META[how])
+
+    def observed_location(self, how: str, frame: Any) -> None:
+        """The code at ``frame`` learnt where the project is (``os.getcwd()``; ``how`` says how), unless it is
+        lowercache's or an installed library's: a record of it cannot answer in another directory."""
+        while frame is not None and frame.f_code.co_filename.startswith(("<frozen", *self.stdlib)):
+            frame = frame.f_back
+        if frame is None:
+            return
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if self._user(filename) and not filename.startswith(self.package) and how not in self.located:
+            self.located.append(how)
+
+    def compiled(self, args: tuple[Any, ...], frame: Any) -> None:
+        """``compile()`` of source text by the user's code (``exec``, ``eval``): read for what it observes of its location."""
+        if self.by_user(frame) and isinstance(args[0], (str, bytes)):
+            found = sweep.LOCATION_NAMES.search(args[0] if isinstance(args[0], bytes) else args[0].encode("utf-8", "replace"))
+            if found is not None:
+                self.observed_location(f"code it compiled names {found.group().decode()}", frame)
+
+    def read_env(self, key: Any) -> None:
+        """The variable's value as the process started: a value set since is derived from it and from recorded code."""
+        name = os.fsdecode(key) if isinstance(key, (str, bytes)) else repr(key)
+        self.env[name] = env_digest(self.initial_env.get(name))
+
+    def by_user(self, frame: Any) -> bool:
+        """Whether the first frame outside the standard library is the user's code (not an installed library's).
+
+        Listings made by installed libraries (networkx lists the environment for its own prefix,
+        importlib.metadata lists every search-path directory for torch) are left to the toolchain identity.
+        """
+        while frame is not None and frame.f_code.co_filename.startswith(("<frozen", *self.stdlib)):
+            frame = frame.f_back
+        return frame is None or self._user(os.path.abspath(frame.f_code.co_filename))
+
+    def listed_env(self, frame: Any) -> None:
+        """The environment was listed by the user's code: a new variable can then change what the factory does."""
+        if self.by_user(frame):
+            self.env_listed = True
+
+    def stage(self, label: str) -> None:
+        """The flow's stage listener: record while the model is exported (its ``forward`` runs), not during lowering."""
+        if label == "export":
+            self.paused = False
+        else:
+            self.pause()
+
+    def pause(self) -> None:
+        """Stop listening; a thread the window started and left running could read more, unseen."""
+        if not self.paused:
+            self.paused = True
+            started = [t for t in threading.enumerate() if t not in self._threads and t not in _own_threads]
+            if started:
+                self.refuse(f"left a thread running ({sorted(t.name for t in started)[0]})")
+
+    def close(self) -> None:
+        """Stop recording for good (after the export stage)."""
+        self.pause()
+        if self in _active:
+            _active.remove(self)
+
+    def add_file(self, path: str) -> None:
+        self.paths.add(os.path.abspath(path))
+
+    def inputs(self) -> dict[str, Any]:
+        """The recorded inputs, hashed now (outside the window)."""
+        files = self.paths - self.written
+        for module in list(sys.modules.values()):
+            origin = _module_file(module)
+            if origin is not None and self._user(origin):
+                files.add(origin)
+                if not bytecode_matches(module.__file__, getattr(module, "__cached__", None)):
+                    self.refuse(f"ran bytecode that may be older than {origin} (saved twice in one second)")
+        for source, pyc in sorted(self.bytecode.items()):
+            if not bytecode_matches(source, pyc):
+                self.refuse(f"ran bytecode that may be older than {source} (saved twice in one second)")
+        root = self.places.anchors["root"]
+        swept, why = sweep.sweep(root, self.beside(), self.unswept(), self._user)
+        if why is not None:
+            self.refuse(why)
+        hashed = 0
+        states = []
+        for path in sorted(files | (set(swept) - self.written)):
+            if path in files:
+                state = path_state(path, meta=self.meta.get(path, ()))
+            else:  # swept: hashed while the total stays small, else proven unchanged by its stat only
+                hashed += size(path)
+                state = path_state(path, hashed=hashed <= sweep.HASH_BYTES)
+            if state["kind"] == "other":
+                self.refuse(f"read {path}, which is not a regular file")
+            elif state["kind"] == "file" and max(state["stat"][1:3]) >= self.started_ns - RACY_NS // 40:
+                self.refuse(f"read {path} while it was changing")
+            states.append([self.places.ref(path), state])
+        listings = [[self.places.ref(p), path_state(p, listing=True)] for p in sorted(self.listings)]
+        for name, base in self.places.anchors.items():
+            if name != "root" and os.path.isdir(base):
+                listings.append([[name, "."], path_state(base, listing=True)])
+        env = dict(self.env)
+        if self.env_listed:
+            env.update({name: env_digest(value) for name, value in self.initial_env.items()})
+            env["<listed>"] = digest_json(sorted(self.initial_env))
+        return {
+            "files": states,
+            "listings": listings,
+            "lookups": self._lookups(),
+            "syspath": self.syspath,
+            "env": env,
+            "location": self.location(root, files),
+        }
+
+    def beside(self) -> list[str]:
+        """Directories whose every file native code may read (the code's own data); none unless a kind of record says."""
+        return []
+
+    def unswept(self) -> list[str]:
+        """Directories the sweep leaves out: the cache (lowercache writes it)."""
+        return [str(self.settings.cache_dir)]
+
+    def location(self, root: str, files: set[str]) -> dict[str, Any]:
+        """Where the record was made, and whether it may answer elsewhere (``portable``): only in a git work
+        tree, and only when no code it ran can have seen its directory (see ``sweep.LOCATION_NAMES``)."""
+        why = "" if work_tree(root) == root else "the working directory is not in a git work tree"
+        for path in sorted(files):
+            if why or self.located:
+                break
+            if path.endswith(".py") and not path.startswith(self.package):  # lowercache's own: the toolchain's
+                try:
+                    with open(path, "rb") as f:
+                        found = sweep.LOCATION_NAMES.search(f.read())
+                except OSError:
+                    found = None
+                if found is not None:
+                    why = f"{os.path.relpath(path, root)} names {found.group().decode()}"
+        why = why or (self.located[0] if self.located else "")
+        return {"root": root, "portable": not why, "why": why}
+
+    def _lookups(self) -> list[list[Any]]:
+        """For each module name looked up: what the user's search directories hold under that name (a new file may shadow it)."""
+        found = []
+        searched: dict[str, list[str]] = {}  # parent package ("" for top level) -> its user search directories
+        listings: dict[str, list[str] | None] = {}  # directory -> its entries, listed once
+        for name in sorted(self.lookups):
+            parent, _, last = name.rpartition(".")
+            if parent not in searched:
+                if parent:
+                    dirs = list(getattr(sys.modules.get(parent), "__path__", None) or [])
+                else:
+                    dirs = [os.path.abspath(p or ".") for p in sys.path]
+                searched[parent] = [d for d in dirs if isinstance(d, str) and self._user(os.path.abspath(d) + os.sep)]
+            for d in searched[parent]:
+                if d not in listings:
+                    listings[d] = entries(d)
+                found.append([self.places.ref(os.path.abspath(d)), last, named(listings[d], last)])
+        return found
+
+
+# Where a listing of the environment reads every value: ItemsView/ValuesView.__iter__, _Environ.copy.
+_LISTING_FRAMES = {("<frozen _collections_abc>", "__iter__"), ("<frozen os>", "copy")}
+
+
+def _current() -> Recorder | None:
+    return _active[-1] if _active and not _active[-1].paused else None
+
+
+def _install() -> None:
+    """Once per process: the audit hook (which cannot be removed), and watchers on ``os.environ`` and ``os.stat``.
+
+    All three are idle unless a recorder is active and not paused. Every read
+    of ``os.environ`` (``os.getenv``, ``in``, ``.get``) goes through
+    ``__getitem__``; listing it (``__iter__``, ``__len__``) records the whole
+    environment. ``os.path.exists`` and friends call ``os.stat``: a file the
+    factory only looked for is an input too. The import system uses
+    ``posix.stat`` directly and is not seen (module lookups are recorded by name).
+    """
+    global _hooked
+    if _hooked:
+        return
+    _hooked = True
+    sys.addaudithook(_audit)
+    cls = type(os.environ)
+    getitem, iterate, length = cls.__getitem__, cls.__iter__, cls.__len__
+
+    def watched_getitem(self: Any, key: Any) -> Any:
+        if (recorder := _current()) is not None:
+            caller = sys._getframe(1).f_code
+            if (caller.co_filename, caller.co_name) in _LISTING_FRAMES:  # items(), values(), copy(): part of a listing
+                recorder.listed_env(sys._getframe(2))
+            else:
+                recorder.read_env(key)
+        return getitem(self, key)
+
+    def listed() -> None:
+        if (recorder := _current()) is not None:
+            recorder.listed_env(sys._getframe(2))
+
+    def watched_iter(self: Any) -> Iterator[Any]:
+        listed()
+        return iterate(self)
+
+    def watched_len(self: Any) -> int:
+        listed()
+        return length(self)
+
+    cls.__getitem__, cls.__iter__, cls.__len__ = watched_getitem, watched_iter, watched_len
+
+    def wrap(fn: Callable[..., Any], how: str) -> Callable[..., Any]:
+        def watched(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if (recorder := _current()) is not None:
+                recorder.looked_at(path, _observed(sys._getframe(1), how))
+            return fn(path, *args, **kwargs)
+
+        return watched
+
+    for name, how in (("stat", "meta"), ("lstat", "meta"), ("access", "mode")):
+        setattr(os, name, wrap(getattr(os, name), how))
+
+    def located(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def watched() -> Any:
+            if (recorder := _current()) is not None:
+                recorder.observed_location("it called os.getcwd()", sys._getframe(1))
+            return fn()
+
+        return watched
+
+    os.getcwd, os.getcwdb = located(os.getcwd), located(os.getcwdb)
+    _watch_posix_environ()
+
+
+# Callers of ``os.stat`` that observe only what a path is (missing, file, directory), not its mode or mtime;
+# linecache's checks only decide whether to read a source again.
+_KIND_ONLY = frozenset({"exists", "lexists", "isfile", "isdir", "islink", "is_file", "is_dir", "is_symlink", "realpath",
+                        "checkcache", "updatecache"})
+
+
+def _observed(frame: Any, how: str) -> str:
+    """``kind`` when the standard-library function calling ``os.stat`` (or its caller) only tests what a path is, else ``how``."""
+    while frame is not None and frame.f_code.co_filename.startswith(("<frozen", *_stdlib_prefixes())):
+        if frame.f_code.co_name in _KIND_ONLY:
+            return "kind"
+        frame = frame.f_back
+    return how
+
+
+def _stdlib_prefixes() -> tuple[str, ...]:
+    return _active[-1].stdlib if _active else ()
+
+
+class _WatchedEnvironData(dict):  # type: ignore[type-arg]
+    """``posix.environ``: the bytes dict ``os.environ`` and ``os.environb`` keep their data in. Read from Python
+    (``posix.environ[b'X']``), it is a variable read; listed, the environment is. ``os``'s own use is its wrappers'."""
+
+    def __getitem__(self, key: Any) -> Any:
+        _raw(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        _raw(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: Any) -> bool:
+        _raw(key)
+        return super().__contains__(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        _raw()
+        return super().__iter__()
+
+    def keys(self) -> Any:
+        _raw()
+        return super().keys()
+
+    def items(self) -> Any:
+        _raw()
+        return super().items()
+
+    def values(self) -> Any:
+        _raw()
+        return super().values()
+
+    def copy(self) -> dict[Any, Any]:
+        _raw()
+        return dict(super().items())
+
+    def __len__(self) -> int:
+        _raw()
+        return super().__len__()
+
+
+_LISTED = object()
+
+
+def _raw(key: Any = _LISTED) -> None:
+    """A read of ``posix.environ[key]`` (without ``key``: a listing of it) by the frame calling its method."""
+    if (recorder := _current()) is None:
+        return
+    frame = sys._getframe(2)
+    if frame.f_code.co_filename == "<frozen os>":
+        return
+    if key is _LISTED:
+        recorder.listed_env(frame)
+    else:
+        recorder.read_env(key)
+
+
+def _watch_posix_environ() -> None:
+    """Put :class:`_WatchedEnvironData` in place of ``posix.environ``, as the one dict ``os.environ`` and ``os.environb`` share."""
+    import posix
+
+    data = getattr(os.environ, "_data", None)
+    if type(data) is not dict or data is not getattr(posix, "environ", None) or getattr(os.environb, "_data", None) is not data:
+        return
+    watched = _WatchedEnvironData(data)
+    os.environ._data = watched  # type: ignore[attr-defined]
+    os.environb._data = watched  # type: ignore[attr-defined]
+    posix.environ = watched  # type: ignore[attr-defined]
+
+
+def listen(recorder: Recorder) -> None:
+    """Make ``recorder`` the one that hears the audit hook and the watchers (installed once per process)."""
+    global _heard
+    lowercache_digest()  # its memo file is read and written now, not heard as the recorded code's
+    _install()
+    _heard = recorder.heard
+    _active[:] = [recorder]

@@ -1,0 +1,187 @@
+"""When a record may answer: the identity it was made under, the one confirm rule, and what became of it.
+
+Shared by direct mode's ``lower`` records and ``lowercache run``'s command
+records. A record answers only when the interpreter, machine, toolchain and
+settings (:func:`identity`) and every recorded input are as they were, and
+only once confirmed: a re-run with identical inputs produced the same result
+(:func:`verdict`). What a lookup found and what a record became is kept for
+``explain`` (:func:`put_status`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .. import startup
+from ..cache.digests import digest, digest_json
+from ..cache.toolchain import toolchain_parts
+from ..config import Settings
+from .places import Places, entries, named, same_state
+
+# Variables native code reads at start-up (threads, CPU kernels, hash seed): recorded for every factory.
+NATIVE_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "ATEN_CPU_CAPABILITY", "PYTHONHASHSEED")
+
+
+def _cpu_digest() -> str:
+    """The CPU's feature flags: torch picks its kernels (and so some float results) by them."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            for line in f:
+                if line.startswith((b"flags", b"Features")):
+                    return digest(b" ".join(sorted(line.split(b":", 1)[1].split())))
+    except OSError:
+        pass
+    return ""
+
+
+def env_digest(value: str | None) -> str | None:
+    """Values are kept as digests: an environment holds secrets, and records travel to the remote."""
+    return None if value is None else digest(value.encode("utf-8", "surrogateescape"))
+
+
+def identity(settings: Settings, environ: dict[str, str] | Any) -> dict[str, Any]:
+    """What the result depends on besides the factory's inputs: interpreter and its start-up, machine, toolchain, settings."""
+    return {
+        "python": sys.version,
+        "cache_tag": sys.implementation.cache_tag,
+        "machine": os.uname().machine,
+        "cpu": _cpu_digest(),
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "toolchain": toolchain_parts(),
+        "speedups": settings.speedups,
+        "native_env": {name: env_digest(environ.get(name)) for name in NATIVE_ENV},
+        "startup": startup.state(environ),
+    }
+
+
+def identity_changed(recorded: Any, now: dict[str, Any]) -> str | None:
+    """Which parts of the interpreter, machine, toolchain and settings identity differ, or None."""
+    if recorded == now:
+        return None
+    recorded = recorded if isinstance(recorded, dict) else {}
+    if recorded.get("startup") != now.get("startup"):
+        return startup.changed(recorded.get("startup"), now["startup"], "the record's")
+    parts = sorted(k for k in set(now) | set(recorded) if now.get(k) != recorded.get(k))
+    return f"the {', '.join(parts)} changed"
+
+
+def inputs_changed(inputs: dict[str, Any], places: Places, recorded_ns: int, cwd: str, environ: dict[str, str] | Any) -> str | None:
+    """What differs between recorded inputs (variables, files, listings, module lookups) and now, or None.
+
+    Shared by ``lower``'s records and ``lowercache run``'s command records (``run/replay.py``).
+    """
+    location = inputs["location"]
+    if location["root"] != places.anchors["root"] and not location["portable"]:
+        return f"the project is in another directory than the record's ({location['root']}), and {location['why']}"
+    for name, value in inputs["env"].items():
+        if name == "<listed>":
+            if value != digest_json(sorted(environ)):
+                return "the environment's variables changed (the factory listed them)"
+        elif env_digest(environ.get(name)) != value:
+            return f"environment variable {name} changed"
+    for ref, state in inputs["files"]:
+        path = places.path(ref)
+        if not same_state(path, state, recorded_ns):
+            return f"{os.path.relpath(path, cwd) if ref[0] == 'root' else path} changed"
+    for ref, state in inputs["listings"]:
+        if not same_state(places.path(ref), state, recorded_ns, listing=True):
+            return f"directory {places.path(ref)} changed"
+    for ref, name, found in inputs["lookups"]:
+        if named(entries(places.path(ref)), name) != found:
+            return f"what module {name} resolves to changed"
+    return None
+
+
+def check_inputs(inputs: Any) -> None:
+    """Recorded inputs read from a store, checked field by field (``ValueError`` when malformed)."""
+    if not (
+        isinstance(inputs, dict)
+        and all(isinstance(inputs.get(k), list) for k in ("files", "listings", "lookups", "syspath"))
+        and isinstance(inputs.get("env"), dict)
+        and isinstance(inputs.get("location"), dict)
+        and isinstance(inputs["location"].get("root"), str)
+        and isinstance(inputs["location"].get("portable"), bool)
+        and isinstance(inputs["location"].get("why"), str)
+        and all(isinstance(s, list) and len(s) == 2 and isinstance(s[1], dict) for s in inputs["files"] + inputs["listings"])
+        and all(isinstance(s, list) and len(s) == 3 and isinstance(s[1], str) and isinstance(s[2], list) for s in inputs["lookups"])
+    ):
+        raise ValueError("the record is malformed")
+
+
+@dataclass(frozen=True)
+class Words:
+    """How a kind of record says its rule: who ran, and what "the same result" is."""
+
+    who: str  # "the factory", "the command"
+    same: str  # "gives the same flow key"
+    gave_same: str  # "gave the same flow key"
+    differed: str  # why identical inputs that gave another result are untrusted for good
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``untrusted`` (never used), ``unconfirmed`` (waits for a re-run with the same inputs) or ``confirmed`` (used)."""
+
+    status: str
+    reason: str
+    for_good: bool = False
+
+    def stamp(self, record: dict[str, Any]) -> None:
+        """Write the verdict into the record about to be stored."""
+        record["status"], record["reason"] = self.status, self.reason
+        if self.for_good:
+            record["for_good"] = True
+
+
+def verdict(previous: dict[str, Any] | None, changed: Callable[[dict[str, Any]], str | None], refused: list[str],
+            same_result: Callable[[dict[str, Any]], bool], words: Words) -> Verdict:
+    """The one confirm rule, for every kind of record: a record is used only once a re-run with the same inputs gave the same result.
+
+    ``previous``: the record this run replaces, if any; ``changed(previous)``:
+    what differs between its inputs and this run's, judged as a lookup judges
+    it (so a run that merely touched other paths, say a bytecode file it wrote
+    the first time, still confirms), or None; a malformed previous record
+    raises and confirms nothing. ``refused``: what this run did that no record
+    can capture. ``same_result(previous)``: whether it produced what this run did.
+    """
+    if previous is not None and previous.get("status") == "untrusted" and previous.get("for_good"):
+        return Verdict("untrusted", str(previous.get("reason", "untrusted")), for_good=True)
+    if refused:
+        return Verdict("untrusted", f"{words.who} {refused[0]}")
+    since = None
+    if previous is not None:
+        try:
+            since = changed(previous)
+        except (ValueError, KeyError, TypeError):
+            previous = None
+    if previous is None or previous.get("status") == "untrusted" or since is not None:
+        note = f" ({since} since the previous record)" if since else ""
+        return Verdict("unconfirmed", f"recorded{note}; used once a re-run with the same inputs {words.same}")
+    if not same_result(previous):
+        return Verdict("untrusted", words.differed, for_good=True)
+    return Verdict("confirmed", f"a re-run with the same inputs {words.gave_same}")
+
+
+def put_status(store: Any, name: str, outcome: str, reason: str) -> None:
+    """Remember what a lookup found or a record became, for ``explain`` (``lowercache run``'s records too)."""
+    if getattr(store, "writable", False):
+        store.put_record(name, {"time": time.time(), "outcome": outcome, "reason": reason})
+
+
+def status_lines(store: Any, name: Callable[[str], str], prefix: str = "") -> list[str]:
+    """The remembered lookup and record outcomes (``name("lookup")``, ``name("record")``), one line each."""
+    lines = []
+    for which, label in (("lookup", "latest lookup"), ("process", "latest run"), ("record", "latest record")):
+        status = store.get_record(name(which))
+        if isinstance(status, dict):
+            lines.append(f"{prefix}{label}: {status.get('outcome')}: {status.get('reason')}")
+    return lines
+
+
+# What no record sees, said by ``explain`` (docs/direct-mode.md, Limits).
+UNSEEN = ("cannot see: files native code reads outside the project tree, or inside it away from the model with a suffix "
+          "the sweep does not know; variables C code reads itself; a directory's mode or mtime")
