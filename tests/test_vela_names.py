@@ -1,4 +1,5 @@
-"""Vela's command stream does not depend on TOSA tensor names nor on the order of a block's tensor list.
+"""Vela's command stream does not depend on TOSA tensor names, the order of a block's tensor list, nor the order of its
+constants (CONST operators).
 
 Region replay for Ethos-U (issue 42, ``../shared/notes/regions-ethosu.md``)
 rests on this: a spliced TOSA graph may differ from stock's in the names
@@ -80,6 +81,30 @@ def shuffled(tosa: bytes, seed: int) -> bytes:
     return bytes(out)
 
 
+def constants_reordered(tosa: bytes, seed: int) -> bytes:
+    """Each block's CONST operators in another order among themselves (the operator vector's offsets permuted in place):
+    a region splice lists constants in another order than stock (``lowering/regionsplice.py``)."""
+    from tosa.Op import Op
+    from tosa.TosaGraph import TosaGraph
+
+    rng = random.Random(seed)
+    out = bytearray(tosa)
+    graph = TosaGraph.GetRootAs(tosa, 0)
+    for r in range(graph.RegionsLength()):
+        region = graph.Regions(r)
+        for b in range(region.BlocksLength()):
+            block = region.Blocks(b)
+            table = block._tab
+            vector = table.Vector(table.Offset(6))
+            slots = [vector + 4 * j for j in range(block.OperatorsLength()) if block.Operators(j).Op() == Op.CONST]
+            targets = [slot + struct.unpack_from("<I", tosa, slot)[0] for slot in slots]
+            rng.shuffle(targets)
+            for slot, target in zip(slots, targets):
+                struct.pack_into("<I", out, slot, target - slot)
+    assert out != tosa
+    return bytes(out)
+
+
 def one_weight_changed(tosa: bytes) -> bytes:
     """The largest constant with one byte flipped: a change Vela must see (so the comparisons above can fail)."""
     from tosa.TosaGraph import TosaGraph
@@ -131,7 +156,8 @@ def partitions(tmp_path_factory) -> dict[tuple[str, str], bytes]:
 def test_vela_stream_ignores_tensor_names_and_order(target, model, partitions):
     family = target.rsplit("-", 1)[0]
     tosa = partitions[model, family]
-    variants = {"renamed": renamed(tosa, 1), "renamed again": renamed(tosa, 2), "shuffled": shuffled(tosa, 3)}
+    variants = {"renamed": renamed(tosa, 1), "renamed again": renamed(tosa, 2), "shuffled": shuffled(tosa, 3),
+                "constants reordered": constants_reordered(tosa, 4)}
     configs = [c for c in vela_sections("System_Config") if c.startswith(FAMILIES[family] + "_")]
     accepted = 0
     for system_config in configs:
