@@ -62,3 +62,20 @@ def test_tosa_targets_keep_the_full_pipeline(tmp_path, monkeypatch):
     artifacts = lowercache.lower(module, example, target="tosa-int", cache_dir=tmp_path / "cache")
     assert not _regions(artifacts)
     assert artifacts.manifest["speedups"]["regions"] == "on"
+
+
+def test_verify_accepts_a_tosa_equal_up_to_names_only_for_ethos_u_with_regions_on():
+    from lowercache.speedups import registry
+    from lowercache.verify import Mismatch, expected
+
+    names = Mismatch("cache", "partition_0.tosa", 40, "tosa partition 0 (miss, key 0)", up_to_names=True)
+    other = Mismatch("cache", "partition_0.tosa", 40, "tosa partition 0 (miss, key 0)")
+    pte = Mismatch("cache", "model.pte", 40, "flow")
+    try:
+        registry.select("all,regions")
+        assert expected([names, other, pte], TARGET) == ([other, pte], [names])
+        assert expected([names], "tosa-int") == ([names], [])
+        registry.select("all")
+        assert expected([names], TARGET) == ([names], [])
+    finally:
+        registry.select("all")
