@@ -37,7 +37,8 @@ def test_spliced_lowering_is_stock_cold_and_after_an_edit(name, tmp_path, monkey
         spliced = _lower(name, edit, tmp_path / "cache", monkeypatch, "all,regions")
         reference = _lower(name, edit, tmp_path / "reference", monkeypatch, "all")
         (step,) = _regions(spliced)
-        assert step["outcome"] == "spliced", step
+        assert step["outcome"] == "spliced" and "every region re-ran" in step["name"], step
+        assert step["note"].startswith("re-ran: ") and models.EDITED_BLOCKS[name] in step["note"], step
         assert not _regions(reference)
         module, example = models.MODELS[name](edit=edit)
         assert spliced.pte == reference.pte == stock_pte(module, example, TARGET), (name, edit)

@@ -326,13 +326,16 @@ def _pipeline(self: Any, exported_program: Any, graph_module: Any) -> Any:
     try:
         if toolchain_parts()["arm_backend_src"] != AUDITED_ARM_SRC:
             raise Fallback("the Arm backend's sources are not the ones the splice was tested against")
-        result, outcome = transform(exported_program, self.compile_spec, choose_depth(exported_program))
-        name, verdict = f"{len(outcome.regions)} regions spliced before pipeline entry {outcome.split}", "spliced"
+        depth = choose_depth(exported_program)
+        result, outcome = transform(exported_program, self.compile_spec, depth)
+        name = (f"{len(outcome.regions)} regions at depth {depth} spliced before pipeline entry {outcome.split}; "
+                "every region re-ran (none is served from the cache yet)")
+        verdict, note = "spliced", "re-ran: " + ", ".join(outcome.regions)
     except Fallback as reason:
         result = original(self, exported_program, graph_module)
-        name, verdict = f"full pipeline: {reason}", "fallback"
+        name, verdict, note = f"full pipeline: {reason}", "fallback", ""
     if session is not None:
-        session.records.append(StepRecord(kind="regions", name=name, outcome=verdict, seconds=time.perf_counter() - start))
+        session.records.append(StepRecord(kind="regions", name=name, outcome=verdict, seconds=time.perf_counter() - start, note=note))
     return result
 
 
