@@ -83,6 +83,8 @@ def explain(store: Store, model: str, target: str) -> list[str]:
         return [f"no recorded runs of {model} for {target}"]
     lines = []
     latest = runs[-1]
+    # Region replay's verdicts (lowering/regionsplice.py): spliced, or the full pipeline and why.
+    lines += [f"TOSA pipeline by region: {s['outcome']}: {s['name']}" for s in latest["steps"] if s["kind"] == "regions"]
     flow = _step(latest, "flow")
     if flow is not None and flow["outcome"] == "hit":
         lines.append("the latest run was a hit: nothing changed")

@@ -42,7 +42,7 @@ import tempfile
 import threading
 from typing import Any
 
-from . import partitionorder, passes, qparams
+from . import partitionorder, passes, qparams, regionsplice
 from .. import delegation
 from ..speedups import registry
 from ..speedups.patching import Patch
@@ -107,6 +107,8 @@ def tosa_parts(edge_program: Any, compile_spec: Any) -> dict[str, str] | None:
         return None
     parts["compile_spec"] = compile_spec_digest(compile_spec)
     parts["pass_insertions"] = insertions
+    if regionsplice.engaged():  # the spliced TOSA differs from stock's in names: its own entry
+        parts["pipeline"] = regionsplice.VERSION
     parts.update(toolchain_parts())
     return parts
 
@@ -279,11 +281,13 @@ def _unwrap_modules() -> None:
 # steps (``qparams``), a recorder of every pass (``passes``) and partitions in
 # discovery order (``partitionorder``, the one deliberate difference: README).
 _FLOW_PATCHES = {"qparams": qparams, "passes": passes, "partitionorder": partitionorder}
+# Speed-ups that live with the flow (they use its regions), switched by the registry like the others.
+_FLOW_SPEEDUPS = {"regions": regionsplice}
 # The order patches go on (and, reversed, come off): some wrap what others wrap.
 _ORDER = (
     "provenance", "paramsearch", "qparams", "histogram", "passes", "retrace", "fastcopy", "lazycode", "attrnames",
     "decompositions", "fakecache", "partitionorder", "signature", "treeiter", "dtypecheck", "callsite",
-    "deadcode", "ciaops", "exportguards",
+    "deadcode", "ciaops", "exportguards", "regions",
 )
 _enabled: list[Any] = []  # what _apply turned on, so _undo turns off the same
 
@@ -291,7 +295,8 @@ _enabled: list[Any] = []  # what _apply turned on, so _undo turns off the same
 def _switch_on() -> None:
     """The flow's patches and the exact speed-ups the registry has on (pins checked before any patch)."""
     speedups = set(registry.active())
-    chosen = [_FLOW_PATCHES.get(name) or registry.module(name) for name in _ORDER if name in _FLOW_PATCHES or name in speedups]
+    chosen = [_FLOW_PATCHES.get(name) or _FLOW_SPEEDUPS.get(name) or registry.module(name)
+              for name in _ORDER if name in _FLOW_PATCHES or name in speedups]
     for patch in chosen:
         patch.enable()
         _enabled.append(patch)

@@ -302,7 +302,8 @@ def region_keys(ep: torch.export.ExportedProgram, depth: int = 1) -> dict[str, s
     return {name: digest_json(parts) for name, parts in region_parts(ep, depth).items()}
 
 
-def _copied_meta(meta: dict[str, Any]) -> dict[str, Any]:
+def copied_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """A node's metadata with the dicts a pass may change in place copied deeply."""
     return {k: copy.deepcopy(v) if k in _NESTED_META else v for k, v in meta.items()}
 
 
@@ -342,12 +343,12 @@ def extract(ep: torch.export.ExportedProgram, members: dict[torch.fx.Node, str],
     input_specs = []
     for a in constant_inputs + user_inputs:
         env[a] = graph.placeholder(a.name)
-        env[a].meta = _copied_meta(a.meta)
+        env[a].meta = copied_meta(a.meta)
         spec = specs.get(a.name) if a in constant_inputs else None
         input_specs.append(spec or InputSpec(kind=InputKind.USER_INPUT, arg=TensorArgument(name=env[a].name), target=None))
     for n in nodes:
         env[n] = graph.node_copy(n, lambda a: env[a])
-        env[n].meta = _copied_meta(n.meta)
+        env[n].meta = copied_meta(n.meta)
     outputs = [env[n] for n in nodes if any(u not in inside for u in n.users)]
     graph.output(tuple(outputs))
     signature = ExportGraphSignature(
@@ -379,7 +380,7 @@ def adopt_input_facts(program: torch.export.ExportedProgram, sources: list[torch
     if len(inputs) != len(sources):
         raise ValueError(f"the region takes {len(inputs)} tensors from outside, not {len(sources)}")
     for name, source in zip(inputs, sources):
-        by_name[name].meta = _copied_meta(source.meta)
+        by_name[name].meta = copied_meta(source.meta)
 
 
 _SUFFIX = re.compile(r"(.*)_(\d+)$")

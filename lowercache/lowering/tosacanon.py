@@ -9,6 +9,14 @@ stock's; this form tells "equal up to names" from "different". Names are
 replaced by graph position: the block's inputs first, then each operator's
 inputs and outputs in operator order, then the block's outputs. Tensors and
 shapes no operator or block boundary names are left out, as Vela drops them.
+
+Constants come as ``CONST`` operators, and their order is not the graph's
+either: region replay splices regions whose constants stock lists in
+another order. So the ``CONST`` operators are a multiset (sorted by what
+they hold), and an operator's reference to a constant is the constant's
+content (shape, type, bytes), not a position; the multiset is the block's
+last entry. Two equal constants where
+stock has one are still a difference (the multiset counts them).
 """
 
 from __future__ import annotations
@@ -19,14 +27,19 @@ from typing import Any
 
 from ..cache.digests import digest
 
+_CONST = 67  # tosa.Op.CONST (checked against the installed tosa-tools in canonical())
+
 # Accessors of a generated flatbuffers table that are not its fields.
 _NOT_FIELDS = ("Init", "GetRootAs")
 
 
 def canonical(tosa: bytes) -> list[Any]:
     """The graph's version and, per region and block, its operators and tensors with names replaced by position."""
+    from tosa.Op import Op
     from tosa.TosaGraph import TosaGraph
 
+    if Op.CONST != _CONST:
+        raise RuntimeError(f"tosa-tools numbers CONST {Op.CONST}, not {_CONST}")
     graph = TosaGraph.GetRootAs(tosa, 0)
     version = graph.Version()
     form: list[Any] = [[version._Major(), version._Minor(), version._Patch(), version._Draft()] if version is not None else None]
@@ -53,14 +66,29 @@ def _block(block: Any) -> list[Any]:
     def ref(name: Any) -> int:
         return position.setdefault(_text(name), len(position))
 
+    ops = [block.Operators(i) for i in range(block.OperatorsLength())]
+    constants: dict[str, Any] = {}  # the name of a CONST operator's output -> what it holds
+    const_ops = []
+    for op in ops:
+        if op.Op() == _CONST and op.InputsLength() == 0 and op.OutputsLength() == 1:
+            name = _text(op.Outputs(0))
+            held = _tensor(tensors[name]) if name in tensors else ["undeclared"]
+            constants[name] = held
+            const_ops.append([op.AttributeType(), _attribute(op), held])
+
+    def arg(name: Any) -> Any:
+        held = constants.get(_text(name))
+        return ["const", held] if held is not None else ref(name)
+
     inputs = [ref(block.Inputs(i)) for i in range(block.InputsLength())]
-    operators = []
-    for i in range(block.OperatorsLength()):
-        op = block.Operators(i)
+    operators: list[Any] = []
+    for op in ops:
+        if op.Op() == _CONST and op.InputsLength() == 0 and op.OutputsLength() == 1:
+            continue
         operators.append([op.Op(), op.AttributeType(), _attribute(op),
-                          [ref(op.Inputs(j)) for j in range(op.InputsLength())],
+                          [arg(op.Inputs(j)) for j in range(op.InputsLength())],
                           [ref(op.Outputs(j)) for j in range(op.OutputsLength())]])
-    outputs = [ref(block.Outputs(i)) for i in range(block.OutputsLength())]
+    outputs = [arg(block.Outputs(i)) for i in range(block.OutputsLength())]
     described = []
     for name in position:  # in order of position
         if name in tensors:
@@ -70,7 +98,7 @@ def _block(block: Any) -> list[Any]:
             described.append(["shape", shape.Rank(), digest(shape.DataAsNumpy().tobytes()) if shape.DataLength() else None])
         else:
             described.append(["undeclared"])
-    return [_text(block.Name()), inputs, outputs, operators, described]
+    return [_text(block.Name()), inputs, outputs, operators, described, sorted(const_ops, key=repr)]
 
 
 def _tensor(tensor: Any) -> list[Any]:

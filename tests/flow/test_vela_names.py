@@ -1,4 +1,5 @@
-"""Vela's command stream does not depend on TOSA tensor names nor on the order of a block's tensor list.
+"""Vela's command stream does not depend on TOSA tensor names, the order of a block's tensor list, nor the order of its
+constants (CONST operators).
 
 Region replay for Ethos-U (issue 42, ``../shared/notes/regions-ethosu.md``)
 rests on this: a spliced TOSA graph may differ from stock's in the names
@@ -11,12 +12,11 @@ names, regions must not be used for it.
 
 from __future__ import annotations
 
-
 import pytest
 
 from lowercache.lowering.targets import ETHOSU_TARGETS, vela_sections
 
-from tests.helpers.tosa import FAMILIES, MODELS, one_weight_changed, renamed, shuffled, vela
+from tests.helpers.tosa import FAMILIES, MODELS, constants_reordered, one_weight_changed, renamed, shuffled, vela
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -24,7 +24,8 @@ from tests.helpers.tosa import FAMILIES, MODELS, one_weight_changed, renamed, sh
 def test_vela_stream_ignores_tensor_names_and_order(target, model, partitions):
     family = target.rsplit("-", 1)[0]
     tosa = partitions[model, family]
-    variants = {"renamed": renamed(tosa, 1), "renamed again": renamed(tosa, 2), "shuffled": shuffled(tosa, 3)}
+    variants = {"renamed": renamed(tosa, 1), "renamed again": renamed(tosa, 2), "shuffled": shuffled(tosa, 3),
+                "constants reordered": constants_reordered(tosa, 4)}
     configs = [c for c in vela_sections("System_Config") if c.startswith(FAMILIES[family] + "_")]
     accepted = 0
     for system_config in configs:

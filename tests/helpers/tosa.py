@@ -1,4 +1,5 @@
-"""TOSA flatbuffers rewritten in ways Vela must not see: tensors renamed, the tensor list shuffled, one weight changed."""
+"""TOSA flatbuffers rewritten in ways Vela must not see: tensors renamed, the tensor list shuffled, constants
+reordered; and one weight changed, which it must see."""
 
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ def renamed(tosa: bytes, seed: int) -> bytes:
     return bytes(out)
 
 
-def shuffled(tosa: bytes, seed: int) -> bytes:
-    """Each block's tensor list in another order (the vector's offsets permuted in place)."""
+def _permuted(tosa: bytes, seed: int, field: int, chosen) -> bytes:
+    """Each block's vector at table ``field`` with the entries ``chosen(block, j)`` picks permuted among themselves
+    (their offsets, in place)."""
     from tosa.TosaGraph import TosaGraph
 
     rng = random.Random(seed)
@@ -52,16 +54,32 @@ def shuffled(tosa: bytes, seed: int) -> bytes:
     for r in range(graph.RegionsLength()):
         region = graph.Regions(r)
         for b in range(region.BlocksLength()):
-            table = region.Blocks(b)._tab
-            vector = table.Vector(table.Offset(8))
-            count = table.VectorLen(table.Offset(8))
-            slots = [vector + 4 * j for j in range(count)]
+            block = region.Blocks(b)
+            table = block._tab
+            vector = table.Vector(table.Offset(field))
+            slots = [vector + 4 * j for j in range(table.VectorLen(table.Offset(field))) if chosen(block, j)]
             targets = [slot + struct.unpack_from("<I", tosa, slot)[0] for slot in slots]
             rng.shuffle(targets)
             for slot, target in zip(slots, targets):
                 struct.pack_into("<I", out, slot, target - slot)
-    assert sorted(_names(bytes(out))) == sorted(_names(tosa)) and _names(bytes(out)) != _names(tosa)
     return bytes(out)
+
+
+def shuffled(tosa: bytes, seed: int) -> bytes:
+    """Each block's tensor list in another order (the vector's offsets permuted in place)."""
+    out = _permuted(tosa, seed, 8, lambda block, j: True)
+    assert sorted(_names(out)) == sorted(_names(tosa)) and _names(out) != _names(tosa)
+    return out
+
+
+def constants_reordered(tosa: bytes, seed: int) -> bytes:
+    """Each block's CONST operators in another order among themselves (the operator vector's offsets permuted in place):
+    a region splice lists constants in another order than stock (``lowering/regionsplice.py``)."""
+    from tosa.Op import Op
+
+    out = _permuted(tosa, seed, 6, lambda block, j: block.Operators(j).Op() == Op.CONST)
+    assert out != tosa
+    return out
 
 
 def one_weight_changed(tosa: bytes) -> bytes:

@@ -1,0 +1,376 @@
+"""The TOSA pass pipeline run region by region up to the first layout pass, spliced, then on the whole graph.
+
+This is the execution half of region replay for Ethos-U targets (issue 42):
+an unchanged region's state at the split is what a replay would serve, and
+this module is where a served state and a freshly run one meet. It runs
+every region of a partition's pipeline input through the pipeline's prefix
+(the entries before ``FuseViewCopyTransformPass``, which the pass census
+finds local up to names and the facts a region reads from its producers),
+in lockstep: pass ``i`` runs on each region in graph order, and before it
+runs on a region, each tensor the region reads from another region takes
+that producer's metadata as pass ``i`` left it, as in the whole graph. The
+regions are then spliced in graph order into one program, and the rest of
+the pipeline (the layout passes, constant shapes, duplicate users: the
+global entries) runs on it as stock runs it.
+
+The result differs from stock's in names and in the order of constants,
+which an Ethos-U ``.pte`` does not hold (``tests/flow/test_vela_names.py``); a
+TOSA target's ``.pte`` is the flatbuffer itself, so this is never used for
+one. Anything the splice cannot order falls back to the stock pipeline,
+with the reason (``Fallback``): regions that interleave in graph order, a
+program that mutates buffers, a pass that fails on a region alone, a
+pipeline that differs between a region and the whole graph.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import torch
+
+from . import regions
+from ..cache.toolchain import toolchain_parts
+from ..speedups.patching import Patch
+
+SPLIT_PASS = "FuseViewCopyTransformPass"  # the first layout pass: entries before it run per region
+
+
+class Fallback(Exception):
+    """The splice cannot be used for this program; the stock pipeline runs. ``str()`` is the reason."""
+
+
+@dataclasses.dataclass
+class RegionState:
+    """One region as the prefix leaves it: its program, and where each of its outputs came from."""
+
+    name: str
+    program: Any
+    outputs: list[str]  # the whole graph's name of the node each output position carries
+    inputs: dict[str, str]  # placeholder name in the region's program -> the whole graph's node it stands for
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What the region-by-region run did: the regions, or why it fell back."""
+
+    regions: list[str] = dataclasses.field(default_factory=list)
+    fallback: str | None = None
+    split: int = 0
+
+
+def pipeline(compile_spec: Any, program: Any) -> list[Any]:
+    """The TOSA pipeline's pass instances for ``program``, built as stock builds them, not run."""
+    from executorch.backends.arm._passes.arm_pass_manager import ArmPassManager
+
+    manager = ArmPassManager(compile_spec)
+    manager._transform = lambda exported_program, graph_module: graph_module
+    manager._tosa_pipeline(program, program.graph_module)
+    return list(manager.passes)
+
+
+def run_pass(graph_pass: Any, program: Any) -> Any:
+    """One pass on ``program`` as the Arm pass manager runs each of its passes (adapter, then recompile)."""
+    from executorch.backends.arm._passes.arm_pass_manager import _ExportedProgramGraphPassAdapter
+
+    result = _ExportedProgramGraphPassAdapter(graph_pass)(program)
+    if result.modified:
+        result.exported_program.graph_module.recompile()
+    return result.exported_program
+
+
+def split_index(passes: list[Any]) -> int:
+    names = [type(p).__name__ for p in passes]
+    if SPLIT_PASS not in names:
+        raise Fallback(f"the pipeline has no {SPLIT_PASS}")
+    return names.index(SPLIT_PASS)
+
+
+def region_runs(gm: torch.fx.GraphModule, members: dict[torch.fx.Node, str], constants: set[str]) -> list[str]:
+    """The regions of ``gm`` as contiguous runs in graph order (a region twice: it interleaves with another).
+
+    A node that reads constants only (a weight's dequantization, which stock
+    places at the front of the graph) is left out: it is placed with the
+    region that reads it, and q/dq folding removes it before the split.
+    """
+    runs: list[str] = []
+    for node in gm.graph.nodes:
+        region = members.get(node)
+        if region is not None and node.all_input_nodes and all(a.name in constants for a in node.all_input_nodes):
+            continue
+        if region is not None and (not runs or runs[-1] != region):
+            runs.append(region)
+    return runs
+
+
+def _extract(program: Any, members: dict[torch.fx.Node, str], name: str) -> RegionState:
+    from torch.export.graph_signature import InputKind
+
+    part = regions.extract(program, members, name)
+    gm = program.graph_module
+    inside = [n for n in gm.graph.nodes if members.get(n) == name]
+    outputs = [n.name for n in inside if any(members.get(u) != name for u in n.users)]
+    inputs = {s.arg.name: s.arg.name for s in part.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
+    return RegionState(name, part, outputs, inputs)
+
+
+def _output_nodes(state: RegionState) -> list[torch.fx.Node]:
+    out = state.program.graph_module.graph.output_node()
+    args = out.args[0]
+    return list(args) if isinstance(args, (tuple, list)) else [args]
+
+
+def _adopt(state: RegionState, producers: dict[str, tuple[RegionState, int]]) -> None:
+    """Give each tensor ``state`` reads from another region its producer's current metadata."""
+    by_name = {n.name: n for n in state.program.graph_module.graph.nodes if n.op == "placeholder"}
+    for placeholder, source in state.inputs.items():
+        found = producers.get(source)
+        if found is None:
+            continue  # a whole-graph input: its placeholder is the region's own
+        producer, index = found
+        node = by_name.get(placeholder)
+        if node is None:
+            raise Fallback(f"region {state.name} lost its input {source}")
+        node.meta = regions.copied_meta(_output_nodes(producer)[index].meta)
+
+
+def _user_inputs(program: Any) -> set[str]:
+    from torch.export.graph_signature import InputKind
+
+    return {s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
+
+
+def run_prefix(program: Any, compile_spec: Any, depth: int) -> tuple[list[RegionState], int, list[Any]]:
+    """Every region of ``program`` through the pipeline's prefix, in lockstep; the states, the split and the whole pipeline."""
+    from torch.export.graph_signature import OutputKind
+
+    if any(spec.kind != OutputKind.USER_OUTPUT for spec in program.graph_signature.output_specs):
+        raise Fallback("the program mutates buffers or returns gradients")
+    whole = pipeline(compile_spec, program)
+    split = split_index(whole)
+    members = regions.membership(program.graph_module, depth)
+    constants = {n.name for n in program.graph_module.graph.nodes if n.op == "placeholder"} - _user_inputs(program)
+    runs = region_runs(program.graph_module, members, constants)
+    if len(runs) != len(set(runs)):
+        repeated = sorted({r for r in runs if runs.count(r) > 1})
+        raise Fallback(f"regions interleave in graph order: {', '.join(repeated[:4])}")
+    for node in program.graph_module.graph.nodes:
+        readers = {members[u] for u in node.users if u in members}
+        if node.op == "placeholder" and len(readers) > 1 and node.name not in _user_inputs(program):
+            raise Fallback(f"constant {node.name} is read by {len(readers)} regions")
+    states = [_extract(program, members, name) for name in runs]
+    producers = {out: (s, k) for s in states for k, out in enumerate(s.outputs)}
+    pipelines = {s.name: pipeline(compile_spec, s.program) for s in states}
+    for s in states:
+        if [type(p) for p in pipelines[s.name][:split]] != [type(p) for p in whole[:split]]:
+            raise Fallback(f"region {s.name}'s pipeline differs from the whole graph's")
+    for index in range(split):
+        for s in states:
+            _adopt(s, producers)
+            try:
+                s.program = run_pass(pipelines[s.name][index], s.program)
+            except Exception as e:  # noqa: BLE001 - a pass that cannot run on the region alone
+                raise Fallback(f"{type(whole[index]).__name__} fails on region {s.name} alone: {type(e).__name__}") from e
+    return states, split, whole
+
+
+def splice(program: Any, states: list[RegionState]) -> Any:
+    """One program from the regions' programs, in graph order, with ``program``'s inputs and outputs.
+
+    Constants keep their names where they are unique; a name two regions
+    minted alike gets the region's position as a prefix. The graph's own
+    inputs keep theirs.
+    """
+    from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputKind, OutputSpec, TensorArgument
+
+    graph = torch.fx.Graph()
+    env: dict[str, torch.fx.Node] = {}  # whole graph's node name -> spliced node
+    user_inputs = [s for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    first_seen: dict[str, torch.fx.Node] = {}
+    for s in states:
+        for node in s.program.graph_module.graph.nodes:
+            if node.op == "placeholder" and s.inputs.get(node.name) is not None and node.name not in first_seen:
+                first_seen[node.name] = node
+    state_dict: dict[str, Any] = {}
+    constants: dict[str, Any] = {}
+    constant_specs: list[InputSpec] = []
+    constant_nodes: list[tuple[RegionState, torch.fx.Node, InputSpec]] = []
+    taken = {s.arg.name for s in user_inputs}
+    for s in states:
+        specs = {spec.arg.name: spec for spec in s.program.graph_signature.input_specs}
+        for node in s.program.graph_module.graph.nodes:
+            if node.op == "placeholder" and specs[node.name].kind != InputKind.USER_INPUT:
+                constant_nodes.append((s, node, specs[node.name]))
+    local: dict[tuple[int, str], torch.fx.Node] = {}
+    for s, node, spec in constant_nodes:
+        name = node.name if node.name not in taken else f"r{states.index(s)}_{node.name}"
+        taken.add(name)
+        new = graph.placeholder(name)
+        new.meta = node.meta
+        target = spec.target if spec.target is not None else name
+        value = s.program.state_dict.get(spec.target, s.program.constants.get(spec.target))
+        key = target if target not in state_dict and target not in constants else f"r{states.index(s)}_{target}"
+        if spec.target in s.program.state_dict:
+            state_dict[key] = value
+        else:
+            constants[key] = value
+        constant_specs.append(InputSpec(kind=spec.kind, arg=TensorArgument(name=new.name), target=key, persistent=spec.persistent))
+        local[(id(s), node.name)] = new
+    input_specs = list(constant_specs)
+    for spec in user_inputs:
+        new = graph.placeholder(spec.arg.name)
+        source = first_seen.get(spec.arg.name)
+        original = next(n for n in program.graph_module.graph.nodes if n.name == spec.arg.name)
+        new.meta = (source or original).meta
+        env[spec.arg.name] = new
+        input_specs.append(InputSpec(kind=InputKind.USER_INPUT, arg=TensorArgument(name=new.name), target=None))
+    # A region's leading nodes computed from constants alone go first, region by region: a pass inserts such a
+    # node right after the constant's placeholder, which in the whole graph is at its front.
+    mapped: dict[int, dict[torch.fx.Node, torch.fx.Node]] = {id(s): {} for s in states}
+    leading = {id(s): True for s in states}
+    for front in (True, False):
+        for s in states:
+            mine = mapped[id(s)]
+            for node in s.program.graph_module.graph.nodes:
+                if node in mine or node.op == "output":
+                    continue
+                if node.op == "placeholder":
+                    if (id(s), node.name) in local:
+                        mine[node] = local[(id(s), node.name)]
+                    elif not front:
+                        mine[node] = env[s.inputs[node.name]]
+                elif not front or (leading[id(s)] and _from_constants(node, mine)):
+                    mine[node] = graph.node_copy(node, mine.__getitem__)
+                else:
+                    leading[id(s)] = False
+            if not front:
+                outputs = _output_nodes(s)
+                for k, whole_name in enumerate(s.outputs):
+                    env[whole_name] = mine[outputs[k]]
+    whole_out = program.graph_module.graph.output_node()
+    result = torch.fx.node.map_arg(whole_out.args[0], lambda a: env[a.name])
+    out = graph.output(result)
+    out.meta = whole_out.meta
+    outputs = result if isinstance(result, (tuple, list)) else [result]
+    signature = ExportGraphSignature(
+        input_specs=input_specs,
+        output_specs=[OutputSpec(kind=OutputKind.USER_OUTPUT, arg=TensorArgument(name=o.name), target=None) for o in outputs],
+    )
+    spliced = copy.copy(program)
+    spliced._graph_module = torch.fx.GraphModule(program.graph_module, graph)
+    spliced._graph_signature = signature
+    spliced._state_dict = state_dict
+    spliced._constants = constants
+    return spliced
+
+
+def _from_constants(node: torch.fx.Node, placed: dict[torch.fx.Node, torch.fx.Node]) -> bool:
+    """Whether every input of ``node`` is placed already at the front: a constant, or computed from constants alone."""
+    return bool(node.all_input_nodes) and all(a in placed for a in node.all_input_nodes)
+
+
+def transform(program: Any, compile_spec: Any, depth: int) -> tuple[Any, Outcome]:
+    """The TOSA pipeline on ``program`` region by region up to the split, spliced, then whole; ``program`` is updated in place.
+
+    Raises ``Fallback`` (before changing ``program``) when the splice cannot be used.
+    """
+    from executorch.backends.arm._passes.arm_pass_manager import ArmPassManager
+
+    manager = ArmPassManager(compile_spec)
+    with manager._tosa_context(program.graph_module):
+        states, split, whole = run_prefix(program, compile_spec, depth)
+        spliced = splice(program, states)
+        for graph_pass in whole[split:]:
+            spliced = run_pass(graph_pass, spliced)
+    program._graph_module = spliced.graph_module
+    program._graph_signature = spliced.graph_signature
+    program._state_dict = spliced.state_dict
+    program._constants = spliced.constants
+    return program.graph_module, Outcome(regions=[s.name for s in states], split=split)
+
+
+# --- The switch: on for Ethos-U partitions while the ``regions`` speed-up is on (``speedups/registry.py``).
+
+MAX_REGIONS = 64  # the deepest cut with at most this many regions is used
+VERSION = "regions:prefix-118:v1"  # in the TOSA step's key while engaged: its TOSA differs from stock's in names
+# The Arm backend's sources (toolchain ``arm_backend_src``) the splice was tested against: every pass is in them.
+AUDITED_ARM_SRC = "4e5e1b26bb9809a0e32122d3794ff932"
+_state = threading.local()  # .ethosu: this thread is inside EthosUBackend.preprocess
+_originals: dict[str, Any] = {}
+
+
+def choose_depth(program: Any) -> int:
+    """The deepest module-path depth (1 to 4) that cuts ``program`` into at most ``MAX_REGIONS`` regions that do not
+    interleave in graph order; depth 1 when none does (``run_prefix`` then says why it falls back)."""
+    gm = program.graph_module
+    constants = {n.name for n in gm.graph.nodes if n.op == "placeholder"} - _user_inputs(program)
+    for depth in range(4, 0, -1):
+        members = regions.membership(gm, depth)
+        runs = region_runs(gm, members, constants)
+        if len(set(runs)) <= MAX_REGIONS and len(runs) == len(set(runs)):
+            return depth
+    return 1
+
+
+def _pipeline(self: Any, exported_program: Any, graph_module: Any) -> Any:
+    original = _originals["pipeline"]
+    if not getattr(_state, "ethosu", False) or graph_module is not exported_program.graph_module:
+        return original(self, exported_program, graph_module)
+    from ..cache.steps import StepRecord, current_session
+
+    session = current_session()
+    start = time.perf_counter()
+    try:
+        if toolchain_parts()["arm_backend_src"] != AUDITED_ARM_SRC:
+            raise Fallback("the Arm backend's sources are not the ones the splice was tested against")
+        depth = choose_depth(exported_program)
+        result, outcome = transform(exported_program, self.compile_spec, depth)
+        name = (f"{len(outcome.regions)} regions at depth {depth} spliced before pipeline entry {outcome.split}; "
+                "every region re-ran (none is served from the cache yet)")
+        verdict, note = "spliced", "re-ran: " + ", ".join(outcome.regions)
+    except Fallback as reason:
+        result = original(self, exported_program, graph_module)
+        name, verdict, note = f"full pipeline: {reason}", "fallback", ""
+    if session is not None:
+        session.records.append(StepRecord(kind="regions", name=name, outcome=verdict, seconds=time.perf_counter() - start, note=note))
+    return result
+
+
+def engaged() -> bool:
+    """Whether a pipeline run now (this thread) would be spliced: inside an Ethos-U partition, with the switch on."""
+    return bool(_originals) and getattr(_state, "ethosu", False)
+
+
+def _ethosu_preprocess(edge_program: Any, compile_specs: Any) -> Any:
+    previous = getattr(_state, "ethosu", False)
+    _state.ethosu = True
+    try:
+        return _originals["ethosu"](edge_program, compile_specs)
+    finally:
+        _state.ethosu = previous
+
+
+def _apply() -> None:
+    from executorch.backends.arm._passes.arm_pass_manager import ArmPassManager
+    from executorch.backends.arm.ethosu.backend import EthosUBackend
+
+    _originals["pipeline"] = ArmPassManager.transform_to_backend_pipeline
+    _originals["ethosu"] = EthosUBackend.preprocess
+    ArmPassManager.transform_to_backend_pipeline = _pipeline
+    EthosUBackend.preprocess = staticmethod(_ethosu_preprocess)
+
+
+def _undo() -> None:
+    from executorch.backends.arm._passes.arm_pass_manager import ArmPassManager
+    from executorch.backends.arm.ethosu.backend import EthosUBackend
+
+    ArmPassManager.transform_to_backend_pipeline = _originals.pop("pipeline")
+    EthosUBackend.preprocess = staticmethod(_originals.pop("ethosu"))
+
+
+_patch = Patch(_apply, _undo)
+enable = _patch.enable
+disable = _patch.disable

@@ -1,0 +1,82 @@
+"""The ``regions`` speed-up: the TOSA pipeline run region by region up to the first layout pass, then spliced.
+
+For Ethos-U targets only; the ``.pte`` must be stock's byte for byte and each
+``partition_N.tosa`` equal to stock's up to names and constant order
+(``lowering/tosacanon.py``). Cold, then one block edited into the same cache,
+as a user edits; an unprovable case falls back and says why.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import lowercache
+from lowercache.bench import models
+from lowercache.cache.history import explain
+from lowercache.cache.store import Store
+from lowercache.lowering.tosacanon import equal_up_to_names
+
+from tests.helpers.oracle import stock_pte
+
+TARGET = "ethos-u55-128"
+
+
+def _lower(name: str, edit: str | None, cache, monkeypatch, speedups: str) -> lowercache.Artifacts:
+    monkeypatch.setenv("LOWERCACHE_SPEEDUPS", speedups)
+    module, example = models.MODELS[name](edit=edit)
+    return lowercache.lower(module, example, target=TARGET, cache_dir=cache)
+
+
+def _regions(artifacts: lowercache.Artifacts) -> list[dict]:
+    return [s for s in artifacts.manifest["steps"] if s["kind"] == "regions"]
+
+
+@pytest.mark.parametrize("name", ["tiny_cnn", "residual_cnn"])
+def test_spliced_lowering_is_stock_cold_and_after_an_edit(name, tmp_path, monkeypatch):
+    for edit in (None, "structure"):
+        spliced = _lower(name, edit, tmp_path / "cache", monkeypatch, "all,regions")
+        reference = _lower(name, edit, tmp_path / "reference", monkeypatch, "all")
+        (step,) = _regions(spliced)
+        assert step["outcome"] == "spliced" and "every region re-ran" in step["name"], step
+        assert step["note"].startswith("re-ran: ") and models.EDITED_BLOCKS[name] in step["note"], step
+        assert not _regions(reference)
+        module, example = models.MODELS[name](edit=edit)
+        assert spliced.pte == reference.pte == stock_pte(module, example, TARGET), (name, edit)
+        tosa = [k for k in spliced.files if k.endswith(".tosa")]
+        assert tosa and all(equal_up_to_names(spliced.files[k], reference.files[k]) for k in tosa), (name, edit)
+
+
+def test_interleaved_regions_fall_back_and_say_why(tmp_path, monkeypatch):
+    """The transformer block's layer norms interleave with the residual adds in graph order: not spliced."""
+    artifacts = _lower("transformer_block", "structure", tmp_path / "cache", monkeypatch, "all,regions")
+    (step,) = _regions(artifacts)
+    assert step["outcome"] == "fallback" and "interleave" in step["name"], step
+    module, example = models.transformer_block(edit="structure")
+    assert artifacts.pte == stock_pte(module, example, TARGET)
+    lines = explain(Store(tmp_path / "cache"), "TransformerBlock", TARGET)
+    assert any(line.startswith("TOSA pipeline by region: fallback: full pipeline: regions interleave") for line in lines), lines
+
+
+def test_tosa_targets_keep_the_full_pipeline(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOWERCACHE_SPEEDUPS", "all,regions")
+    module, example = models.tiny_cnn()
+    artifacts = lowercache.lower(module, example, target="tosa-int", cache_dir=tmp_path / "cache")
+    assert not _regions(artifacts)
+    assert artifacts.manifest["speedups"]["regions"] == "on"
+
+
+def test_verify_accepts_a_tosa_equal_up_to_names_only_for_ethos_u_with_regions_on():
+    from lowercache.speedups import registry
+    from lowercache.verify import Mismatch, expected
+
+    names = Mismatch("cache", "partition_0.tosa", 40, "tosa partition 0 (miss, key 0)", up_to_names=True)
+    other = Mismatch("cache", "partition_0.tosa", 40, "tosa partition 0 (miss, key 0)")
+    pte = Mismatch("cache", "model.pte", 40, "flow")
+    try:
+        registry.select("all,regions")
+        assert expected([names, other, pte], TARGET) == ([other, pte], [names])
+        assert expected([names], "tosa-int") == ([names], [])
+        registry.select("all")
+        assert expected([names], TARGET) == ([names], [])
+    finally:
+        registry.select("all")
