@@ -26,8 +26,10 @@ from .digests import stat_key
 # lowercache's rooms whose code decides what a step produces (not the CLI, the benchmark or the docs).
 _PRODUCING_ROOMS = ("cache", "lowering", "speedups")
 # Modules in those rooms whose code cannot change an artifact's bytes: the remote tiers' transport, the run history,
-# which tiers to open, the index file's upkeep, and the pass census (research, reached from a test and a benchmark).
-_NOT_PRODUCING = frozenset({"cache/remote.py", "cache/history.py", "cache/tiers.py", "cache/dbfile.py", "lowering/census.py"})
+# which tiers to open, the index file's upkeep, the pass census (research, reached from a test and a benchmark), and the
+# numerics check (it reads a lowering; its own key has its code).
+_NOT_PRODUCING = frozenset({"cache/remote.py", "cache/history.py", "cache/tiers.py", "cache/dbfile.py", "lowering/census.py",
+                            "lowering/numerics.py"})
 _MEMO_VERSION = 1
 
 

@@ -1,0 +1,399 @@
+"""Numerics after a lowering: the lowered program run on the TOSA reference model, against the eager float model.
+
+The lowered program runs as ExecuTorch's own Arm tester runs it
+(``backends/arm/test/tester/arm_tester.py``, ``ToExecutorch.run_artifact``):
+the exported program of ``to_executorch()`` called as a module, under a
+``TorchFunctionMode`` that hands every ``executorch_call_delegate`` to the
+TOSA reference model (``tosa_reference_model.run``, as ``runner_utils.py``
+``run_tosa_graph``), and runs the rest, the operators outside the delegates,
+as torch kernels. For Ethos-U the delegate holds Vela's command stream, so
+each delegate is given its partition's TOSA flatbuffer, the one Vela
+compiled: this checks TOSA's semantics, not Vela's command stream or the NPU.
+
+Two cached steps:
+
+- ``reference``: one run of one partition's TOSA on one input, keyed by the
+  TOSA's digest, the inputs' digest and the reference model's version; its
+  outputs are stored as raw bytes with dtype and shape (read back by dtype
+  name, nothing unpickled). An unchanged partition with unchanged inputs is
+  not re-run.
+- ``check``: the figures of a whole lowering, keyed by the flow step's key
+  (which covers the float program, the target and the toolchain), the
+  check's inputs (the example inputs, then each calibration sample), the
+  reference model's version and this module's code. A hit is read without
+  torch (direct mode), so its key parts are built here without it.
+
+Nothing here changes a lowered byte: the program is read after
+``to_executorch()`` has produced the .pte. A partition the reference model
+rejects is reported, with the reason, not raised.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Any, Callable, Sequence
+
+from ..cache.digests import digest, digest_json
+from ..cache.store import Entry
+from ..cache.toolchain import code_digest, version
+
+# Part of the check's key; v1: outputs against the eager float model.
+NUMERICS_VERSION = "numerics:v1"
+MODES = ("outputs",)
+# The figures each output gets, in the order tables print them.
+FIGURES = ("max_abs", "mean_abs", "snr_db", "cosine", "top1")
+
+
+def reference_model_version() -> str:
+    """The installed reference model's version: it ships in tosa-tools."""
+    return version("tosa-tools")
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> str:
+    """This module's code (its syntax tree), so an edit here misses instead of serving old figures."""
+    with open(os.path.abspath(__file__), "rb") as f:
+        return f"{NUMERICS_VERSION}:{code_digest(f.read())}"
+
+
+def check_parts(flow_key: str, inputs: str, mode: str = "outputs") -> dict[str, str]:
+    """The check step's named key parts; torch-free, so direct mode can look a check up."""
+    return {"flow": flow_key, "inputs": inputs, "mode": mode, "reference_model": reference_model_version(), "numerics": code_version()}
+
+
+# -- running the lowered program ---------------------------------------------------------------------
+
+
+class Rejected(Exception):
+    """The reference model refused a partition (invalid TOSA, an operator it does not implement)."""
+
+
+_NHWC = (0, 2, 3, 1)
+_NNHWC = (0, 1, 3, 4, 2)
+
+
+def _to_numpy(tensor: Any) -> Any:
+    """A tensor as the reference model takes it: channels-last tensors in their memory order (as ``runner_utils``)."""
+    import torch
+
+    order = tensor.dim_order()
+    if order == _NHWC or order == _NNHWC:
+        tensor = tensor.permute(order)
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.uint16)
+    return tensor.contiguous().numpy()
+
+
+def _from_numpy(array: Any, fake: Any) -> Any:
+    """A reference-model output as the partition's output node describes it (shape, dim order)."""
+    import torch
+
+    tensor = torch.from_numpy(array.copy())
+    shape = list(fake.shape)
+    order = fake.dim_order()
+    if order in (_NHWC, _NNHWC):
+        tensor = tensor.reshape([shape[i] for i in order])
+        inverse = [order.index(i) for i in range(len(order))]
+        return tensor.permute(inverse).contiguous()
+    return tensor.reshape(shape)
+
+
+def _output_fakes(lowered: Any) -> list[Any]:
+    output = lowered.original_module.graph.output_node()
+    fakes = []
+    for node in output.args[0]:
+        value = node.meta.get("val")
+        if isinstance(value, (list, tuple)):
+            value = value[0]
+        fakes.append(value)
+    return fakes
+
+
+class Partitions:
+    """Each delegate's TOSA, found by its delegate bytes, and its runs on the reference model as ``reference`` steps."""
+
+    def __init__(self, files: dict[str, bytes], session: Any):
+        self.session = session
+        self.tosa: list[bytes] = [files[n] for n in sorted(files, key=_partition_number) if n.endswith(".tosa")]
+        self.by_delegate: dict[bytes, int] = {}
+        for i, data in enumerate(self.tosa):
+            self.by_delegate[data] = i
+            stream = files.get(f"partition_{i}.vela.bin")
+            if stream is not None:
+                self.by_delegate[stream] = i
+        self.status: list[dict[str, Any]] = [{"partition": i, "status": "not run"} for i in range(len(self.tosa))]
+
+    def index(self, lowered: Any) -> int:
+        found = self.by_delegate.get(bytes(lowered.processed_bytes))
+        if found is None:
+            raise Rejected(f"delegate {lowered.backend_id} holds bytes no partition file has")
+        return found
+
+    def run(self, lowered: Any, inputs: Sequence[Any]) -> list[Any]:
+        """One delegate call: the partition's TOSA on the reference model, from the cache when it ran on these inputs."""
+        from ..cache.hashing import dtype_name, tensor_bytes, tensor_digest, tensor_from_bytes
+
+        i = self.index(lowered)
+        tosa = self.tosa[i]
+        fakes = _output_fakes(lowered)
+        parts = {
+            "tosa": digest(tosa),
+            "inputs": digest_json([tensor_digest(t) + ":" + str(list(t.dim_order())) for t in inputs]),
+            "reference_model": reference_model_version(),
+            "numerics": code_version(),
+        }
+
+        def compute() -> Entry:
+            import tosa_reference_model
+
+            arrays = [_to_numpy(t) for t in inputs]
+            try:
+                outputs, status = tosa_reference_model.run(tosa, arrays, verbosity="NONE", initialize_variable_tensor_from_numpy=True)
+            except (ValueError, RuntimeError) as e:
+                return Entry(meta={"status": "rejected", "reason": " ".join(str(e).split())[:300] or type(e).__name__})
+            if status != tosa_reference_model.GraphStatus.TOSA_VALID:
+                return Entry(meta={"status": "rejected", "reason": f"the reference model says {str(status).rpartition('.')[2]}"})
+            tensors = [_from_numpy(a, fake) for a, fake in zip(outputs, fakes)]
+            return Entry(
+                meta={"status": "valid", "outputs": [{"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for t in tensors]},
+                blobs={f"output_{k}": tensor_bytes(t) for k, t in enumerate(tensors)},
+            )
+
+        entry = self.session.run("reference", f"partition_{i}", parts, compute)
+        if entry.meta.get("status") != "valid":
+            self.status[i] = {"partition": i, "status": "rejected", "reason": str(entry.meta.get("reason", "rejected"))}
+            raise Rejected(f"partition {i}: {self.status[i]['reason']}")
+        self.status[i] = {"partition": i, "status": "valid"}
+        described = entry.meta.get("outputs")
+        if not isinstance(described, list) or len(described) != len(fakes):
+            raise Rejected(f"partition {i}: its stored outputs are malformed")
+        tensors = []
+        for k, d in enumerate(described):
+            tensors.append(tensor_from_bytes(entry.blobs[f"output_{k}"], str(d["dtype"]), [int(s) for s in d["shape"]]))
+        return tensors
+
+
+def _partition_number(name: str) -> tuple[int, str]:
+    head = name.split(".", 1)[0].rpartition("_")[2]
+    return (int(head) if head.isdigit() else -1, name)
+
+
+def _qdq_ops() -> tuple[Any, ...]:
+    """quantize/dequantize overloads that mishandle channels-last input: run in channels-first (as ``runner_utils``)."""
+    import torch
+
+    found = []
+    ns = torch.ops.quantized_decomposed
+    for name in ("quantize_per_tensor", "dequantize_per_tensor", "quantize_per_channel", "dequantize_per_channel"):
+        packet = getattr(ns, name, None)
+        for overload in ("tensor", "tensor2", "default", "out"):
+            if packet is not None and hasattr(packet, overload):
+                found.append(getattr(packet, overload))
+    return tuple(found)
+
+
+def run_lowered(program: Any, partitions: Partitions, sample: Sequence[Any]) -> list[Any]:
+    """The flat outputs of ``program`` (the exported program of ``to_executorch()``) on ``sample``, delegates on the reference model."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils import _pytree as pytree
+
+    qdq = _qdq_ops()
+
+    class Dispatch(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if func is torch._higher_order_ops.executorch_call_delegate:
+                return partitions.run(args[0], args[1:])
+            if func in qdq and args and args[0].dim_order() in (_NHWC, _NNHWC):
+                result = func(args[0].to(memory_format=torch.contiguous_format), *args[1:], **kwargs)
+                return result.to(memory_format=torch.channels_last)
+            return func(*args, **kwargs)
+
+    with torch.no_grad(), Dispatch():
+        signature = program.graph_signature
+        if signature.buffers_to_mutate:  # as the tester: mutable buffers are the program's I/O
+            outputs = program.graph_module(*program.buffers(), *sample)
+        else:
+            outputs = program.module()(*sample)
+    flat, _ = pytree.tree_flatten(outputs)
+    kinds = [spec.kind.name for spec in signature.output_specs]
+    if len(kinds) == len(flat):
+        flat = [t for t, kind in zip(flat, kinds) if kind == "USER_OUTPUT"]
+    return flat
+
+
+def float_outputs(program: Any, samples: Sequence[Sequence[Any]]) -> list[list[Any]]:
+    """The eager float model's flat outputs on every sample (the exported float program, run as a module)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    module = program.module()
+    found = []
+    with torch.no_grad():
+        for sample in samples:
+            flat, _ = pytree.tree_flatten(module(*sample))
+            found.append([t for t in flat if isinstance(t, torch.Tensor)])
+    return found
+
+
+# -- the figures -------------------------------------------------------------------------------------
+
+
+def figures(reference: Sequence[Any], lowered: Sequence[Any]) -> dict[str, Any]:
+    """Error figures of one output over every sample: max and mean absolute error, SNR (dB), cosine similarity, and
+    for a classifier's logits (rank 2, two or more classes) the share of rows whose top-1 class agrees.
+
+    ``snr_db`` is None when the outputs are equal (no error: infinite SNR); ``cosine`` is 1.0 for two zero outputs.
+    """
+    import torch
+
+    ref = torch.cat([r.detach().to(torch.float64).reshape(-1) for r in reference])
+    got = torch.cat([g.detach().to(torch.float64).reshape(-1) for g in lowered])
+    err = got - ref
+    signal, noise = float((ref * ref).sum()), float((err * err).sum())
+    norms = float(ref.norm()) * float(got.norm())
+    found: dict[str, Any] = {
+        "max_abs": float(err.abs().max()) if err.numel() else 0.0,
+        "mean_abs": float(err.abs().mean()) if err.numel() else 0.0,
+        "snr_db": None if noise == 0.0 else (10.0 * math.log10(signal / noise) if signal > 0.0 else -math.inf),
+        "cosine": float((ref * got).sum()) / norms if norms > 0.0 else (1.0 if noise == 0.0 else 0.0),
+        "shape": list(reference[0].shape),
+        "dtype": str(lowered[0].dtype).removeprefix("torch."),
+    }
+    if reference[0].dim() == 2 and reference[0].shape[1] >= 2:
+        agree = sum(int((r.argmax(dim=1) == g.argmax(dim=1)).sum()) for r, g in zip(reference, lowered))
+        rows = sum(int(r.shape[0]) for r in reference)
+        found["top1"] = agree / rows if rows else None
+        found["top1_rows"] = rows
+    if found["snr_db"] == -math.inf:
+        found["snr_db"] = -999.0  # a zero reference with an error: no signal (JSON has no infinity)
+    return {k: (float(f"{v:.7g}") if isinstance(v, float) else v) for k, v in found.items()}  # 7 significant digits
+
+
+def compute(program: Any, files: dict[str, bytes], float_ref: list[list[Any]], samples: Sequence[Sequence[Any]], session: Any) -> Entry:
+    """The check's entry: per output its figures over every sample, per partition whether the reference model ran it."""
+    partitions = Partitions(files, session)
+    lowered: list[list[Any]] = []
+    meta: dict[str, Any] = {"samples": len(samples), "reference_model": reference_model_version(), "partitions": partitions.status}
+    try:
+        for sample in samples:
+            lowered.append(run_lowered(program, partitions, [t.clone() if hasattr(t, "clone") else t for t in sample]))
+    except Rejected as e:
+        meta["error"] = f"not compared: {e}"
+        meta["outputs"] = []
+        return Entry(meta=meta)
+    outputs = []
+    for k in range(len(float_ref[0]) if float_ref else 0):
+        if len(lowered[0]) != len(float_ref[0]) or lowered[0][k].shape != float_ref[0][k].shape:
+            meta["error"] = f"output {k}: the lowered program's outputs do not match the float model's in number or shape"
+            outputs = []
+            break
+        outputs.append({"output": k, **figures([s[k] for s in float_ref], [s[k] for s in lowered])})
+    meta["outputs"] = outputs
+    return Entry(meta=meta)
+
+
+def check(
+    session: Any,
+    flow_key: str | None,
+    samples: Sequence[Sequence[Any]],
+    float_program: Any,
+    lowered_program: Callable[[], tuple[Any, dict[str, bytes]]],
+) -> dict[str, Any]:
+    """Run (or serve) the check step; returns the manifest's ``numerics`` section.
+
+    ``lowered_program()`` gives the exported program of ``to_executorch()`` and
+    the lowering's files; it is only called on a miss. ``flow_key`` None: the
+    flow ran uncached, so the check runs uncached too.
+    """
+    from ..cache.hashing import Unhashable, inputs_digest
+
+    try:
+        inputs = inputs_digest(samples)
+    except Unhashable:
+        inputs = None
+    parts = check_parts(flow_key, inputs) if flow_key is not None and inputs is not None else None
+
+    def run() -> Entry:
+        reference = float_outputs(float_program, samples)
+        program, files = lowered_program()
+        return compute(program, files, reference, samples, session)
+
+    entry = session.run("check", "numerics", parts, run)
+    return section(entry.meta, parts)
+
+
+def section(meta: dict[str, Any], parts: dict[str, str] | None) -> dict[str, Any]:
+    """The manifest's ``numerics`` section from a check entry's metadata (a direct-mode hit builds it too)."""
+    found = {k: meta[k] for k in ("samples", "reference_model", "partitions", "outputs", "error") if k in meta}
+    found["semantics"] = "TOSA reference model (not Vela's command stream or the NPU) against the eager float model"
+    if parts is not None:
+        found["key_parts"] = parts
+    return found
+
+
+# -- saying it -------------------------------------------------------------------------------------
+
+
+def _number(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
+
+
+def snr_text(value: Any) -> str:
+    """An SNR as a person reads it: ``inf`` for an exact match."""
+    return "inf" if value is None else f"{value:.1f} dB"
+
+
+def lines(numerics: dict[str, Any] | None) -> list[str]:
+    """What ``lower`` prints after its table: one line per output, then each rejected partition and any error."""
+    if not numerics:
+        return []
+    said = []
+    for o in numerics.get("outputs", []):
+        top1 = f", top-1 {o['top1'] * 100:.1f}% of {o['top1_rows']}" if o.get("top1") is not None else ""
+        said.append(
+            f"numerics: output {o['output']} {tuple(o.get('shape', ()))}: SNR {snr_text(o.get('snr_db'))}, cosine {_number(o.get('cosine'), 6)}, "
+            f"max abs {_number(o.get('max_abs'))}, mean abs {_number(o.get('mean_abs'))}{top1} "
+            f"({numerics.get('samples', 0)} input{'s' if numerics.get('samples') != 1 else ''}, TOSA reference model vs float)"
+        )
+    for p in numerics.get("partitions", []):
+        if p.get("status") == "rejected":
+            said.append(f"numerics: partition {p['partition']} rejected by the reference model: {p.get('reason')}")
+    if numerics.get("error"):
+        said.append(f"numerics: {numerics['error']}")
+    return said
+
+
+def worst_snr(numerics: dict[str, Any] | None) -> float | None:
+    """The lowest SNR of any output (None: no check, or every output exact); -inf when the check could not compare."""
+    if not numerics:
+        return None
+    if numerics.get("error") or not numerics.get("outputs"):
+        return -math.inf
+    values = [o["snr_db"] for o in numerics["outputs"] if o.get("snr_db") is not None]
+    return min(values) if values else None
+
+
+def below(numerics: dict[str, Any] | None, min_snr: float | None) -> str | None:
+    """Why the check falls short of ``min_snr`` dB (a rejected partition or an output under it), or None."""
+    if min_snr is None or numerics is None:
+        return None
+    worst = worst_snr(numerics)
+    if worst is None or worst >= min_snr:
+        return None
+    if worst == -math.inf:
+        return f"the numerics check could not compare outputs ({numerics.get('error', 'no outputs')}), and --min-snr is {min_snr:g} dB"
+    return f"an output's SNR is {worst:.1f} dB, below --min-snr {min_snr:g} dB"
+
+
+def json_part(numerics: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``numerics`` key of ``--json``: the figures without the key parts."""
+    if numerics is None:
+        return {}
+    return {"numerics": {k: v for k, v in numerics.items() if k != "key_parts"}}
