@@ -66,6 +66,8 @@ NoServer = typer.Option(False, "--no-server", metavar="", help=r"Run in this pro
 PerTensor = typer.Option(False, "--per-tensor", metavar="", help="Quantize weights per tensor instead of per channel.")
 SystemConfig = typer.Option(None, "--system-config", help="Ethos-U: Vela's system config from its Arm/vela.ini (default: ExecuTorch's for the target).")
 MemoryMode = typer.Option(None, "--memory-mode", help="Ethos-U: Vela's memory mode from its Arm/vela.ini, e.g. Shared_Sram, Sram_Only (default: ExecuTorch's for the target).")
+Check = typer.Option(False, "--check", metavar="", help=r"Also run the lowering on the TOSA reference model against the float model: error, SNR, cosine, top-1 per output; cached; no lowered byte changes (docs/numerics.md) \[env: LOWERCACHE_CHECK].")
+MinSnr = typer.Option(None, "--min-snr", metavar="DB", help="With the check (implied): exit 1, after writing the output, when an output's SNR is below DB or the reference model rejected a partition.")
 NoDirect = typer.Option(False, "--no-direct", metavar="", help=r"Do not answer from a direct-mode record (docs/direct-mode.md) \[env: LOWERCACHE_DIRECT=0].")
 
 
@@ -206,17 +208,20 @@ def lower(
     no_direct: bool = NoDirect,
     system_config: Optional[str] = SystemConfig,
     memory_mode: Optional[str] = MemoryMode,
+    check: bool = Check,
+    min_snr: Optional[float] = MinSnr,
 ) -> None:
     """Lower MODEL for a target, serving unchanged work from the cache."""
     global _json_errors
     from .. import api, direct
-    from ..lowering import loading
+    from ..lowering import loading, numerics
     from ..lowering.targets import resolve
 
     _json_errors = as_json
 
     try:
-        settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote, direct=False if no_direct else None)
+        settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote, direct=False if no_direct else None,
+                             check=True if check or min_snr is not None else None)
         resolve(target, system_config=system_config, memory_mode=memory_mode)
         api.check_output_dir(out_dir)
         if not settings.disable:
@@ -239,6 +244,7 @@ def lower(
                 settings=settings,
                 system_config=system_config,
                 memory_mode=memory_mode,
+                check=settings.check,
             )
         direct.finish(recorder, artifacts.records, artifacts.manifest)
         written = api.write_artifacts(artifacts, out_dir)
@@ -248,10 +254,16 @@ def lower(
         _fail_lowering(e)
     _print_summary(artifacts.records, artifacts.stages)
     _print_delegation(artifacts.delegation)
+    short = numerics.below(artifacts.numerics, min_snr)
+    for line in numerics.lines(artifacts.numerics):
+        err.print(f"lowercache: {line}", markup=False, highlight=False, soft_wrap=True)
     if as_json:
-        print(json.dumps(_run_summary(artifacts, written, out_dir), indent=2, sort_keys=True))
+        print(json.dumps({**_run_summary(artifacts, written, out_dir), **numerics.json_part(artifacts.numerics, short)}, indent=2, sort_keys=True))
     else:
         out.print(f"wrote {counted(len(written), 'file')} to {out_dir}")
+    if short is not None:
+        print(f"lowercache: error: {short}", file=sys.stderr)
+        raise typer.Exit(1)
 
 
 @contextlib.contextmanager

@@ -30,10 +30,13 @@ rejects is reported, with the reason, not raised.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
-from typing import Any, Callable, Sequence
+import sys
+import tempfile
+from typing import Any, Callable, Iterator, Sequence
 
 from ..cache.digests import digest, digest_json
 from ..cache.store import Entry
@@ -150,19 +153,23 @@ class Partitions:
             import tosa_reference_model
 
             arrays = [_to_numpy(t) for t in inputs]
-            try:
-                outputs, status = tosa_reference_model.run(tosa, arrays, verbosity="NONE", initialize_variable_tensor_from_numpy=True)
-            except (ValueError, RuntimeError) as e:
-                return Entry(meta={"status": "rejected", "reason": " ".join(str(e).split())[:300] or type(e).__name__})
-            if status != tosa_reference_model.GraphStatus.TOSA_VALID:
-                return Entry(meta={"status": "rejected", "reason": f"the reference model says {str(status).rpartition('.')[2]}"})
+            with _native_output_kept() as said:
+                try:
+                    outputs, status = tosa_reference_model.run(tosa, arrays, verbosity="NONE", initialize_variable_tensor_from_numpy=True)
+                except (ValueError, RuntimeError) as e:
+                    outputs, status = None, e
+            if isinstance(status, Exception) or status != tosa_reference_model.GraphStatus.TOSA_VALID:
+                why = str(status) if isinstance(status, Exception) else f"status {str(status).rpartition('.')[2]}"
+                lines = [line for line in said() if "error" in line.lower()] or said()
+                reason = " ".join(f"{why}{': ' + lines[-1] if lines else ''}".split())
+                return Entry(meta={"status": "rejected", "reason": reason[:300]})
             tensors = [_from_numpy(a, fake) for a, fake in zip(outputs, fakes)]
             return Entry(
                 meta={"status": "valid", "outputs": [{"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for t in tensors]},
                 blobs={f"output_{k}": tensor_bytes(t) for k, t in enumerate(tensors)},
             )
 
-        entry = self.session.run("reference", f"partition_{i}", parts, compute)
+        entry = self.session.run("reference", f"partition {i}", parts, compute)
         if entry.meta.get("status") != "valid":
             self.status[i] = {"partition": i, "status": "rejected", "reason": str(entry.meta.get("reason", "rejected"))}
             raise Rejected(f"partition {i}: {self.status[i]['reason']}")
@@ -174,6 +181,28 @@ class Partitions:
         for k, d in enumerate(described):
             tensors.append(tensor_from_bytes(entry.blobs[f"output_{k}"], str(d["dtype"]), [int(s) for s in d["shape"]]))
         return tensors
+
+
+@contextlib.contextmanager
+def _native_output_kept() -> Iterator[Callable[[], list[str]]]:
+    """The reference model's native code prints to file descriptors 1 and 2 (a TOSA version note on every run): kept
+    out of lowercache's output; the lines are handed back, a rejected partition's reason is among them."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile() as sink:
+        lines: list[str] = []
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield lambda: lines
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            sink.seek(0)
+            lines[:] = [line.strip() for line in sink.read(1 << 16).decode(errors="replace").splitlines() if line.strip()]
 
 
 def _partition_number(name: str) -> tuple[int, str]:
@@ -336,6 +365,23 @@ def section(meta: dict[str, Any], parts: dict[str, str] | None) -> dict[str, Any
     return found
 
 
+def stored(store: Any, recorded: Any, flow_key: str) -> tuple[dict[str, Any], Entry] | None:
+    """The check a direct-mode record names, read without torch: its section and entry, or None (not stored, or the
+    reference model or this module changed since, or the record is malformed)."""
+    from ..cache.steps import step_key
+
+    parts = recorded.get("key_parts") if isinstance(recorded, dict) else None
+    if not isinstance(parts, dict) or parts.get("flow") != flow_key or not isinstance(parts.get("inputs"), str):
+        return None
+    now = check_parts(flow_key, parts["inputs"], str(parts.get("mode", "outputs")))
+    if now != parts:
+        return None
+    entry = store.get("check", step_key("check", now))
+    if entry is None or not isinstance(entry.meta.get("outputs"), list):
+        return None
+    return section(entry.meta, now), entry
+
+
 # -- saying it -------------------------------------------------------------------------------------
 
 
@@ -392,8 +438,8 @@ def below(numerics: dict[str, Any] | None, min_snr: float | None) -> str | None:
     return f"an output's SNR is {worst:.1f} dB, below --min-snr {min_snr:g} dB"
 
 
-def json_part(numerics: dict[str, Any] | None) -> dict[str, Any]:
-    """The ``numerics`` key of ``--json``: the figures without the key parts."""
+def json_part(numerics: dict[str, Any] | None, short: str | None = None) -> dict[str, Any]:
+    """The ``numerics`` key of ``--json``: the figures without the key parts, and ``below``'s verdict when there is one."""
     if numerics is None:
         return {}
-    return {"numerics": {k: v for k, v in numerics.items() if k != "key_parts"}}
+    return {"numerics": {**{k: v for k, v in numerics.items() if k != "key_parts"}, **({"below_threshold": short} if short else {})}}
