@@ -31,7 +31,9 @@ rejects is reported, with the reason, not raised.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
+import json
 import math
 import os
 import sys
@@ -150,19 +152,9 @@ class Partitions:
         }
 
         def compute() -> Entry:
-            import tosa_reference_model
-
-            arrays = [_to_numpy(t) for t in inputs]
-            with _native_output_kept() as said:
-                try:
-                    outputs, status = tosa_reference_model.run(tosa, arrays, verbosity="NONE", initialize_variable_tensor_from_numpy=True)
-                except (ValueError, RuntimeError) as e:
-                    outputs, status = None, e
-            if isinstance(status, Exception) or status != tosa_reference_model.GraphStatus.TOSA_VALID:
-                why = str(status) if isinstance(status, Exception) else f"status {str(status).rpartition('.')[2]}"
-                lines = [line for line in said() if "error" in line.lower()] or said()
-                reason = " ".join(f"{why}{': ' + lines[-1] if lines else ''}".split())
-                return Entry(meta={"status": "rejected", "reason": reason[:300]})
+            outputs = reference_run(tosa, [_to_numpy(t) for t in inputs])
+            if isinstance(outputs, str):
+                return Entry(meta={"status": "rejected", "reason": outputs})
             tensors = [_from_numpy(a, fake) for a, fake in zip(outputs, fakes)]
             return Entry(
                 meta={"status": "valid", "outputs": [{"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for t in tensors]},
@@ -181,6 +173,90 @@ class Partitions:
         for k, d in enumerate(described):
             tensors.append(tensor_from_bytes(entry.blobs[f"output_{k}"], str(d["dtype"]), [int(s) for s in d["shape"]]))
         return tensors
+
+
+def reference_run(tosa: bytes, arrays: list[Any]) -> list[Any] | str:
+    """The reference model's outputs for ``tosa`` on ``arrays``, or why it refused them.
+
+    It runs in a forked child: it is native code, and a flatbuffer it cannot
+    read can crash it (a truncated one segfaults), which must not take the
+    lowering with it. The outputs come back through a pipe as a JSON header
+    (dtype, shape) and raw bytes, nothing pickled. Without ``os.fork`` it runs
+    here.
+    """
+    import tosa_reference_model  # noqa: F401  (imported here: a child importing it could wait on a lock another thread held)
+
+    if not hasattr(os, "fork"):
+        return _run_here(tosa, arrays)
+    read_end, write_end = os.pipe()
+    with _native_output_kept() as said:
+        pid = os.fork()
+        if pid == 0:  # the child: run, answer, exit without running the parent's cleanup
+            code = 0
+            try:
+                faulthandler.disable()  # a crash is the answer here, not a traceback on the parent's terminal
+                os.close(read_end)
+                answer = _run_here(tosa, arrays)
+                with os.fdopen(write_end, "wb") as pipe:
+                    if isinstance(answer, str):
+                        pipe.write(json.dumps({"rejected": answer}).encode() + b"\n")
+                    else:
+                        header = [{"dtype": a.dtype.str, "shape": list(a.shape)} for a in answer]
+                        pipe.write(json.dumps({"outputs": header}).encode() + b"\n")
+                        for a in answer:
+                            pipe.write(a.tobytes())
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as pipe:
+            data = pipe.read()
+        _, status = os.waitpid(pid, 0)
+    return _answer(data, status, said())
+
+
+def _answer(data: bytes, status: int, said: list[str]) -> list[Any] | str:
+    """The child's answer read as data: a reason, or arrays of plain numeric dtypes of the stated shapes."""
+    import numpy as np
+
+    if os.WIFSIGNALED(status):
+        last = f": {said[-1]}" if said else ""
+        return f"the reference model crashed (signal {os.WTERMSIG(status)}){last}"[:300]
+    head, _, body = data.partition(b"\n")
+    try:
+        header = json.loads(head)
+        if "rejected" in header:
+            return str(header["rejected"])
+        arrays, offset = [], 0
+        for d in header["outputs"]:
+            dtype = np.dtype(str(d["dtype"]))
+            if dtype.kind not in "biuf" or dtype.fields is not None:
+                raise ValueError(f"dtype {dtype}")
+            shape = [int(n) for n in d["shape"]]
+            size = dtype.itemsize * math.prod(shape)
+            arrays.append(np.frombuffer(body[offset : offset + size], dtype=dtype).reshape(shape).copy())
+            offset += size
+        if offset != len(body):
+            raise ValueError("trailing bytes")
+        return arrays
+    except (ValueError, KeyError, TypeError) as e:
+        return f"the reference model's run gave no usable answer (exit status {status}, {e})"
+
+
+def _run_here(tosa: bytes, arrays: list[Any]) -> list[Any] | str:
+    import tosa_reference_model
+
+    with _native_output_kept() as said:
+        try:
+            outputs, status = tosa_reference_model.run(tosa, arrays, verbosity="NONE", initialize_variable_tensor_from_numpy=True)
+        except (ValueError, RuntimeError) as e:
+            outputs, status = None, e
+    if isinstance(status, Exception) or status != tosa_reference_model.GraphStatus.TOSA_VALID:
+        why = str(status) if isinstance(status, Exception) else f"status {str(status).rpartition('.')[2]}"
+        lines = [line for line in said() if "error" in line.lower()] or said()
+        return " ".join(f"{why}{': ' + lines[-1] if lines else ''}".split())[:300]
+    return list(outputs)
 
 
 @contextlib.contextmanager
