@@ -1365,7 +1365,7 @@ def recorded_files(model: str, target: str, per_tensor: bool, calibration: str |
     from .cache.tiers import open_store
 
     request = Request(model=model, target=target, out_dir="", per_tensor=per_tensor, calibration=calibration,
-                      system_config=system_config, memory_mode=memory_mode)
+                      system_config=system_config, memory_mode=memory_mode, check=settings.check)
     try:
         store = open_store(settings)
     except LowercacheError:

@@ -405,17 +405,19 @@ def watch(
     no_direct: bool = NoDirect,
     system_config: Optional[str] = SystemConfig,
     memory_mode: Optional[str] = MemoryMode,
+    check: bool = Check,
     interval: float = typer.Option(0.5, "--interval", help="Seconds between polls of the watched files.", min=0.05),
     max_runs: Optional[int] = typer.Option(None, "--max-runs", hidden=True, min=1, help="Stop after N rounds of lowering (tests)."),
 ) -> None:
-    """Lower MODEL again on every save of it or of a project file it read; print what ran and Vela's estimate deltas."""
+    """Lower MODEL again on every save of it or of a project file it read; print what ran, Vela's estimate and (--check) the numerics, against the last."""
     from .. import watch as watching
 
     options = [
         *(["--cache-dir", str(cache_dir)] if cache_dir else []),
         *(["--calibration", str(calibration)] if calibration else []),
         *(["--remote", remote] if remote else []),
-        *[flag for flag, on in (("--no-cache", no_cache), ("--per-tensor", per_tensor), ("--no-server", no_server), ("--no-direct", no_direct)) if on],
+        *[flag for flag, on in (("--no-cache", no_cache), ("--per-tensor", per_tensor), ("--no-server", no_server), ("--no-direct", no_direct),
+                                ("--check", check)) if on],
         *_vela_args(system_config, memory_mode),
     ]
     try:
@@ -423,7 +425,7 @@ def watch(
             model, targets, out_dir, lower_options=options, per_tensor=per_tensor, system_config=system_config, memory_mode=memory_mode,
             calibration=str(calibration) if calibration else None, interval=interval, max_runs=max_runs,
         )
-        settings = _settings(cache_dir, disable=False, remote="")  # the local store, for the records of what each lowering read
+        settings = _settings(cache_dir, disable=False, remote="", check=True if check else None)  # the local store, for the records of what each lowering read
     except LowercacheError as e:
         _fail(str(e), 2)
 

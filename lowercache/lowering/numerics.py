@@ -476,20 +476,94 @@ def lines(numerics: dict[str, Any] | None) -> list[str]:
     """What ``lower`` prints after its table: one line per output, then each rejected partition and any error."""
     if not numerics:
         return []
+    n = numerics.get("samples", 0)
+    return [f"numerics (TOSA reference model vs float, {n} input{'s' if n != 1 else ''}): {line}" for line in describe(numerics)]
+
+
+def read(out_dir: Any) -> dict[str, Any] | None:
+    """The ``numerics`` section of the manifest a lowering wrote into ``out_dir`` (None: none, or unreadable)."""
+    try:
+        with open(os.path.join(out_dir, "manifest.json"), encoding="utf-8") as f:
+            found = json.load(f).get("numerics")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _change(now: Any, before: Any, digits: int, unit: str = "") -> str:
+    if not isinstance(now, (int, float)) or not isinstance(before, (int, float)):
+        return "" if now == before else " (was " + ("inf" if before is None else f"{before:.{digits}f}{unit}") + ")"
+    step = now - before
+    return " (=)" if round(step, digits) == 0 else f" ({step:+.{digits}f}{unit})"
+
+
+def describe(now: dict[str, Any] | None, before: dict[str, Any] | None = None) -> list[str]:
+    """One line per output, each figure with its change against ``before`` (an earlier lowering's section), as
+    ``watch`` and the build report say them; then rejected partitions and any error."""
+    if not now:
+        return []
+    earlier = {o.get("output"): o for o in (before or {}).get("outputs", [])} if before else {}
     said = []
-    for o in numerics.get("outputs", []):
-        top1 = f", top-1 {o['top1'] * 100:.1f}% of {o['top1_rows']}" if o.get("top1") is not None else ""
-        said.append(
-            f"numerics: output {o['output']} {tuple(o.get('shape', ()))}: SNR {snr_text(o.get('snr_db'))}, cosine {_number(o.get('cosine'), 6)}, "
-            f"max abs {_number(o.get('max_abs'))}, mean abs {_number(o.get('mean_abs'))}{top1} "
-            f"({numerics.get('samples', 0)} input{'s' if numerics.get('samples') != 1 else ''}, TOSA reference model vs float)"
-        )
-    for p in numerics.get("partitions", []):
+    for o in now.get("outputs", []):
+        b = earlier.get(o.get("output"))
+        text = f"output {o['output']} {tuple(o.get('shape', ()))}: SNR {snr_text(o.get('snr_db'))}"
+        if b is not None:
+            text += _change(o.get("snr_db"), b.get("snr_db"), 1, " dB")
+            text += f", cosine {_number(o.get('cosine'), 6)}{_change(o.get('cosine'), b.get('cosine'), 6)}"
+            text += f", max abs {_number(o.get('max_abs'))}{_change(o.get('max_abs'), b.get('max_abs'), 4)}"
+        else:
+            text += f", cosine {_number(o.get('cosine'), 6)}, max abs {_number(o.get('max_abs'))}"
+        text += f", mean abs {_number(o.get('mean_abs'))}"
+        if o.get("top1") is not None:
+            text += f", top-1 {o['top1'] * 100:.1f}% of {o.get('top1_rows')}"
+            if b is not None and b.get("top1") is not None:
+                text += _change(o["top1"] * 100, b["top1"] * 100, 1, " pts")
+        said.append(text)
+    for p in now.get("partitions", []):
         if p.get("status") == "rejected":
-            said.append(f"numerics: partition {p['partition']} rejected by the reference model: {p.get('reason')}")
-    if numerics.get("error"):
-        said.append(f"numerics: {numerics['error']}")
+            said.append(f"partition {p['partition']} rejected by the reference model: {p.get('reason')}")
+    if now.get("error"):
+        said.append(str(now["error"]))
     return said
+
+
+def summary(numerics: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A lowering's check in one row (the build report): the worst of each figure over its outputs, and any failure."""
+    if not numerics:
+        return None
+    outputs = numerics.get("outputs") or []
+    row: dict[str, Any] = {"samples": numerics.get("samples")}
+    snrs = [o.get("snr_db") for o in outputs]
+    if outputs:
+        row["snr_db"] = min((v for v in snrs if v is not None), default=None)  # None: every output exact
+        row["cosine"] = min(o.get("cosine", 0.0) for o in outputs)
+        row["max_abs"] = max(o.get("max_abs", 0.0) for o in outputs)
+        top1 = [o["top1"] for o in outputs if o.get("top1") is not None]
+        if top1:
+            row["top1"] = min(top1)
+    rejected = [p["partition"] for p in numerics.get("partitions", []) if p.get("status") == "rejected"]
+    if rejected:
+        row["rejected_partitions"] = rejected
+    if numerics.get("error"):
+        row["error"] = numerics["error"]
+    return row
+
+
+def snr_drop(before: dict[str, Any] | None, after: dict[str, Any] | None) -> float | None:
+    """How many dB the worst SNR fell between two :func:`summary` rows (negative: it rose); inf when the check no longer
+    compares; None when either has no check."""
+    if not before or not after or "snr_db" not in before and "error" not in before:
+        return None
+    if "error" in after or "snr_db" not in after:
+        return math.inf if "error" not in before else None
+    old, new = before.get("snr_db"), after.get("snr_db")
+    if old is None and new is None:
+        return 0.0
+    if old is None:  # was exact
+        return math.inf
+    if new is None:
+        return -math.inf
+    return old - new
 
 
 def worst_snr(numerics: dict[str, Any] | None) -> float | None:
