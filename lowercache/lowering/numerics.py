@@ -189,15 +189,19 @@ def reference_run(tosa: bytes, arrays: list[Any]) -> list[Any] | str:
 
     if not hasattr(os, "fork"):
         return _run_here(tosa, arrays)
+    sys.stdout.flush()  # nothing buffered for the child to write a second time
+    sys.stderr.flush()
     read_end, write_end = os.pipe()
-    with _native_output_kept() as said:
+    with tempfile.TemporaryFile() as sink:  # the child's fds 1 and 2: what the native code prints, read back here
         pid = os.fork()
         if pid == 0:  # the child: run, answer, exit without running the parent's cleanup
             code = 0
             try:
                 faulthandler.disable()  # a crash is the answer here, not a traceback on the parent's terminal
                 os.close(read_end)
-                answer = _run_here(tosa, arrays)
+                os.dup2(sink.fileno(), 1)
+                os.dup2(sink.fileno(), 2)
+                answer = _verdict(*_call(tosa, arrays), lambda: _lines(sink))
                 with os.fdopen(write_end, "wb") as pipe:
                     if isinstance(answer, str):
                         pipe.write(json.dumps({"rejected": answer}).encode() + b"\n")
@@ -214,7 +218,14 @@ def reference_run(tosa: bytes, arrays: list[Any]) -> list[Any] | str:
         with os.fdopen(read_end, "rb") as pipe:
             data = pipe.read()
         _, status = os.waitpid(pid, 0)
-    return _answer(data, status, said())
+        said = _lines(sink)
+    return _answer(data, status, said)
+
+
+def _lines(sink: Any) -> list[str]:
+    sink.flush()
+    sink.seek(0)
+    return [line.strip() for line in sink.read(1 << 16).decode(errors="replace").splitlines() if line.strip()]
 
 
 def _answer(data: bytes, status: int, said: list[str]) -> list[Any] | str:
@@ -222,7 +233,8 @@ def _answer(data: bytes, status: int, said: list[str]) -> list[Any] | str:
     import numpy as np
 
     if os.WIFSIGNALED(status):
-        last = f": {said[-1]}" if said else ""
+        errors = [line for line in said if "error" in line.lower()]
+        last = f": {errors[-1]}" if errors else ""
         return f"the reference model crashed (signal {os.WTERMSIG(status)}){last}"[:300]
     head, _, body = data.partition(b"\n")
     try:
@@ -245,19 +257,31 @@ def _answer(data: bytes, status: int, said: list[str]) -> list[Any] | str:
         return f"the reference model's run gave no usable answer (exit status {status}, {e})"
 
 
-def _run_here(tosa: bytes, arrays: list[Any]) -> list[Any] | str:
+def _call(tosa: bytes, arrays: list[Any]) -> tuple[Any, Any]:
+    """``tosa_reference_model.run``: (outputs, status), or (None, the exception it raised on bad input)."""
     import tosa_reference_model
 
-    with _native_output_kept() as said:
-        try:
-            outputs, status = tosa_reference_model.run(tosa, arrays, verbosity="NONE", initialize_variable_tensor_from_numpy=True)
-        except (ValueError, RuntimeError) as e:
-            outputs, status = None, e
+    try:
+        return tosa_reference_model.run(tosa, arrays, verbosity="NONE", initialize_variable_tensor_from_numpy=True)
+    except (ValueError, RuntimeError) as e:
+        return None, e
+
+
+def _verdict(outputs: Any, status: Any, said: Callable[[], list[str]]) -> list[Any] | str:
+    """The outputs of a valid run, else why not, with the last line the native code printed about it."""
+    import tosa_reference_model
+
     if isinstance(status, Exception) or status != tosa_reference_model.GraphStatus.TOSA_VALID:
         why = str(status) if isinstance(status, Exception) else f"status {str(status).rpartition('.')[2]}"
         lines = [line for line in said() if "error" in line.lower()] or said()
         return " ".join(f"{why}{': ' + lines[-1] if lines else ''}".split())[:300]
     return list(outputs)
+
+
+def _run_here(tosa: bytes, arrays: list[Any]) -> list[Any] | str:
+    with _native_output_kept() as said:
+        outputs, status = _call(tosa, arrays)
+    return _verdict(outputs, status, said)
 
 
 @contextlib.contextmanager
@@ -278,8 +302,7 @@ def _native_output_kept() -> Iterator[Callable[[], list[str]]]:
             os.dup2(saved[1], 2)
             for fd in saved:
                 os.close(fd)
-            sink.seek(0)
-            lines[:] = [line.strip() for line in sink.read(1 << 16).decode(errors="replace").splitlines() if line.strip()]
+            lines[:] = _lines(sink)
 
 
 def _partition_number(name: str) -> tuple[int, str]:
