@@ -299,3 +299,21 @@ def test_build_with_check_reports_the_figures_and_fails_on_a_drop(tmp_path):
     assert after["numerics"]["snr_db"] < row["numerics"]["snr_db"] - 1
     assert worse.returncode == 1 and "numerics regression: tiny on tosa-int: SNR fell" in worse.stdout, worse.stdout[-2000:]
     assert "### Numerics regressions" in (tmp_path / "build" / "build-report.md").read_text()
+
+
+def test_a_child_killed_from_outside_is_reported_and_not_stored(tmp_path, monkeypatch):
+    """A SIGKILL (the OOM killer) is not the partition's answer: reported this run, run again the next."""
+    import signal as signals
+
+    module, example = models.tiny_cnn()
+    real_call = numerics._call
+
+    def killed(tosa, arrays):
+        os.kill(os.getpid(), signals.SIGKILL)  # in the forked child
+
+    monkeypatch.setattr(numerics, "_call", killed)
+    first = lowercache.lower(module, example, target="tosa-int", cache_dir=tmp_path / "c", check=True)
+    assert "killed (signal 9)" in first.numerics["partitions"][0]["reason"] and first.numerics["outputs"] == []
+    monkeypatch.setattr(numerics, "_call", real_call)
+    again = lowercache.lower(module, example, target="tosa-int", cache_dir=tmp_path / "c", check=True)
+    assert kinds(again, "reference") == ["miss"] and again.numerics["outputs"][0]["snr_db"] > 5
