@@ -19,7 +19,7 @@ content digests (``hashing.program_parts``, what the flow step is keyed on)
 are compared, so equal digests mean the rest of the flow is given equal input.
 A program served from the cache (a ``quantize`` hit, or a ``reexport``
 hit, whose filled template is rebuilt the same way) is compared with
-stock's passed through the same stored form (tests/test_quantize.py shows the stored form lowers to
+stock's passed through the same stored form (tests/flow/test_quantize.py shows the stored form lowers to
 stock's bytes).
 """
 

@@ -42,7 +42,7 @@ SERVED = ("lower", "verify")
 INTERRUPTED = 130  # the exit code of a command stopped by Ctrl-C, as typer and a shell give it
 SOCKET_NAME = "server.sock"
 MAX_LINE = 64 * 2**20  # a reply frame bigger than this is a broken server, not output
-START_TIMEOUT = 300.0  # imports and warm-up take 10-20 s on a loaded machine
+START_TIMEOUT = 300.0  # imports and warm-up are slow on a loaded machine
 HELLO_TIMEOUT = 10.0  # seconds a server may take to answer hello, status or stop (it answers in milliseconds)
 # While a request runs the server sends a heartbeat frame every HEARTBEAT seconds; a client that hears nothing for
 # SILENT_LIMIT, or finds the server's process stopped (SIGSTOP, a debugger), says it is not responding.
@@ -487,7 +487,7 @@ def check_speedups(settings: Settings) -> None:
 def run_through_server(args: list[str]) -> int | None:
     """Run the command line in a child of the warm server; its exit code, or None to run it in this process."""
     options = args[: args.index("--") if "--" in args else len(args)]
-    if "--no-server" in options or "--help" in options:  # help never needs the server (it would start one: 10 s)
+    if "--no-server" in options or "--help" in options:  # help never needs the server (it would start one)
         return None
     if not hasattr(socket, "SO_PEERCRED"):
         return None  # no way to check the peer's uid (not Linux): no server

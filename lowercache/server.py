@@ -799,7 +799,7 @@ class Warm:
     files: dict[str, list[int] | None] = field(default_factory=dict)  # every imported module's file: its stat_key
 
     def remember_files(self) -> None:
-        """Note the file of every module imported so far (3,600 after the warm-up: 10 ms to check again)."""
+        """Note the file of every module imported so far (thousands after the warm-up, checked again before each request)."""
         for module in list(sys.modules.values()):
             origin = getattr(module, "__file__", None)
             if isinstance(origin, str) and os.path.isabs(origin):
@@ -852,8 +852,8 @@ def _warm_up(warm: Warm) -> None:
 
 
 # What ExecuTorch's Arm export script (aot_arm_compiler, ``lowercache run``'s usual command) imports beyond
-# the flow: its devtools (which bring pandas), Cortex-M and model-registry modules, about 400 modules and
-# 0.2 s that each child would otherwise import again. Never the script itself: ``-m`` must find it unimported.
+# the flow: its devtools (which bring pandas), Cortex-M and model-registry modules, about 400 modules
+# that each child would otherwise import again. Never the script itself: ``-m`` must find it unimported.
 SCRIPT_IMPORTS = (
     "executorch.backends.arm.util._factory", "executorch.backends.arm.vgf", "executorch.backends.cortex_m.edge_compile_config",
     "executorch.backends.cortex_m.passes.cortex_m_pass_manager", "executorch.backends.cortex_m.passes.replace_quant_nodes_pass",
@@ -887,7 +887,7 @@ def _import_and_lower(warm: Warm) -> None:
         from .cli import commands  # noqa: F401  (the typer commands a lower or verify child runs)
         from .lowering import loading  # noqa: F401
 
-        for name in ("typer._adapters", *SCRIPT_IMPORTS):  # typer's first parse imports pydantic there: 0.05 s per child
+        for name in ("typer._adapters", *SCRIPT_IMPORTS):  # typer's first parse imports pydantic there, in every child
             try:
                 importlib.import_module(name)
             except ImportError:  # another ExecuTorch release: its script imports something else, in the child

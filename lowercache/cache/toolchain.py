@@ -95,7 +95,7 @@ def producing_modules() -> list[str]:
 def lowercache_digest() -> str:
     """Digest of the code of lowercache's producing modules, as syntax trees: a docstring or comment edit keeps every key.
 
-    Parsing the 50 modules takes 0.15 s, too long for a direct-mode hit, so
+    Parsing the modules takes too long for a direct-mode hit, so
     each module's digest is kept in a memo file beside the default cache,
     under its stat (``stat_key``: an edit changes the ctime).
     """

@@ -1,8 +1,8 @@
 """The ``lowercache`` entry: answer from the lightest path that can, before typer is even imported.
 
-Every command pays its imports before the cache is asked. typer and rich
-cost about 0.07 s to import, and typer's first parse another 0.06 s (it
-builds pydantic adapters), so three paths that need neither come first:
+Every command pays its imports before the cache is asked, and typer, rich
+and typer's first parse (it builds pydantic adapters) are a large share of
+a hit, so three paths that need neither come first:
 
 - ``lower`` answered from a direct-mode record (``direct.serve``);
 - ``lower`` and ``verify`` through the warm server (``client``), whose
@@ -115,7 +115,7 @@ def run_light(argv: List[str], outs: List[str], cache_dir: str | None, remote: s
 
 
 # What typer's first parse imports (pydantic), imported with the commands, blind to the user's modules. Not
-# typer.rich_utils (help and usage errors only): 0.16 s that every command would pay.
+# typer.rich_utils (help and usage errors only): an import every command would pay.
 LAZY_IMPORTS = ("typer._adapters",)
 
 

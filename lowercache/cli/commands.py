@@ -174,7 +174,7 @@ def _user_line(error: BaseException, text: str) -> str | None:
 @contextlib.contextmanager
 def _local_store(cache_dir: Optional[Path], **flags) -> Iterator:
     """The local store for housekeeping commands; a one-line error if it cannot be opened."""
-    from ..cache.tiers import open_store  # not api's: that imports torch (1.2 s) for a command that reads a store
+    from ..cache.tiers import open_store  # not api's: that imports torch for a command that reads a store
 
     try:
         store = open_store(_settings(cache_dir, disable=False, remote="", **flags))

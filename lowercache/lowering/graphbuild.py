@@ -14,7 +14,7 @@ and other ``OpOverload`` calls with tensor, scalar and list arguments, and
 tensor outputs. Anything else (symbolic values, higher-order ops, nested
 graphs, custom objects, assertion ops) raises ``Unsupported`` before the
 program is returned, and the caller rebuilds the whole program with torch's
-deserializer instead. ``tests/test_graphbuild.py`` compares both, node by node.
+deserializer instead. ``tests/unit/test_graphbuild.py`` compares both, node by node.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def stored_entry(
     """The entry for a program's JSON and its tensors by group (state_dict, constants, example_inputs).
 
     ``doc``: the JSON already parsed, by a caller that has just written
-    ``graph`` from it (a parse of the DeiT-tiny program takes 0.05-0.08 s).
+    ``graph`` from it (parsing a large program again is not free).
     """
     _check_graph(graph, doc)
     tensors: dict[str, dict[str, Any]] = {}
@@ -182,8 +182,8 @@ def _no_cyclic_gc() -> typing.Iterator[None]:
 
     Rebuilding allocates tens of thousands of objects that all stay alive, so
     the collections it triggers find nothing, yet each full one walks the
-    whole heap: after a stock lowering in the same process that was 0.27 s of
-    a 0.42 s MobileNetV2 decode. Reference counting still frees as usual; the
+    whole heap, which after a stock lowering in the same process is most of
+    a decode. Reference counting still frees as usual; the
     collector is re-enabled (if it was on) as soon as the program is built.
     """
     was_enabled = gc.isenabled()
@@ -200,8 +200,8 @@ def _fake_from_meta(self: Any, tensor_meta: Any) -> Any:
 
     Stock calls ``torch.empty_strided`` under the deserializer's FakeTensorMode,
     which runs the op on the meta device and wraps the result as
-    ``FakeTensor(mode, meta_tensor, device)``; this builds that directly (about
-    0.4 ms less per value). Symbolic sizes go the stock way.
+    ``FakeTensor(mode, meta_tensor, device)``; this builds that directly,
+    without the dispatch. Symbolic sizes go the stock way.
     """
     from torch._export.serde import serialize as serde
     from torch._subclasses.fake_tensor import FakeTensor

@@ -1,8 +1,8 @@
 """The re-export that ends the quantization stage, as a step that survives weight edits.
 
 The stage ends with ``torch.export.export(converted)``: a full trace of the
-converted GraphModule (4 s of a 13 s stage on DeiT-tiny), then the stored
-form of its result (1.5 s more). When only weights change, the converted
+converted GraphModule, a large part of the stage, then the stored
+form of its result. When only weights change, the converted
 graph keeps its structure; what changes are the scale and zero point
 literals of per-tensor quantize/dequantize nodes and the values of its
 tensor attributes (folded weights, biases, per-channel qparams). The trace
@@ -364,8 +364,8 @@ def _restores_exactly(
 
 
 def _derives_exactly(program: torch.export.ExportedProgram, record: dict[str, Any]) -> bool:
-    """``_restores_exactly`` for a non-strict export, at a tenth of its cost (0.02 s against 0.2-0.5 s on
-    MobileNetV2's re-export, on every miss of ``lower``'s step): the rebuilt program's ``val``s are the fresh one's
+    """``_restores_exactly`` for a non-strict export, at a fraction of its cost (it runs on
+    every miss of ``lower``'s step): the rebuilt program's ``val``s are the fresh one's
     (what serving a non-strict program has always rested on), so deriving from the fresh program's own ``val``s must
     give its metadata. The module's ``meta`` needs no check: ``restore`` puts back each recorded entry, the copied
     ones as the converted module's own objects, which is how ``_derived_record`` found them."""
@@ -569,7 +569,7 @@ def _in_script(mod: Any, args: Any, kwargs: Any = None, **options: Any) -> torch
     first strict export of a module that is not a GraphModule also starts the
     runner (``runahead.py``), which takes that export non-strict, and its
     strict re-export as ``lower``'s non-strict step laid out as the strict
-    program (``laid_out_as_strict``): 0.8 s against 2.4 s on MobileNetV2.
+    program (``laid_out_as_strict``), which is cheaper than dynamo's trace.
     """
     original = script_patch.originals[torch.export]
     session = current_session()

@@ -6,7 +6,7 @@ pickled weight files, and example inputs a weights-only load refuses; it
 parses symbolic shape expressions with sympy (which uses ``eval``), compiles
 guard code, loads AOTInductor libraries, and resolves each node's target by
 walking attributes of ``torch`` (``torch.os.system`` resolves). A crafted
-``.pt2`` ran a shell command that way (issue #30).
+``.pt2`` can run a shell command that way.
 
 This reader checks the archive's configs and graph first and refuses each of
 those, naming it; it then builds the program with torch's own deserializer

@@ -3,7 +3,7 @@
 For an Ethos-U target the ``.pte`` holds Vela's stream, and Vela reads the
 operators in order, their attributes, the constant bytes and the tensors'
 shapes and types, never a tensor's name nor its place in the block's list
-(``tests/test_vela_names.py``). Region replay (issue 42) may therefore
+(``tests/flow/test_vela_names.py``). Region replay (issue 42) may therefore
 produce a ``partition_N.tosa`` whose names and constant order differ from
 stock's; this form tells "equal up to names" from "different". Names are
 replaced by graph position: the block's inputs first, then each operator's

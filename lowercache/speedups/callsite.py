@@ -1,23 +1,6 @@
-"""``traceback.format_stack()[-2]`` without formatting the whole stack.
+"""``traceback.format_stack()[-2]`` for ExecuTorch's three node-stamping sites, formatting only the one frame they keep, which gives the same text.
 
-Three ExecuTorch functions stamp every node they make or rewrite with
-``f"{old_stack_trace}\\n{traceback.format_stack()[-2]}"``: the line of the frame
-that called them (``ArmPass.call_operator`` with ``updated``, the Arm passes'
-``create_node`` helper, and ``AtenToDialectPass.call``, the base of the
-edge and TOSA dialect substitutions). ``format_stack`` extracts and formats every frame
-of a stack 60 to 100 deep to keep one of them; a DeiT-tiny TOSA-FP lowering
-makes about 2,500 such calls.
-
-While enabled, those three modules see a ``traceback`` whose
-``format_stack()``, called from exactly those functions (their code objects,
-pinned by a digest of their source), returns an object whose ``[-2]`` is that
-one frame, formatted by the same ``StackSummary.extract`` / ``format`` calls
-(so the same text, source line and line-cache lookups included). Only
-where ``[-2]`` of the full list is that frame: not when ``sys.tracebacklimit``
-is set, not when the caller and its caller are the same file, line and
-function, and not when the caller ends a run of four identical frames, which
-``format`` collapses into a "Previous line repeated" line. There, and for
-every other call, the real ``format_stack`` runs.
+Why it is exact, and figures: docs/speedups.md#callsite.
 """
 
 from __future__ import annotations

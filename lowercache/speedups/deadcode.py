@@ -1,22 +1,6 @@
-"""Dead-code elimination that asks about side effects only where it matters.
+"""Dead-code elimination that keeps an operator node with users without asking whether it is impure, since stock keeps it whatever the answer.
 
-``Graph.eliminate_dead_code`` removes a node when ``not has_side_effect(node)
-and len(node.users) == 0``, asking the side-effect question first, for every
-node. For an operator node that question is ``torch._library.utils.is_impure``
-(schema mutability, effect registry, random ops): several microseconds, and
-the Arm passes run DCE often (DecomposeLinearPass once per linear layer):
-DeiT-tiny asks it ~150,000 times a lowering, for nodes that almost all have
-users and so are kept whatever the answer.
-
-While installed, a call without its own ``is_impure_node`` gets one that
-answers "kept" for an operator node that has users, and otherwise asks
-``Node.is_impure`` exactly as the stock default does (same ``impure_random``).
-A node is removed under precisely the stock condition, so the graph, the
-order of removals and the return value are unchanged. Operator nodes only:
-for them ``Node.is_impure`` is a query that cannot fail; other kinds (a
-``call_module`` whose module is missing raises) are asked as before.
-The two torch functions this relies on are pinned by a digest of their
-source: another torch leaves DCE stock.
+Why it is exact, and figures: docs/speedups.md#deadcode.
 """
 
 from __future__ import annotations

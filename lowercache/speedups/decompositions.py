@@ -1,6 +1,6 @@
-"""Skip the re-trace of a ``run_decompositions`` call that has nothing to decompose,
-and re-trace only the nodes of one that has little.
+"""Skip a ``run_decompositions`` call with nothing to decompose, and re-trace only the nodes of one with little, making exactly the changes a full re-trace makes.
 
+<<<<<<< HEAD
 ``to_edge_transform_and_lower`` calls ``run_decompositions`` three times for a
 partitioner that preserves ops (``_gen_edge_manager_for_partitioners``): to
 functionalize, with the partitioner's ops kept, and once more with the full
@@ -31,7 +31,7 @@ graph), and every node's metadata is of the kinds above or ones a re-trace
 carries over unchanged, and the call comes from ExecuTorch's
 ``_gen_edge_manager_for_partitioners``, which drops the program it passed in
 (the skip returns that program, changed in place; a user's script under
-``lowercache run`` keeps its own calls stock). ``tests/test_decompositions.py`` compares the result,
+``lowercache run`` keeps its own calls stock). ``tests/flow/test_decompositions.py`` compares the result,
 node by node and key by key, with the real call on the test models.
 
 The second call usually has a little to decompose (MobileNetV2: its 52
@@ -69,6 +69,9 @@ records them, placeholder descriptors, lifted inputs' metadata collected
 from their readers, ``seq_nr``, and, as the trace runs without grad,
 operator outputs' ``tensor_meta`` without ``requires_grad``. Only operators
 torch would decompose are candidates, in every call.
+=======
+Why it is exact, and figures: docs/speedups.md#decompositions.
+>>>>>>> docs
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ from .patching import AttributePatch
 log = logging.getLogger("lowercache")
 
 # Metadata a re-trace of a decomposed graph carries over unchanged or recomputes
-# as described above; a node with any other key takes the stock path.
+# as docs/speedups.md#decompositions lists; a node with any other key takes the stock path.
 _KNOWN_META = frozenset(
     {
         "custom",

@@ -1,39 +1,6 @@
-"""Localized decompositions replayed from stored templates instead of traced.
+"""Localized decompositions replayed from stored templates, since what a trace makes of a candidate depends only on what its step key holds.
 
-``decompositions.localize`` puts the nodes a ``run_decompositions`` call can
-change (the candidates) in a small program and traces it. The trace costs
-about 0.13 s a call plus several milliseconds a candidate (MobileNetV2:
-0.76 s of an edited float lowering), and an edited model has the same
-candidates, with the same inputs, as the model before the edit.
-
-What the trace makes of one candidate depends only on what it reads: the
-decomposition table, the candidate's operator, its arguments (literals, and
-which input each tensor argument is), its inputs' tensor metadata, and the
-metadata fields a trace copies from it. Those are the named parts of a
-``decomp`` step's key (with the toolchain). The step's entry is a template
-of the candidate's nodes, recorded from a trace: each node's operator (by
-qualified name), its arguments as references to the candidate's inputs,
-earlier nodes or literals, and its metadata keys in order with where each
-value comes from. Nothing in it is executed or unpickled; a template that
-does not decode is a miss, with a warning.
-
-A replay builds the nodes as the trace does (measured on every candidate of
-MobileNetV2 and DeiT-tiny, ``tests/test_decompreplay.py`` compares node by
-node): each value by running the operator on its inputs' values in the
-program's fake mode under ``no_grad`` (the trace runs without grad), then
-``extract_val`` as the tracer does; ``tensor_meta`` from that value;
-``seq_nr``, the autograd sequence number the trace would stamp;
-``original_aten`` a copy of the recorded operator (the tracer copies it per
-node); the copied fields from the candidate; ``from_node`` the trace's
-chain (the small program's node, named as the candidate, and the unlift
-node) over the candidate's own. Only the graph ids in ``from_node`` differ,
-as they do between any two traces. A call replays only when every candidate
-has a template (so no trace mixes with replayed nodes); otherwise it traces
-all of them and stores their templates. A candidate may read another's
-output (DeiT-tiny: ``transpose`` of a ``view``): its key sees the program
-before the call, its replay that candidate's replacement, as the trace
-does. All values are computed before the graph is touched, so a template
-that does not apply leaves the call to the full ``run_decompositions``.
+Why it is exact, and figures: docs/speedups.md#decompositions-replayed-templates.
 """
 
 from __future__ import annotations

@@ -1,32 +1,6 @@
-"""What a delegate call's fake run depends on, so a retrace can take its earlier result.
+"""What a delegate call's fake run reads, so that a retrace can reuse its earlier result when all of it is unchanged.
 
-``executorch_call_delegate``'s fake kernel unlifts the delegate's original
-program (``lowered_module.original_module.module()``) and runs all of it on
-the fake inputs: about 0.2 s for MobileNetV2, done by both ExportPass
-retraces in ``to_executorch`` (``LegalizePortableDimOrderPass``,
-``SpecPropPass``) on the same delegate with the same inputs.
-
-:func:`signature` describes everything that run reads, or says it cannot:
-
-- the graph: every node's kind, target and arguments (other nodes by
-  position, literals by exact type and value, floats by ``float.hex``), and
-  each placeholder's name, target and the metadata of its ``val`` (the input
-  guards of ``module()`` check shapes against it);
-- every operator is one the single-op reuse in ``retrace`` admits (no
-  mutation, no data-dependent or random op, tensor returns only) or
-  ``getitem``; no ``get_attr``, submodule call or nested graph module;
-- the graph signature, call spec, ``forward_arg_names``, guard code, IR
-  dialect, and the structure and metadata of the example inputs;
-- every ``state_dict`` and ``constants`` entry: name, exact type and full
-  tensor metadata (only real tensors; no fake tensors, script objects);
-- no range constraints and no symbolic sizes anywhere (a symbolic run adds to
-  the ShapeEnv, a side effect a reuse would skip).
-
-Under those conditions the fake run's result metadata is a deterministic
-function of the signature, the inputs' metadata and the dispatch context,
-which ``retrace`` compares as for any op. The torch functions that make up
-the fake run are pinned by a digest of their source: another torch gives no
-signature, and every delegate call is dispatched.
+Why it is exact, and figures: docs/speedups.md#retrace-delegate-calls.
 """
 
 from __future__ import annotations

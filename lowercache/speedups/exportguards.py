@@ -1,26 +1,6 @@
-"""Skip common-subexpression elimination in guard code that a strict export builds and then drops.
+"""Skip common-subexpression elimination in the guard code a strict export builds and drops uncalled, so the guards and their errors stay stock's.
 
-A strict ``torch.export`` (dynamo's; aot_arm_compiler's default) ends its
-capture with ``_suggest_or_raise_constraint_violation``. That function builds
-the frame's guards (``build_guards``) for one reason: producing the shape
-guards raises ``ConstraintViolationError`` when a dimension declared dynamic
-was specialized. The guard manager it builds is never called, because export
-skips dynamo's guard sanity check, and it is dropped on return.
-
-Building it still generates Python code for the shape guards, and
-``build_guard_function`` first runs a CSE pass (``PyExprCSEPass``) that
-unparses every sub-expression of every guard. Export keeps static shapes, so
-there is one guard per dimension of every parameter. On MobileNetV2 this pass
-is 0.75 s of a 2.4 s export, and 0.35 s of the 2.1 s re-export after
-``convert_pt2e``.
-
-While installed, and only inside that call, torch's CSE pass keeps every
-expression as written, so ``build_guard_function`` emits the plain if-chain
-it falls back to itself when the pass hits the recursion limit. The shape
-guards are produced as before, so a constraint violation raises as before.
-What changes is the text of a function nobody calls, visible only in
-dynamo's debug log (``TORCH_LOGS=guards``). The torch code involved is
-pinned by a source digest (``registry.py``).
+Why it is exact, and figures: docs/speedups.md#exportguards.
 """
 
 from __future__ import annotations

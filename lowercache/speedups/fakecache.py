@@ -1,35 +1,6 @@
-"""Let FakeTensor's own dispatch cache serve the quantize/dequantize ops.
+"""Let FakeTensor's own cache serve the four quantize/dequantize ops whose pinned Meta kernels are pure functions of what its key holds.
 
-FakeTensorMode caches the output metadata of an op call keyed by the op, the
-arguments' metadata and literals, and the dispatch state, and on a hit
-builds a fresh FakeTensor with that metadata instead of running the op's
-fake kernel. It refuses every op that is not built into torch
-(``_validate_cache_key``: "non-builtin"), since a custom op's kernel may read
-global state. That refusal covers ``quantized_decomposed.*``, which is every
-other node of a quantized graph: on a DeiT-tiny Ethos-U55 lowering 49,306
-dispatches bypassed the cache for it, about 0.1 ms each.
-
-Four of those ops are admitted here, each only after checking, when the
-patch is first enabled, that the op is what was read:
-
-- its Meta kernel (the one FakeTensor runs) is registered by
-  ``torch/ao/quantization/fx/_decomposed.py`` (the dispatcher's own record),
-  with no fake impl, no Python kernels and no CompositeImplicitAutograd
-  kernel overriding it;
-- the schema is functional (not mutable, no alias annotations) and carries
-  none of the tags for which FakeTensor refuses builtin ops;
-- the sources of the four Meta kernels and the bounds check they call hash
-  to the pinned digest (torch 2.13.0). Those kernels read only their
-  arguments' dtype, rank and literals, may raise, and return
-  ``torch.empty_like(input, dtype=...)``: a pure function of exactly what the
-  cache key holds, so a hit yields what the kernel would (torch's
-  ``fake_tensor_cache_crosscheck_enabled`` agrees in the tests).
-
-Everything else FakeTensor checks (constant or symbolic arguments, real
-tensors, output aliasing) still applies to them as to builtin ops. TOSA
-dialect ops stay excluded: their kernels read the lowering context.
-Measured uncached, one process each: MobileNetV2 Ethos-U55 10.3 s -> 9.2 s,
-DeiT-tiny Ethos-U55 72 s -> 64.5 s, same bytes.
+Why it is exact, and figures: docs/speedups.md#fakecache.
 """
 
 from __future__ import annotations

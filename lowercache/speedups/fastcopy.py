@@ -1,67 +1,6 @@
-"""Fast node copy: retrace the nodes a pass leaves alone without interpreting them.
+"""Fast node copy: a node a pass provably hands to the base ``call_operator`` is built with the same torch calls, without the interpretation around them.
 
-An ExportPass retrace interprets every node of the input graph
-(``ExportInterpreter.run_node`` -> ``call_function`` -> the pass's
-``call_operator`` -> ``_fx``). For a node that the pass hands straight to the
-base ``call_operator``, all of that boils down to: the fake value (which
-``retrace.py`` may reuse), ``tracer.create_node`` with the arguments mapped to
-the new nodes, ``meta.update`` from the old node, ``set_metadata``, a
-``ProxyValue``. This module does exactly those steps, calling the same torch
-functions with equal inputs, and skips the rest: the ``from_node`` NodeSource
-built by ``set_current_meta``, two ``NodeMetadata`` copies, two pytree maps,
-``create_arg`` and the call chain. Measured on MobileNetV2 (Ethos-U55) that
-rest is most of a retrace: ExportPass retrace time went from 11.8 s to 5.6 s.
-
-Why the output is exactly the stock retrace's:
-
-- only when the pass provably treats the node as the base ``ExportPass``
-  does: every ``call_operator`` override between the pass class and the base
-  must begin with ``if op not in self.target_ops: return
-  super().call_operator(op, args, kwargs, meta[, updated])`` (checked on the
-  source's syntax tree, per class; another attribute of ``self`` in place of
-  ``target_ops`` is read the same way) and the node's target must not be in
-  it, or be an ExecuTorch pass whose pass-through condition
-  ``passregistry`` declares for exactly that source (pinned by digest) and
-  the node must meet it (a declared pass may also hand on one fixed
-  replacement op, as OpReplacePass does with the edge op of an aten op; the
-  node is then built with that op and its value computed for that op,
-  which for an edge op may be its ATen op's recorded value);
-  ``ArmPass.call_operator``'s own special ops (bmm,
-  leaky_relu) fall back when the node has input qparams, the case that
-  method builds itself. The base functions whose behaviour this
-  reproduces are pinned by a digest of their source: another torch or
-  ExecuTorch turns the mechanism off;
-- the names: the node is made with the same ``name`` argument ``_fx``
-  passes (so the graph's namespace counter names the node);
-- the arguments: ``create_arg`` maps a Proxy to its node and returns plain
-  literals (int, float, bool, str, None, dtype, device, layout,
-  memory_format) and tuple / list / dict containers as they are. A tensor
-  that a get_attr node fetched (the weights of an unlifted graph, as the
-  quantizer's passes see it) is handed to the tracer's own ``create_arg``,
-  which makes its get_attr node, in the order and under the current meta
-  (``set_current_meta`` with the interpreter's pass name) of the stock call.
-  Nodes with any other argument (modules, symbolic values, slices, tensors
-  from anywhere else) fall back;
-- the meta: ``create_node`` reads the current meta, which the stock run sets
-  to a copy of the old node's meta with ``from_node`` replaced by a new
-  NodeSource; here it is the plain copy. The only difference is the value
-  ``create_node`` copies for ``from_node``, and ``meta.update(old meta)``
-  overwrites it right after, so nodes without ``from_node`` (the first
-  retrace after export) fall back. ``_create_node`` runs the tracer's
-  ``create_node`` steps that apply here (``Graph.create_node``, the stack
-  trace, the copied fields, ``seq_nr``) in its order with the same torch
-  functions, so key order and every key's value match; it only skips
-  ``copy.copy`` of builtin values the merge overwrites. The interpreter,
-  tracer and graph must be exactly the stock classes;
-- the value: ``retrace.fake_value`` makes the call ``_fx`` would make (reuse
-  under the same proof, or dispatch), so changed inputs are re-dispatched;
-- nodes interpreted inside another node's interpretation (control-flow
-  submodules, nested retraces) fall back, as do ``getitem``, placeholders,
-  outputs, get_attr and higher-order ops.
-
-One pass attribute differs while a retrace runs and agrees once it ends:
-``node_debug_str``, which stock sets per node for the pass's own
-``call_operator`` to read and a fast-copied node never calls.
+Why it is exact, and figures: docs/speedups.md#retrace-and-fastcopy.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
-"""An exact, faster ``HistogramObserver._upscale_histogram`` while a lowering runs.
+"""An exact, faster ``HistogramObserver._upscale_histogram``: one search per sorted boundary gives the same bin counts as one per sorted midpoint.
 
-Calibration feeds every activation observer one tensor per sample. When a
-tensor's range goes past the observer's, torchao re-bins the old histogram
-into the new range: it spreads each of the 2,048 bins over 128 fine bins,
-finds the new bin of every fine bin's midpoint with ``torch.bucketize``
-(262,144 binary searches), clamps, and sums with ``torch.bincount``. On
-DeiT-tiny that happens about 900 times per calibration.
-
-The midpoints and the new boundaries are both sorted, so the new bin of
-every midpoint follows from where each boundary falls among the midpoints:
-2,049 searches (``torch.searchsorted``), whose differences are the number of
-midpoints per bin; the clamped assignments are those counts expanded
-(``repeat_interleave``). Everything else is torchao's own code, in its
-order, on equal tensors: the midpoints and boundaries come from the same
-``linspace`` calls, the weights from the same ``repeat_interleave`` and
-division, and the same ``bincount`` sums them in the same order, so the
-result is torchao's bit for bit (tests compare both on random and real
-histograms). Midpoints or boundaries that are not sorted (NaN, or a rounding
-inversion) and tensors off the CPU go to the original, as does another
-torchao (the method's source is pinned by digest).
+Why it is exact, and figures: docs/speedups.md#histogram.
 """
 
 from __future__ import annotations

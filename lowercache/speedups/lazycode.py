@@ -1,23 +1,6 @@
-"""Deferred GraphModule code generation while lowering.
+"""Deferred GraphModule code generation while lowering, since the pass pipelines interpret graphs and generated code is a function of the graph alone.
 
-``GraphModule.recompile()`` generates Python source for the graph and
-compiles it into ``forward``. The pass pipelines call it after every pass,
-and every ExportPass retrace builds a new GraphModule, whose constructor calls
-it again: on MobileNetV2 that is ~400 code generations per lowering, a fifth
-of ``to_edge_transform_and_lower``, for code that is almost never run (passes
-interpret the graph node by node; they do not call ``forward``).
-
-While lowercache's hooks are installed, ``recompile()`` does what torch's own
-``_LazyGraphModule`` does, on plain GraphModules: it keeps the cheap
-bookkeeping (pytree specs, submodules), marks the module stale and installs a
-``forward`` descriptor that generates the code on first access. Generated code is a pure
-function of the graph, so code produced later from the same graph is the same
-code; every way to reach it materializes first: any access to ``forward``
-(a call, or ``inspect.signature``, which tracers use to name placeholders), ``.code``, ``str()``, pickling (``__reduce__`` uses the value
-``recompile()`` returns, a proxy that materializes on first attribute access).
-Graphs mutated without a ``recompile()`` would behave differently (stock runs
-stale code, this runs current code); the stock pipelines always recompile
-after mutating, which is why they are correct at all.
+Why it is exact, and figures: docs/speedups.md#lazycode.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""An exact, faster ``HistogramObserver._non_linear_param_search`` while a lowering runs.
+"""An exact, faster ``HistogramObserver._non_linear_param_search``: the same loop and float32 arithmetic, with monotone scans done by bisection.
 
-A miss still pays for the search itself, which stock torchao runs as a
-Python loop over 0-d tensor comparisons (about 50 ms per observer). While
-lowercache is active, ``HistogramObserver._non_linear_param_search`` is
-replaced by ``fast_non_linear_param_search``: the same loop, the same float
-arithmetic, with the cumulative histogram as a Python list and the bin scans
-done by bisection; it returns the same tensors (tests compare it with the
-original on random and real histograms).
+Why it is exact, and figures: docs/speedups.md#paramsearch.
 """
 
 from __future__ import annotations

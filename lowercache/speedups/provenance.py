@@ -1,15 +1,6 @@
-"""Shared provenance: stop the quadratic ``from_node`` deep copies.
+"""Shared provenance: ``from_node`` chains are shared rather than deep-copied on every retrace, since nothing mutates a NodeSource.
 
-Every ExportPass retrace wraps each node's provenance in a new
-``torch.fx.traceback.NodeSource``, whose constructor deep-copies the node's
-whole ``from_node`` chain. The chain grows by one link per pass, so a
-pipeline of ~200 passes spends a large share of its time copying history
-(13% of a ViT lowering, see the anatomy notes).
-
-NodeSource objects are never mutated after construction (ExecuTorch and
-torch only read them), so sharing the existing chain instead of copying it
-gives equal provenance at constant cost. Provenance never reaches an output
-byte; the byte-identity tests check that.
+Why it is exact, and figures: docs/speedups.md#provenance.
 """
 
 from __future__ import annotations

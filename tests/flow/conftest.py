@@ -1,0 +1,26 @@
+"""Flow tests: in-process lowerings against the stock oracle (``helpers/oracle.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowercache import api
+from lowercache.bench import models
+from lowercache.config import Settings
+from lowercache.lowering.targets import ETHOSU_TARGETS
+
+from tests.helpers.tosa import FAMILIES, MODELS
+
+
+@pytest.fixture(scope="module")
+def partitions(tmp_path_factory) -> dict[tuple[str, str], bytes]:
+    """Each model's first partition TOSA for one target of each family (the TOSA does not depend on the MAC count)."""
+    cache = tmp_path_factory.mktemp("cache")
+    found = {}
+    for name in MODELS:
+        for family in FAMILIES:
+            target = next(t for t in ETHOSU_TARGETS if t.startswith(family))
+            module, example = getattr(models, name)()
+            artifacts = api.lower(module, example, target=target, settings=Settings(cache_dir=cache))
+            found[name, family] = artifacts.files["partition_0.tosa"]
+    return found

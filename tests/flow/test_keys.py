@@ -1,0 +1,171 @@
+"""Key sensitivity: what must change the flow key does; what must not, does not."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowercache.lowering import flow
+from lowercache.bench import models
+from lowercache.cache import toolchain
+from lowercache.cache.steps import step_key
+from lowercache.lowering.targets import resolve
+
+
+def parts_of(module, example, target="ethos-u55-128", calibration=None, per_channel=True):
+    program = flow.export(module, example)
+    return flow.flow_parts(program, resolve(target, per_channel), example, calibration or [example])
+
+
+def changed(a, b):
+    return sorted(k for k in a if a[k] != b[k])
+
+
+@pytest.fixture(scope="module")
+def base():
+    module, example = models.tiny_cnn()
+    return module, example, parts_of(module, example)
+
+
+@pytest.mark.quick
+def test_rerun_gives_the_same_key(base):
+    module, example, parts = base
+    again, example2 = models.tiny_cnn()
+    assert parts_of(again, example2) == parts
+    assert step_key("flow", parts_of(again, example2)) == step_key("flow", parts)
+
+
+@pytest.mark.quick
+def test_one_weight_changes_constants_only(base):
+    module, example, parts = base
+    edited, _ = models.tiny_cnn()
+    with torch.no_grad():
+        edited.get_parameter("block2.0.weight")[0, 0, 0, 0] += 1e-3
+    assert changed(parts, parts_of(edited, example)) == ["program.constants"]
+
+
+def test_target_quantizer_and_calibration_change_the_key(base):
+    module, example, parts = base
+    assert "target" in changed(parts, parts_of(module, example, target="ethos-u85-256"))
+    assert "compile_spec" in changed(parts, parts_of(module, example, target="ethos-u55-256"))
+    assert changed(parts, parts_of(module, example, per_channel=False)) == ["quantizer"]
+    samples = models.calibration_samples(example)
+    assert changed(parts, parts_of(module, example, calibration=samples)) == ["calibration"]
+
+
+def test_toolchain_version_changes_the_key(base, monkeypatch):
+    module, example, parts = base
+    fake = dict(toolchain.toolchain_parts(), vela="0.0.0")
+    monkeypatch.setattr(flow, "toolchain_parts", lambda: fake)
+    assert changed(parts, parts_of(module, example)) == ["vela"]
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        hidden = self.conv(x)
+        return torch.relu(hidden)
+
+
+class _NetRenamed(_Net):
+    def forward(self, x):
+        renamed_local = self.conv(x)
+        return torch.relu(renamed_local)
+
+
+def test_renaming_a_local_variable_keeps_the_key():
+    torch.manual_seed(0)
+    a = _Net().eval()
+    b = _NetRenamed().eval()
+    b.load_state_dict(a.state_dict())
+    example = (torch.randn(1, 3, 8, 8),)
+    assert parts_of(a, example) == parts_of(b, example)
+
+
+def test_key_is_independent_of_pythonhashseed():
+    code = (
+        "from lowercache.lowering import flow; from lowercache.bench import models; from lowercache.cache.steps import step_key;"
+        "from lowercache.lowering.targets import resolve;"
+        "m, e = models.tiny_cnn(); p = flow.flow_parts(flow.export(m, e), resolve('tosa-int'), e, [e]);"
+        "print(step_key('flow', p))"
+    )
+    keys = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**_env(), "PYTHONHASHSEED": seed}
+        ).stdout.strip().splitlines()[-1]
+        for seed in ("1", "987")
+    }
+    assert len(keys) == 1
+
+
+def _env():
+    import os
+
+    return dict(os.environ)
+
+
+def test_keys_cover_lowercaches_own_producing_code():
+    """A change to the code of a room that produces results changes every key's toolchain part; the CLI's does not."""
+
+    package = Path(toolchain.__file__).resolve().parent.parent
+    before = toolchain.lowercache_digest()
+    assert toolchain.toolchain_parts()["lowercache_src"] == before
+    probe = package / "speedups" / "_key_probe_for_test.py"
+
+    def digest_with(text: str) -> str:
+        probe.write_text(text)
+        toolchain.lowercache_digest.cache_clear()
+        return toolchain.lowercache_digest()
+
+    try:
+        code = digest_with('"""A step."""\nSCALE = 2\n')
+        same_code = digest_with('"""A step, its docstring edited."""\n# and a comment\nSCALE = 2  # the same code\n')
+        other_code = digest_with('"""A step."""\nSCALE = 3\n')
+    finally:
+        probe.unlink()
+        toolchain.lowercache_digest.cache_clear()
+    assert code != before and other_code != code
+    assert same_code == code  # a docstring or comment edit keeps every key
+    assert toolchain.lowercache_digest() == before
+    assert "cache/remote.py" not in toolchain.producing_modules()  # the transport shapes no bytes
+    assert "lowering/flow.py" in toolchain.producing_modules()
+    assert "cli" not in toolchain._PRODUCING_ROOMS and not any((package / room / "cli").exists() for room in toolchain._PRODUCING_ROOMS)
+
+
+_FIRST_AND_LATER_EXPORT = """
+import json
+from lowercache.bench import models
+from lowercache.lowering import census
+from lowercache.lowering.arm import tosa_parts
+from lowercache.lowering.flow import export
+from lowercache.lowering.targets import resolve
+
+target = resolve("ethos-u55-128", True)
+seen = []
+for _ in range(2):
+    module, example = models.transformer_block()
+    edge, spec = census.pipeline_input(export(module, example), target, example, models.calibration_samples(example))
+    marks = sum(any(str(k).startswith("_torchdynamo_disable") for k in n.meta.get("custom", {})) for n in edge.graph_module.graph.nodes)
+    seen.append({"marks": marks, "parts": tosa_parts(edge, spec)})
+print(json.dumps(seen))
+"""
+
+
+def test_a_processs_first_export_keys_its_partition_as_later_ones_do():
+    """The first quantized export in a process leaves dynamo-disable marks later ones do not.
+
+    A server's children export after the server's warm-up, a fresh process
+    exports first: keyed, the marks made each miss the other's TOSA steps.
+    """
+    done = subprocess.run([sys.executable, "-c", _FIRST_AND_LATER_EXPORT], capture_output=True, text=True, timeout=600, check=True)
+    first, later = json.loads(done.stdout.strip().splitlines()[-1])
+    assert first["marks"] != later["marks"], "torch no longer marks the first export; this test has nothing left to show"
+    assert first["parts"] == later["parts"]

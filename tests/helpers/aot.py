@@ -1,0 +1,46 @@
+"""ExecuTorch's own ``aot_arm_compiler`` on a small model file: the command line, its output path and a plain run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+MODEL = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+            self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x):
+            return torch.relu(self.c2(ACT(self.c1(x))))
+
+
+    torch.manual_seed(0)
+    ModelUnderTest = Tiny().eval()
+    ModelInputs = (torch.randn(1, 3, 16, 16),)
+    """
+)
+AOT = ["-m", "executorch.backends.arm.scripts.aot_arm_compiler", "--model_name=model.py", "--delegate", "--quantize",
+       "--target=ethos-u55-128", "--output=out"]
+PTE = "out/model_arm_delegate_ethos-u55-128.pte"
+
+
+def write_model(project, act: str) -> None:
+    (project / "model.py").write_text(MODEL.replace("ACT", act))
+    time.sleep(0.1)
+
+
+def plain(project, aot: list[str] = AOT) -> bytes:
+    result = subprocess.run([sys.executable, *aot], cwd=project, capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    data = (project / PTE).read_bytes()
+    (project / PTE).unlink()
+    return data

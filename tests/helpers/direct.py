@@ -1,0 +1,131 @@
+"""Direct mode on a small project: a model file that loads its weights from beside it, lowered by the CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import torch
+
+from .oracle import stock_pte
+
+TARGET = "tosa-fp"
+# The environment before this process lowers anything: torch sets variables of its own (TORCHINDUCTOR_CACHE_DIR)
+# when it exports, and a changed environment rightly misses.
+BASE_ENV = dict(os.environ)
+
+MODEL = '''
+import os, sys
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import helper
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.fc = torch.nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x) + helper.OFFSET).flatten(1))
+
+
+def model():
+    net = Net()
+    weights = torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights.pt"), weights_only=True)
+    net.load_state_dict(weights)
+    scale = float(os.environ.get("LC_TEST_SCALE", "1.0"))
+    with torch.no_grad():
+        net.fc.weight.mul_(scale)
+    torch.manual_seed(0)
+    return net.eval(), (torch.randn(1, 3, 8, 8),)
+'''
+
+# The same model with nothing that tells it where it is (no ``__file__``): a record of it may answer in a copy.
+PORTABLE_MODEL = MODEL.replace("os.path.dirname(os.path.abspath(__file__))", '"."').replace('os.path.join(".", "weights.pt")', '"weights.pt"')
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    net = torch.nn.Module()
+    net.conv = torch.nn.Conv2d(3, 4, 3)
+    net.fc = torch.nn.Linear(4 * 6 * 6, 5)
+    return net.state_dict()
+
+
+def make_project(root: Path, offset: str = "0.0", seed: int = 1, model: str = MODEL) -> Path:
+    """A small project (a git work tree): model file, a module it imports, a checkpoint it loads."""
+    (root / ".git").mkdir(parents=True)
+    (root / "model.py").write_text(textwrap.dedent(model))
+    (root / "helper.py").write_text(f"OFFSET = {offset}\n")
+    torch.save(weights(seed), root / "weights.pt")
+    return root
+
+
+def cli_env(cache_dir: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a test's CLI process gets: the test's settings, its cache, one thread, then ``env``."""
+    base = {k: v for k, v in BASE_ENV.items() if not k.startswith(("LOWERCACHE_", "XDG_"))}
+    return {**base, **_isolated(), "LOWERCACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1", **(env or {})}
+
+
+def lower(project: Path, cache_dir: Path, *extra: str, env: dict[str, str] | None = None, out: str = "out"):
+    result = subprocess.run(
+        [sys.executable, "-m", "lowercache.cli", "lower", "model.py:model", "-t", TARGET, "-o", out, *extra],
+        capture_output=True, text=True, cwd=project, env=cli_env(cache_dir, env), timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    manifest = json.loads((project / out / "manifest.json").read_text())
+    return manifest, (project / out / "model.pte").read_bytes(), result
+
+
+def _isolated() -> dict[str, str]:
+    """The test's own settings (conftest's isolation: config file, server off)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(("LOWERCACHE_", "XDG_"))}
+
+
+def served(manifest: dict) -> bool:
+    return manifest.get("direct", {}).get("outcome") == "hit"
+
+
+def explain(project: Path, cache_dir: Path) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "lowercache.cli", "explain", "model.py:model", "-t", TARGET],
+        capture_output=True, text=True, cwd=project, env={**os.environ, "LOWERCACHE_DIR": str(cache_dir)}, timeout=300,
+    )
+    return result.stdout
+
+
+def stock(project: Path, env: dict[str, str] | None = None) -> bytes:
+    """Stock ExecuTorch's bytes for the project's model as it is now, imported afresh."""
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    sys.modules.pop("helper", None)
+    try:
+        spec = importlib.util.spec_from_file_location(f"direct_model_{uuid.uuid4().hex}", project / "model.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        net, example = module.model()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        sys.modules.pop("helper", None)
+        sys.path[:] = [p for p in sys.path if p != str(project)]
+    return stock_pte(net, example, TARGET)
+
+
+def confirmed(project: Path, cache_dir: Path, env: dict[str, str] | None = None) -> bytes:
+    """Record, then confirm (the first re-run with the same inputs is never served); returns the bytes."""
+    first, pte, _ = lower(project, cache_dir, env=env)
+    assert first["direct"]["record"] == "unconfirmed", first.get("direct")
+    second, again, _ = lower(project, cache_dir, env=env)
+    assert not served(second) and second["direct"]["record"] == "confirmed", second.get("direct")
+    assert again == pte
+    return pte

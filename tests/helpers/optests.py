@@ -1,0 +1,19 @@
+"""A few of ExecuTorch's own Arm operator tests, run with pytest in their folder, and their outcomes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import executorch
+
+OPS = os.path.join(list(executorch.__path__)[0], "backends", "arm", "test", "ops")
+# Inputs that are the same in every process (the random ones are drawn unseeded, so their lowerings differ).
+TESTS = ["test_abs.py::test_abs_tosa_FP[ones]", "test_abs.py::test_abs_tosa_INT[ones]", "test_relu.py::test_relu_tosa_INT[ramp]"]
+PYTEST = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *TESTS]
+
+
+def outcomes(result: subprocess.CompletedProcess) -> dict[str, str]:
+    return dict(re.findall(r"^(test_\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", result.stdout.decode(), re.M))

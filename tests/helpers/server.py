@@ -1,0 +1,175 @@
+"""Real lowering servers for the process tests: a socket directory, a cache and an editable project of their own.
+
+Most tests share one server per module (starting one costs 10-20 s of imports and warm-up); those about a server's
+life start their own. The server runs a snapshot of lowercache's sources taken once per session: its identity
+includes their digest, and an edit to the checkout while the tests run would make every server stale.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .oracle import stock_pte
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = f"{ROOT}/examples/tiny_cnn.py:model"
+TARGET = "ethos-u55-128"
+WAIT = 600  # seconds any one command may take on a loaded 2-core machine
+
+MODEL = """
+import os, sys, time
+import torch
+from helper import Block
+
+def model():
+    torch.manual_seed(0)
+    marker = os.environ.get("MARKER")
+    if marker:
+        with open(marker, "w") as f:
+            f.write(f"{os.getpid()} {torch.get_num_threads()}")
+    behaviour = os.environ.get("BEHAVIOUR", "")
+    if behaviour == "raise":
+        raise ValueError("boom")
+    if behaviour == "abort":
+        os.abort()
+    if behaviour == "hang":
+        time.sleep(600)
+    if behaviour == "slow":
+        time.sleep(8)
+    return Block().eval(), (torch.randn(1, 3, 16, 16),)
+"""
+
+HELPER = """
+import torch
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+"""
+
+
+_SNAPSHOT: list[Path] = []
+
+
+def snapshot() -> Path:
+    """A copy of lowercache's sources taken once per session: the server's identity includes their digest, and an
+    edit to the checkout while the tests run (other work in the same tree) would make every server stale."""
+    if not _SNAPSHOT:
+        root = Path(tempfile.mkdtemp(prefix="lowercache-src-"))
+        shutil.copytree(ROOT / "lowercache", root / "lowercache", ignore=shutil.ignore_patterns("__pycache__"))
+        _SNAPSHOT.append(root)
+    return _SNAPSHOT[0]
+
+
+def base_env(run: Path, cache: Path, **extra: str) -> dict[str, str]:
+    """The default environment (no thread-count variable), a server allowed, the given socket directory and cache."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    env.update(XDG_RUNTIME_DIR=str(run), LOWERCACHE_SERVER="1", LOWERCACHE_DIR=str(cache), PYTHONPATH=str(snapshot()), **extra)
+    return env
+
+
+def remove_snapshot() -> None:
+    while _SNAPSHOT:
+        shutil.rmtree(_SNAPSHOT.pop(), ignore_errors=True)
+
+
+def lc(*args: str, env: dict[str, str], cwd: Path, timeout: float = WAIT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lowercache.cli", *map(str, args)], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def status(env: dict[str, str], cwd: Path) -> dict[str, str]:
+    """``lowercache server status`` as name -> value; empty when no server runs."""
+    result = lc("server", "status", env=env, cwd=cwd, timeout=60)
+    if result.returncode:
+        assert "no server running" in result.stdout
+        return {}
+    rows = {line[:10].strip(): line[11:] for line in result.stdout.splitlines() if line.strip()}
+    rows["pid"] = re.search(r"pid (\d+)", rows["server"]).group(1)
+    rows["served"] = re.search(r"(\d+) served", rows["requests"]).group(1)
+    return rows
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+def errors(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("lowercache: error:")]
+
+
+def warnings_of(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("lowercache: warning:")]
+
+
+class Server:
+    """A socket directory of its own, a cache, a project directory with an editable model; stopped at the end."""
+
+    def __init__(self, root: Path, **extra: str) -> None:
+        self.run = Path(tempfile.mkdtemp(prefix="lcs", dir="/tmp"))  # short: a socket path holds at most 107 bytes
+        self.project = root / "project"
+        self.project.mkdir(parents=True, exist_ok=True)
+        (self.project / "model.py").write_text(MODEL)
+        (self.project / "helper.py").write_text(HELPER)
+        self.env = base_env(self.run, root / "cache", **extra)
+
+    def __call__(self, *args: str, timeout: float = WAIT, **extra: str) -> subprocess.CompletedProcess:
+        return lc(*args, env={**self.env, **extra}, cwd=self.project, timeout=timeout)
+
+    def start(self) -> int:
+        result = self("server", "start")
+        assert result.returncode == 0, result.stderr[-2000:]
+        return int(re.search(r"pid (\d+)", result.stdout).group(1))
+
+    def status(self, **extra: str) -> dict[str, str]:
+        return status({**self.env, **extra}, self.project)
+
+    def close(self) -> None:
+        found = self.status()
+        result = self("server", "stop", timeout=120)
+        assert result.returncode == 0, result.stderr
+        if found:
+            pid = int(found["pid"])
+            if not wait_until(lambda: not alive(pid), 60):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(self.run, ignore_errors=True)
+
+
+def tiny_stock() -> bytes:
+    spec = importlib.util.spec_from_file_location("tiny_cnn_example", TINY.rsplit(":", 1)[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return stock_pte(*module.model(), TARGET)
+
+
+def steady(text: str) -> str:
+    """Output with the seconds taken out: they differ from run to run."""
+    return re.sub(r"\d+\.\d+", "N", text)

@@ -1,0 +1,189 @@
+"""Direct mode end to end, in subprocesses of the real CLI: hits without torch, misses on every kind of changed input, never a wrong hit."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowercache.cache.store import Store
+
+from tests.helpers.direct import MODEL, PORTABLE_MODEL, confirmed, explain, lower, make_project, served, stock, weights
+
+
+def test_unchanged_inputs_are_served_without_torch_and_each_changed_input_misses(tmp_path):
+    project, cache = make_project(tmp_path / "proj"), tmp_path / "cache"
+    env = {"LC_TEST_SCALE": "1.0"}
+    normal = confirmed(project, cache, env)
+    assert normal == stock(project, env)
+
+    hit, pte, result = lower(project, cache, env=env)
+    assert served(hit) and hit["direct"]["torch_imported"] is False, result.stderr
+    assert pte == normal and "direct mode" in result.stderr
+    assert "latest lookup: hit" in explain(project, cache)
+
+    # Off by flag and by setting: the normal path runs (and still gives the same bytes).
+    for extra, extra_env in ((("--no-direct",), {}), ((), {"LOWERCACHE_DIRECT": "0"})):
+        bypassed, pte, _ = lower(project, cache, *extra, env={**env, **extra_env})
+        assert not served(bypassed) and "direct" not in bypassed and pte == normal
+
+    # Each input changed on its own: never served, new bytes equal stock's for the new inputs.
+    changes = [
+        ("helper.py", lambda: (project / "helper.py").write_text("OFFSET = 0.5\n"), env),
+        ("weights.pt", lambda: torch.save(weights(2), project / "weights.pt"), env),
+        ("LC_TEST_SCALE", lambda: None, {"LC_TEST_SCALE": "2.0"}),
+        ("model.py", lambda: (project / "model.py").write_text(MODEL.replace("torch.relu(", "torch.sigmoid(")), {"LC_TEST_SCALE": "2.0"}),
+    ]
+    previous = normal
+    for name, change, env in changes:
+        change()
+        manifest, pte, _ = lower(project, cache, env=env)
+        assert not served(manifest), name
+        assert pte != previous and pte == stock(project, env), name
+        assert name in explain(project, cache), name
+        previous = pte
+
+
+def test_a_factory_that_reads_what_no_record_sees_is_never_served(tmp_path):
+    """An unseeded model lowers differently from identical inputs: untrusted for good, never served."""
+    unseeded = MODEL.replace("    torch.manual_seed(0)\n", "").replace("net.load_state_dict(weights)", "pass")
+    project, cache = make_project(tmp_path / "proj", model=unseeded), tmp_path / "cache"
+    outcomes = []
+    for _ in range(3):
+        manifest, pte, _ = lower(project, cache)
+        assert not served(manifest)
+        outcomes.append(manifest["direct"]["record"])
+    assert outcomes == ["unconfirmed", "untrusted", "untrusted"]
+    assert "identical inputs lowered differently" in explain(project, cache)
+
+
+def test_a_factory_that_uses_the_network_is_never_served(tmp_path):
+    network = MODEL.replace(
+        "    scale = ", "    import socket\n    try:\n        socket.getaddrinfo('localhost', 9)\n    except OSError:\n        pass\n    scale = "
+    )
+    project, cache = make_project(tmp_path / "proj", model=network), tmp_path / "cache"
+    for _ in range(3):
+        manifest, _, _ = lower(project, cache)
+        assert not served(manifest) and manifest["direct"]["record"] == "untrusted"
+    assert "used the network" in explain(project, cache)
+
+
+def test_a_corrupt_record_or_flow_entry_falls_back_to_a_normal_lowering(tmp_path):
+    project, cache = make_project(tmp_path / "proj"), tmp_path / "cache"
+    normal = confirmed(project, cache)
+    store = Store(cache)
+    flow_keys = [key for kind, key in store.actions() if kind == "flow"]
+    for key in flow_keys:  # the record stays, the entry it names is gone
+        store._discard(f"action/flow/{key}")
+    store.close()
+    manifest, pte, _ = lower(project, cache)
+    assert not served(manifest) and pte == normal
+    assert "flow entry is missing or corrupt" in explain(project, cache)
+
+    lower(project, cache)  # the re-run re-records (and confirms) with the flow entry back
+    hit, _, _ = lower(project, cache)
+    assert served(hit)
+    for path in (cache / "entries").rglob("*.val"):  # every stored value damaged, record included
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x55
+        path.write_bytes(bytes(data))
+    store = Store(cache)
+    for kind, key in list(store.actions()):  # and the small entries kept in the index itself
+        raw = bytearray(store._entries.get(f"action/{kind}/{key}"))
+        raw[-2] ^= 0x55
+        store._entries.set(f"action/{kind}/{key}", bytes(raw))
+    store.close()
+    manifest, pte, result = lower(project, cache)
+    assert not served(manifest) and pte == normal
+    assert "lowercache: warning:" in result.stderr
+
+
+def test_the_remote_tier_serves_a_record_to_an_empty_cache_in_another_directory(tmp_path, redis_url):
+    env = {"LOWERCACHE_REMOTE": redis_url, "LOWERCACHE_HMAC_KEY": "direct-test-key"}
+    first = make_project(tmp_path / "a" / "proj", model=PORTABLE_MODEL)
+    normal = confirmed(first, tmp_path / "cache-a", env)
+    elsewhere = tmp_path / "b" / "checkout"
+    shutil.copytree(first, elsewhere, ignore=shutil.ignore_patterns("out", "__pycache__"))
+    manifest, pte, result = lower(elsewhere, tmp_path / "cache-b", env=env)
+    assert served(manifest) and manifest["direct"]["torch_imported"] is False, result.stderr
+    assert manifest["steps"][0]["tier"] == "remote" and manifest["model"] == f"{elsewhere}/model.py:model"
+    assert pte == normal
+
+    # The same checkout with the key another team signs with: nothing from the remote is used.
+    other = tmp_path / "c" / "checkout"
+    shutil.copytree(first, other, ignore=shutil.ignore_patterns("out", "__pycache__"))
+    manifest, pte, _ = lower(other, tmp_path / "cache-c", env={**env, "LOWERCACHE_HMAC_KEY": "another-key"})
+    assert not served(manifest) and pte == normal
+
+
+def test_a_package_that_would_shadow_an_imported_module_misses(tmp_path):
+    """A new ``helper/`` package beside ``helper.py`` wins the import: the record's module lookup sees it."""
+    project, cache = make_project(tmp_path / "proj"), tmp_path / "cache"
+    normal = confirmed(project, cache)
+    (project / "helper").mkdir()
+    (project / "helper" / "__init__.py").write_text("OFFSET = 0.25\n")
+    manifest, pte, _ = lower(project, cache)
+    assert not served(manifest)
+    assert pte != normal and pte == stock(project)
+
+
+def test_bytecode_older_than_its_source_is_seen(tmp_path, monkeypatch):
+    """Python trusts a pyc by the source's size and whole-second mtime: a same-size save within that second runs old code."""
+    import importlib
+
+    from lowercache import direct
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    source = tmp_path / "bytecode_probe.py"
+    source.write_text("X = 1\n")
+    module = importlib.import_module("bytecode_probe")
+    assert os.path.exists(module.__cached__) and direct.bytecode_matches(module.__file__, module.__cached__)
+    before = os.stat(source)
+    source.write_text("X = 2\n")
+    os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
+    del sys.modules["bytecode_probe"]
+    module = importlib.import_module("bytecode_probe")
+    assert module.X == 1  # the stale bytecode ran
+    assert not direct.bytecode_matches(module.__file__, module.__cached__)
+    # a later save with bytecode writing off: Python compiles the source afresh and the old pyc stays on disk
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    source.write_text("X = 33\n")
+    os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns + 5_000_000_000))
+    del sys.modules["bytecode_probe"]
+    module = importlib.import_module("bytecode_probe")
+    assert module.X == 33 and direct.bytecode_matches(module.__file__, module.__cached__)
+    del sys.modules["bytecode_probe"]
+
+
+@pytest.mark.quick
+def test_a_calibration_path_is_keyed_as_the_lowering_records_it():
+    from lowercache import direct
+
+    typed = direct.parse_lower(["lower", "m.py:f", "-t", "ethos-u55-128", "-o", "out", "--calibration", "./data//c.pt"])
+    recorded = direct.Request(model="m.py:f", target="ethos-u55-128", out_dir="out", calibration=str(Path("./data//c.pt")))
+    assert typed.key() == recorded.key()
+
+
+@pytest.mark.quick
+def test_module_files_looked_up_ahead_are_the_modules_own(tmp_path):
+    """The warm server looks up its modules' files once (``remember_modules``); a child's record must read the same
+    paths, and a module made later (or a new object under a remembered name) is looked up as it is now."""
+    import types
+
+    from lowercache import direct
+
+    direct.remember_modules()
+    for module in list(sys.modules.values()):
+        origin = getattr(module, "__file__", None)
+        assert direct._module_file(module) == (os.path.abspath(origin) if isinstance(origin, str) else None)
+    fresh = types.ModuleType("json")  # same name as a remembered module, another object
+    fresh.__file__ = str(tmp_path / "json.py")
+    assert direct._module_file(fresh) == str(tmp_path / "json.py")
+    relative = types.ModuleType("rel")
+    relative.__file__ = "rel.py"
+    assert direct._module_file(relative) == os.path.abspath("rel.py")

@@ -1,0 +1,99 @@
+"""The package's layout holds: rooms layered one way, no import circles, no reach into another module's private names."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "lowercache"
+
+pytestmark = pytest.mark.quick
+
+
+def test_import_contracts_are_kept():
+    """pyproject's import-linter contracts: rooms layered CLI -> API -> flow -> speed-ups -> cache, no circles."""
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "0 broken" in result.stdout
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _absolute(module: str, is_package: bool, level: int, name: str | None) -> str:
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_reaches() -> list[str]:
+    """Every place a lowercache module imports or reads another lowercache module's underscore name."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        is_package = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), str(path))
+        modules_bound: dict[str, str] = {}  # local name -> lowercache module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                source = _absolute(module, is_package, node.level, node.module) if node.level else node.module or ""
+                if source != "lowercache" and not source.startswith("lowercache."):
+                    continue
+                for alias in node.names:
+                    if _private(alias.name) and source != module:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {source} import {alias.name}")
+                    modules_bound[alias.asname or alias.name] = f"{source}.{alias.name}"
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules_bound
+                and _private(node.attr)
+                and modules_bound[node.value.id] != module
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    assert private_reaches() == []
+
+
+def test_the_check_finds_a_private_reach(tmp_path, monkeypatch):
+    """The checker itself can fail: a planted reach into a private name is reported."""
+    planted = PACKAGE / "cache" / "_planted_for_test.py"
+    planted.write_text("from .store import _private_thing\nfrom . import steps\nx = steps._hidden\n")
+    try:
+        reaches = private_reaches()
+    finally:
+        planted.unlink()
+    assert any("_planted_for_test.py:1: from lowercache.cache.store import _private_thing" in r for r in reaches)
+    assert any("_planted_for_test.py:3: steps._hidden" in r for r in reaches)
+
+
+def test_every_module_opens_with_a_docstring():
+    missing = [
+        str(p.relative_to(ROOT))
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if p.stat().st_size and ast.get_docstring(ast.parse(p.read_text())) is None
+    ]
+    assert missing == []
