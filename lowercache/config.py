@@ -6,7 +6,7 @@ Precedence, highest first (as in ccache and sccache):
    ``LOWERCACHE_DISABLE``, ``LOWERCACHE_READ_ONLY``, ``LOWERCACHE_REMOTE``,
    ``LOWERCACHE_REMOTE_MODE``, ``LOWERCACHE_REMOTE_TTL``,
    ``LOWERCACHE_REMOTE_REQUIRE_SIGNED``, ``LOWERCACHE_SPEEDUPS``,
-   ``LOWERCACHE_DIRECT``, and the
+   ``LOWERCACHE_DIRECT``, ``LOWERCACHE_CHECK``, and the
    warm server's ``LOWERCACHE_SERVER``, ``LOWERCACHE_SERVER_IDLE_TIMEOUT``,
    ``LOWERCACHE_SERVER_JOBS``, ``LOWERCACHE_SERVER_TIMEOUT``;
 3. the config file: ``$LOWERCACHE_CONFIG``, else ``config.toml`` in the
@@ -14,7 +14,7 @@ Precedence, highest first (as in ccache and sccache):
    ``$XDG_CONFIG_HOME/lowercache``, ``~/.config/lowercache``), with keys
    ``cache_dir``, ``max_size``, ``disable``, ``read_only``, ``remote``,
    ``remote_mode``, ``remote_ttl`` (Redis only), ``remote_require_signed``,
-   ``speedups``, ``direct``, ``server``, ``server_idle_timeout``, ``server_jobs``,
+   ``speedups``, ``direct``, ``check``, ``server``, ``server_idle_timeout``, ``server_jobs``,
    ``server_timeout``.
 
 The remote's signing secret, ``LOWERCACHE_HMAC_KEY``, is read from the
@@ -56,6 +56,7 @@ _ENV = {
     "server_jobs": "LOWERCACHE_SERVER_JOBS",
     "server_timeout": "LOWERCACHE_SERVER_TIMEOUT",
     "run_ahead": "LOWERCACHE_RUN_AHEAD",
+    "check": "LOWERCACHE_CHECK",
 }
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -80,6 +81,7 @@ class Settings:
     server_timeout: int = 3600  # seconds one request may run before its process is killed; 0: no limit
     # lowercache run: a copy of the script goes on non-strictly from its first strict export (run/ahead.py).
     run_ahead: bool = True
+    check: bool = False  # lower: the numerics check after each lowering (lowering/numerics.py, docs/numerics.md)
     origin: dict[str, str] = field(default_factory=dict)  # where each value came from
 
 
@@ -161,6 +163,7 @@ def load_settings(**flags: Any) -> Settings:
         server_jobs=_whole(resolved.get("server_jobs", 0), "server_jobs") or os.cpu_count() or 1,
         server_timeout=_seconds_setting(resolved.get("server_timeout", 3600), "server_timeout"),
         run_ahead=parse_bool(resolved.get("run_ahead", True), "run_ahead"),
+        check=parse_bool(resolved.get("check", False), "check"),
         origin=origin,
     )
 

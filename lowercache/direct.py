@@ -33,6 +33,7 @@ from .cache.digests import digest, digest_json
 from .cache.store import Entry
 from .config import Settings, load_settings
 from .errors import LowercacheError
+from .lowering import numerics_report
 from .lowering.targets import resolve
 from .output import check_output_dir, counted, write_files
 from .record.places import Places, project_root
@@ -71,6 +72,8 @@ class Request:
     as_json: bool = False
     system_config: str | None = None
     memory_mode: str | None = None
+    check: bool = False  # the numerics check (lowering/numerics.py): its own record, which names the check's entry
+    min_snr: str | None = None
     cwd: str = field(default_factory=os.getcwd)
 
     @property
@@ -88,6 +91,7 @@ class Request:
                 "per_tensor": self.per_tensor,
                 "calibration": self.calibration,
                 "vela": [self.system_config, self.memory_mode],
+                **({"check": True} if self.check else {}),
             }
         )
 
@@ -104,13 +108,14 @@ class Request:
             disable=True if self.no_cache else None,
             remote=self.remote,
             direct=False if self.no_direct else None,
+            check=True if self.check or self.min_snr is not None else None,
         )
 
 
 _VALUE_OPTIONS = {"--target": "target", "-t": "target", "--out": "out_dir", "-o": "out_dir", "--cache-dir": "cache_dir",
                   "--calibration": "calibration", "--remote": "remote", "--system-config": "system_config",
-                  "--memory-mode": "memory_mode"}
-_FLAG_OPTIONS = {"--no-cache": "no_cache", "--per-tensor": "per_tensor", "--no-direct": "no_direct", "--json": "as_json",
+                  "--memory-mode": "memory_mode", "--min-snr": "min_snr"}
+_FLAG_OPTIONS = {"--no-cache": "no_cache", "--per-tensor": "per_tensor", "--no-direct": "no_direct", "--json": "as_json", "--check": "check",
                  "--no-server": None}
 
 
@@ -173,7 +178,7 @@ def start(model: str, target: str, out_dir: Any, per_tensor: bool, calibration: 
         return None
     request = Request(model=model, target=target, out_dir=str(out_dir), per_tensor=per_tensor,
                       calibration=str(calibration) if calibration is not None else None,
-                      system_config=system_config, memory_mode=memory_mode)
+                      system_config=system_config, memory_mode=memory_mode, check=settings.check)
     recorder = LowerRecorder(request, settings)
     listen(recorder)  # one lowering at a time; a failed run's recorder is dropped
     if calibration is not None:
@@ -254,7 +259,7 @@ def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], man
     _set_status(store, request, "record", record["status"], record["reason"])
 
 
-_KEPT_MANIFEST = ("model", "target", "quantization", "toolchain", "speedups", "key_parts")
+_KEPT_MANIFEST = ("model", "target", "quantization", "toolchain", "speedups", "key_parts", "numerics")
 
 
 # -- answering ---------------------------------------------------------------------------------------
@@ -328,15 +333,17 @@ def serve(args: list[str]) -> int | None:
         settings = request.settings()
         if not settings.direct or settings.disable:
             return None
+        request.check = settings.check
+        min_snr = float(request.min_snr) if request.min_snr is not None else None
         resolve(request.target)
         check_output_dir(request.out_dir)
         from .cache.tiers import open_store
 
         store = open_store(settings)
-    except LowercacheError:
+    except (LowercacheError, ValueError):
         return None  # the normal path reports it, in its words
     try:
-        return _answer(request, settings, store, started)
+        return _answer(request, settings, store, started, min_snr)
     finally:
         store.close()
 
@@ -366,8 +373,12 @@ def lookup(request: Request, settings: Settings, store: Any, environ: dict[str, 
     return record, flow
 
 
-def _answer(request: Request, settings: Settings, store: Any, started: float) -> int | None:
+def _answer(request: Request, settings: Settings, store: Any, started: float, min_snr: float | None = None) -> int | None:
     found = lookup(request, settings, store)
+    checked = None
+    if not isinstance(found, str) and request.check:
+        checked = numerics_report.stored(store, found[0]["manifest"].get("numerics"), found[0]["flow"]["key"])
+        found = found if checked is not None else "its numerics check is not stored"
     if isinstance(found, str):
         if found != "no record":
             _set_status(store, request, "lookup", "not used", found)
@@ -376,6 +387,10 @@ def _answer(request: Request, settings: Settings, store: Any, started: float) ->
     tier = store.last_tier
     seconds = time.perf_counter() - started
     manifest = _manifest(record, flow, tier, seconds)
+    manifest.pop("numerics", None)
+    if checked is not None:
+        manifest["numerics"] = checked[0]
+        manifest["step_counts"]["check"] = {"hit": 1}
     manifest["model"] = request.history_name()  # this checkout's path, not the recording one's
     remote = getattr(store, "remote", None)
     if remote is not None:
@@ -386,8 +401,12 @@ def _answer(request: Request, settings: Settings, store: Any, started: float) ->
         print(f"lowercache: error: {e}", file=sys.stderr)
         return 2
     _set_status(store, request, "lookup", "hit", f"served from the record (flow entry {record['flow']['key'][:12]}, {tier} tier)")
-    _count(store, request, record, flow, seconds)
-    _report(request, manifest, written, seconds)
+    _count(store, request, record, flow, seconds, checked is not None)
+    short = numerics_report.below(manifest.get("numerics"), min_snr)
+    _report(request, manifest, written, seconds, short)
+    if short is not None:
+        print(f"lowercache: error: {short}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -408,21 +427,23 @@ def _manifest(record: dict[str, Any], flow: Entry, tier: str, seconds: float) ->
     }
 
 
-def _count(store: Any, request: Request, record: dict[str, Any], flow: Entry, seconds: float) -> None:
+def _count(store: Any, request: Request, record: dict[str, Any], flow: Entry, seconds: float, checked: bool = False) -> None:
     """Counters and run history, as a flow hit of the normal path would leave them."""
     from .cache import history
 
-    store.add_counts({"flow": {"hit": 1}, "direct": {"hit": 1}}, max(flow.cost - seconds, 0.0))
+    store.add_counts({"flow": {"hit": 1}, "direct": {"hit": 1}, **({"check": {"hit": 1}} if checked else {})}, max(flow.cost - seconds, 0.0))
     step = {"kind": "flow", "name": record["flow"]["name"], "outcome": "hit", "key": record["flow"]["key"],
             "parts": record["manifest"].get("key_parts", {}), "seconds": seconds}
     history.record_run(store, request.history_name(), record["flow"]["name"], [step])
 
 
-def _report(request: Request, manifest: dict[str, Any], written: list[Path], seconds: float) -> None:
+def _report(request: Request, manifest: dict[str, Any], written: list[Path], seconds: float, short: str | None = None) -> None:
     print(f"lowercache: direct mode: served from the record, no factory run ({seconds:.2f}s)", file=sys.stderr)
     said = delegation.line(manifest.get("delegation"))
     if said is not None:
         print(f"lowercache: {said}", file=sys.stderr)
+    for line in numerics_report.lines(manifest.get("numerics")):
+        print(f"lowercache: {line}", file=sys.stderr)
     if request.as_json:
         summary = {
             "model": manifest.get("model"),
@@ -435,6 +456,7 @@ def _report(request: Request, manifest: dict[str, Any], written: list[Path], sec
             "saved_seconds": manifest["steps"][0]["saved"],
             "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
             **delegation.json_part(manifest.get("delegation")),
+            **numerics_report.json_part(manifest.get("numerics"), short),
         }
         print(json.dumps(summary, indent=2, sort_keys=True))
     else:
@@ -456,7 +478,7 @@ def recorded_files(model: str, target: str, per_tensor: bool, calibration: str |
     from .cache.tiers import open_store
 
     request = Request(model=model, target=target, out_dir="", per_tensor=per_tensor, calibration=calibration,
-                      system_config=system_config, memory_mode=memory_mode)
+                      system_config=system_config, memory_mode=memory_mode, check=settings.check)
     try:
         store = open_store(settings)
     except LowercacheError:

@@ -32,6 +32,7 @@ from . import delegation, direct, estimates
 from .cache.digests import stat_key
 from .config import Settings
 from .errors import LowercacheError
+from .lowering import numerics_report
 from .lowering.targets import resolve
 from .output import counted
 from .record.places import path_state
@@ -244,6 +245,7 @@ def run(plan: Plan, runner: Runner, settings: Settings, emit: Callable[[str], No
     with _interrupts() as interrupted:
         try:
             previous = {t: estimates.read(plan.out_for(t), t) for t in plan.targets}  # the output already there is the first baseline
+            checked_before = {t: numerics_report.read(plan.out_for(t)) for t in plan.targets}
             changed: list[str] = []
             while True:
                 watched = fixed.union(*read_by.values())
@@ -276,6 +278,12 @@ def run(plan: Plan, runner: Runner, settings: Settings, emit: Callable[[str], No
                         for line in estimates.describe(estimate, before):
                             emit(f"    {line}")
                         previous[target] = estimate
+                    checked = (outcome.summary or {}).get("numerics")
+                    if checked is not None:  # lower --check: the TOSA reference model against the float model
+                        emit(f"  numerics{' (against the previous lowering)' if checked_before.get(target) else ''}:")
+                        for line in numerics_report.describe(checked, checked_before.get(target)):
+                            emit(f"    {line}")
+                        checked_before[target] = checked
                     read_by[target] = direct.recorded_files(plan.model, target, plan.per_tensor, plan.calibration, settings,
                                                             plan.system_config, plan.memory_mode)
                 files.track(fixed.union(*read_by.values()), baseline)

@@ -39,6 +39,7 @@ def _isolated_config(tmp_path, monkeypatch):
         "LOWERCACHE_HMAC_KEY",
         "LOWERCACHE_S3_ENDPOINT",
         "LOWERCACHE_SPEEDUPS",
+        "LOWERCACHE_CHECK",
     ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("LOWERCACHE_CONFIG", str(tmp_path / "no-config.toml"))

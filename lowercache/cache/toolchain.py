@@ -30,6 +30,9 @@ from .digests import stat_key
 # lowercache's modules whose code decides the bytes a step stores, relative to the package: whole rooms (a
 # trailing "/") and single modules. Nothing else is hashed: a module added elsewhere shapes no key until named here.
 BYTE_SHAPING = ("lowering/", "speedups/", "cache/digests.py", "cache/hashing.py", "cache/records.py", "cache/steps.py")
+# Modules inside those rooms that make no stored lowering: the numerics check reads a lowering, and its own key holds
+# its code, so an edit to it re-runs checks, not lowerings.
+NOT_BYTE_SHAPING = ("lowering/numerics.py", "lowering/numerics_report.py")
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MEMO_VERSION = 1
 
@@ -91,7 +94,7 @@ def byte_shaping_modules(package: str = _PACKAGE) -> list[str]:
         for directory, dirs, files in os.walk(os.path.join(package, declared)):
             dirs[:] = sorted(d for d in dirs if d != "__pycache__")
             found += [os.path.relpath(os.path.join(directory, f), package).replace(os.sep, "/") for f in files if f.endswith(".py")]
-    return sorted(found)
+    return sorted(set(found) - set(NOT_BYTE_SHAPING))
 
 
 def package_digest(package: str, remember: bool = True) -> str:

@@ -65,6 +65,8 @@ NoServer = typer.Option(False, "--no-server", metavar="", help=r"Run in this pro
 PerTensor = typer.Option(False, "--per-tensor", metavar="", help="Quantize weights per tensor instead of per channel.")
 SystemConfig = typer.Option(None, "--system-config", help="Ethos-U: Vela's system config from its Arm/vela.ini (default: ExecuTorch's for the target).")
 MemoryMode = typer.Option(None, "--memory-mode", help="Ethos-U: Vela's memory mode from its Arm/vela.ini, e.g. Shared_Sram, Sram_Only (default: ExecuTorch's for the target).")
+Check = typer.Option(False, "--check", metavar="", help=r"Also run the lowering on the TOSA reference model against the float model: error, SNR, cosine, top-1 per output; cached; no lowered byte changes (docs/numerics.md) \[env: LOWERCACHE_CHECK].")
+MinSnr = typer.Option(None, "--min-snr", metavar="DB", help="With the check (implied): exit 1, after writing the output, when an output's SNR is below DB or the reference model rejected a partition.")
 NoDirect = typer.Option(False, "--no-direct", metavar="", help=r"Do not answer from a direct-mode record (docs/direct-mode.md) \[env: LOWERCACHE_DIRECT=0].")
 
 
@@ -205,17 +207,20 @@ def lower(
     no_direct: bool = NoDirect,
     system_config: Optional[str] = SystemConfig,
     memory_mode: Optional[str] = MemoryMode,
+    check: bool = Check,
+    min_snr: Optional[float] = MinSnr,
 ) -> None:
     """Lower MODEL for a target, serving unchanged work from the cache."""
     global _json_errors
     from .. import api, direct
-    from ..lowering import loading
+    from ..lowering import loading, numerics_report
     from ..lowering.targets import resolve
 
     _json_errors = as_json
 
     try:
-        settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote, direct=False if no_direct else None)
+        settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote, direct=False if no_direct else None,
+                             check=True if check or min_snr is not None else None)
         resolve(target, system_config=system_config, memory_mode=memory_mode)
         api.check_output_dir(out_dir)
         if not settings.disable:
@@ -238,6 +243,7 @@ def lower(
                 settings=settings,
                 system_config=system_config,
                 memory_mode=memory_mode,
+                check=settings.check,
             )
         direct.finish(recorder, artifacts.records, artifacts.manifest)
         written = api.write_artifacts(artifacts, out_dir)
@@ -247,10 +253,16 @@ def lower(
         _fail_lowering(e)
     _print_summary(artifacts.records, artifacts.stages)
     _print_delegation(artifacts.delegation)
+    short = numerics_report.below(artifacts.numerics, min_snr)
+    for line in numerics_report.lines(artifacts.numerics):
+        err.print(f"lowercache: {line}", markup=False, highlight=False, soft_wrap=True)
     if as_json:
-        print(json.dumps(_run_summary(artifacts, written, out_dir), indent=2, sort_keys=True))
+        print(json.dumps({**_run_summary(artifacts, written, out_dir), **numerics_report.json_part(artifacts.numerics, short)}, indent=2, sort_keys=True))
     else:
         out.print(f"wrote {counted(len(written), 'file')} to {out_dir}")
+    if short is not None:
+        print(f"lowercache: error: {short}", file=sys.stderr)
+        raise typer.Exit(1)
 
 
 @contextlib.contextmanager
@@ -396,17 +408,19 @@ def watch(
     no_direct: bool = NoDirect,
     system_config: Optional[str] = SystemConfig,
     memory_mode: Optional[str] = MemoryMode,
+    check: bool = Check,
     interval: float = typer.Option(0.5, "--interval", help="Seconds between polls of the watched files.", min=0.05),
     max_runs: Optional[int] = typer.Option(None, "--max-runs", hidden=True, min=1, help="Stop after N rounds of lowering (tests)."),
 ) -> None:
-    """Lower MODEL again on every save of it or of a project file it read; print what ran and Vela's estimate deltas."""
+    """Lower MODEL again on every save of it or of a project file it read; print what ran, Vela's estimate and (--check) the numerics, against the last."""
     from .. import watch as watching
 
     options = [
         *(["--cache-dir", str(cache_dir)] if cache_dir else []),
         *(["--calibration", str(calibration)] if calibration else []),
         *(["--remote", remote] if remote else []),
-        *[flag for flag, on in (("--no-cache", no_cache), ("--per-tensor", per_tensor), ("--no-server", no_server), ("--no-direct", no_direct)) if on],
+        *[flag for flag, on in (("--no-cache", no_cache), ("--per-tensor", per_tensor), ("--no-server", no_server), ("--no-direct", no_direct),
+                                ("--check", check)) if on],
         *_vela_args(system_config, memory_mode),
     ]
     try:
@@ -414,7 +428,7 @@ def watch(
             model, targets, out_dir, lower_options=options, per_tensor=per_tensor, system_config=system_config, memory_mode=memory_mode,
             calibration=str(calibration) if calibration else None, interval=interval, max_runs=max_runs,
         )
-        settings = _settings(cache_dir, disable=False, remote="")  # the local store, for the records of what each lowering read
+        settings = _settings(cache_dir, disable=False, remote="", check=True if check else None)  # the local store, for the records of what each lowering read
     except LowercacheError as e:
         _fail(str(e), 2)
 

@@ -19,12 +19,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import arm, partitionorder, quantize
+from . import arm, numerics, partitionorder, quantize
 from .. import delegation as delegation_report
 from ..speedups import fastcopy, registry, retrace
 from ..speedups.gcfreeze import frozen_heap
 from ..cache.hashing import Unhashable, digest, digest_json, inputs_digest, program_parts
-from ..cache.steps import Session, activate, listed, outcome_counts
+from ..cache.steps import Session, activate, listed, outcome_counts, step_key
 from ..cache.store import Entry, Store
 from .targets import Target
 from ..cache.toolchain import toolchain_parts
@@ -47,6 +47,7 @@ class Artifacts:
     manifest: dict[str, Any] = field(default_factory=dict)
     nodes: dict[str, int] = field(default_factory=dict)  # retraced vs copied in ExportPass retraces, and fast copies
     delegation: dict[str, Any] | None = None  # what runs outside the delegate (lowercache/delegation.py)
+    numerics: dict[str, Any] | None = None  # with check: the TOSA reference model against the float model (numerics.py)
 
     @property
     def pte(self) -> bytes:
@@ -136,6 +137,7 @@ def run_stock(
     parts: dict[str, str] | None = None,
     partition_orders: list[list[str]] | None = None,
     delegation: list[dict[str, Any]] | None = None,
+    programs: list[Any] | None = None,
 ) -> bytes:
     """The stock ExecuTorch flow from an exported program; returns the .pte bytes.
 
@@ -143,7 +145,8 @@ def run_stock(
     (``quantize.py``, keyed by the flow's ``parts``); without, it is the stock code.
     ``partition_orders`` collects the order the partitions were lowered in
     (see ``partitionorder.py``); ``delegation`` what the edge program runs
-    outside its delegates, read before ``to_executorch`` (which it does not change).
+    outside its delegates, read before ``to_executorch`` (which it does not change);
+    ``programs`` the exported program ``to_executorch`` leaves (the numerics check runs it).
     """
     from executorch.exir import to_edge_transform_and_lower
 
@@ -164,7 +167,15 @@ def run_stock(
     edge = run("to_edge", lambda: to_edge_transform_and_lower(program, partitioner=[partitioner]))
     if delegation is not None:
         delegation.append(delegation_report.summarize(edge.exported_program().graph_module))
-    return run("to_executorch", lambda: edge.to_executorch().buffer)
+    manager = run("to_executorch", lambda: _with_buffer(edge.to_executorch()))
+    if programs is not None:
+        programs.append(manager.exported_program())
+    return manager.buffer
+
+
+def _with_buffer(manager: Any) -> Any:
+    manager.buffer  # serialized inside the stage's time, as before
+    return manager
 
 
 @frozen_heap()  # why: gcfreeze.py
@@ -175,10 +186,13 @@ def lower_program(
     calibration: Sequence[Inputs] | None,
     session: Session,
     stages: Stages | None = None,
+    check: bool = False,
 ) -> Artifacts:
-    """Lower an exported program through the cached flow step."""
+    """Lower an exported program through the cached flow step; ``check``: then the numerics check (numerics.py)."""
     stages = stages or Stages(session)
+    check_samples = [tuple(example_inputs), *(calibration or [])]
     calibration = list(calibration) if calibration is not None else [tuple(example_inputs)]
+    programs: list[Any] = []
     parts = stages.run("hash", lambda: flow_parts(program, target, example_inputs, calibration, session.store))
 
     def compute() -> Entry:
@@ -187,7 +201,7 @@ def lower_program(
         found: list[dict[str, Any]] = []
         with arm.hooks(), activate(session):
             before = {k: len(session.outputs.get(k, [])) for k in ("tosa", "vela")}
-            pte = run_stock(program, target, example_inputs, calibration, stages, session, parts, delegation=found)
+            pte = run_stock(program, target, example_inputs, calibration, stages, session, parts, delegation=found, programs=programs)
         blobs = {"model.pte": bytes(pte)}
         tensor_modules = []
         for i, entry in enumerate(session.outputs.get("tosa", [])[before["tosa"] :]):
@@ -208,6 +222,17 @@ def lower_program(
     fastcopy.reset_stats()
     entry = session.run("flow", target.name, parts, compute)
     counts = retrace.stats()
+    checked = None
+    if check:
+
+        def lowered() -> tuple[Any, dict[str, bytes]]:
+            if not programs:  # the flow was a hit: lower again, its inner steps served from the cache
+                with arm.hooks(), activate(session):
+                    run_stock(program, target, example_inputs, calibration, stages, session, parts, programs=programs)
+            return programs[-1], dict(entry.blobs)
+
+        flow_key = step_key("flow", parts) if parts is not None else None
+        checked = stages.run("check", lambda: numerics.check(session, flow_key, check_samples, program, lowered))
     return Artifacts(
         files=dict(entry.blobs),
         records=[r.to_json() for r in session.records],
@@ -215,6 +240,7 @@ def lower_program(
         stages=stages.seconds,
         nodes={"retraced": counts["redispatched"], "copied": counts["reused"], "copied_fast": fastcopy.stats()["copied"]},
         delegation=entry.meta.get("delegation"),
+        numerics=checked,
     )
 
 
@@ -225,11 +251,12 @@ def lower_module(
     target: Target,
     calibration: Sequence[Inputs] | None,
     session: Session,
+    check: bool = False,
 ) -> Artifacts:
     """Export ``module`` and lower it through the cached flow."""
     stages = Stages(session)
     program = stages.run("export", lambda: export(module, example_inputs))
-    return lower_program(program, target, example_inputs, calibration, session, stages)
+    return lower_program(program, target, example_inputs, calibration, session, stages, check)
 
 
 def manifest(artifacts: Artifacts, target: Target, model: str) -> dict[str, Any]:
@@ -252,4 +279,5 @@ def manifest(artifacts: Artifacts, target: Target, model: str) -> dict[str, Any]
         ],
         "files": {name: {"size": len(data), "xxh3_128": digest(data)} for name, data in sorted(artifacts.files.items())},
         **({"delegation": artifacts.delegation} if artifacts.delegation is not None else {}),
+        **({"numerics": artifacts.numerics} if artifacts.numerics is not None else {}),
     }

@@ -39,6 +39,7 @@ class Pair:
     memory: int = 2 * 2**30  # bytes one lowering may use: bounds -j, and the Ray task declares it
     system_config: Optional[str] = None  # Vela's, for Ethos-U targets
     memory_mode: Optional[str] = None
+    check: bool = False  # the numerics check (docs/numerics.md)
 
     def lower_args(self, options: list[str]) -> list[str]:
         """``lower`` as a user would type it for this pair, plus the build-wide ``options``."""
@@ -48,6 +49,7 @@ class Pair:
             *(["--per-tensor"] if self.per_tensor else []),
             *(["--system-config", self.system_config] if self.system_config else []),
             *(["--memory-mode", self.memory_mode] if self.memory_mode else []),
+            *(["--check"] if self.check else []),
             *options,
         ]
 
@@ -60,6 +62,7 @@ class Build:
     root: Path  # the directory model, calibration and output paths are relative to
     out: str
     pairs: list[Pair]
+    max_snr_drop: Optional[float] = None  # --compare fails the build when a pair's SNR falls more than this (dB)
 
     @property
     def names(self) -> list[str]:
@@ -146,6 +149,7 @@ def _schema() -> Any:
         memory_mode: Optional[str] = Field(None, alias="memory-mode")
         layout: Optional[Layout] = None
         memory: Optional[Size] = None
+        check: Optional[bool] = None
 
     class BuildFile(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -153,6 +157,8 @@ def _schema() -> Any:
         targets: list[Target] = []
         layout: Layout = DEFAULT_LAYOUT
         memory: Size = DEFAULT_MEMORY
+        check: bool = False
+        max_snr_drop: Optional[float] = Field(None, alias="max-snr-drop", ge=0, allow_inf_nan=False)
         models: dict[Annotated[str, AfterValidator(_check_name)], ModelEntry] = Field(min_length=1)
 
     return BuildFile
@@ -203,12 +209,12 @@ def load(path: Path) -> Build:
                 raise LowercacheError(f"{where}: {e}") from None
             out = os.path.join(spec.out, layout.format(model=name, target=target))
             pairs.append(Pair(name, entry.model, target, out, entry.calibration, entry.per_tensor, memory,
-                              entry.system_config, entry.memory_mode))
+                              entry.system_config, entry.memory_mode, spec.check if entry.check is None else entry.check))
     outs = [os.path.normpath(p.out) for p in pairs]
     clash = next((o for o in outs if outs.count(o) > 1), None)
     if clash is not None:
         raise LowercacheError(f"{path.name}: layout: two pairs write {clash}")
-    return Build(path=path, root=root, out=spec.out, pairs=pairs)
+    return Build(path=path, root=root, out=spec.out, pairs=pairs, max_snr_drop=spec.max_snr_drop)
 
 
 def select(build: Build, names: list[str]) -> list[Pair]:

@@ -9,12 +9,14 @@ is the input of ``--compare``: read as JSON, never executed.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from .. import estimates
+from ..lowering import numerics_report
 from ..errors import LowercacheError
 from ..output import counted
 
@@ -60,6 +62,9 @@ def entry(name: str, target: str, out: str, outcome: str, how: str, seconds: flo
             files = manifest.get("files", {})
             row["pte"] = files.get("model.pte")
             row["bytes"] = sum(int(f.get("size", 0)) for f in files.values())
+            checked = numerics_report.summary(manifest.get("numerics"))
+            if checked is not None:
+                row["numerics"] = checked
         except (OSError, ValueError, AttributeError):
             row["pte"] = None
         row["estimate"] = estimate(out_dir, target)
@@ -126,8 +131,34 @@ def compare(before: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
             lines.append(f"{label}: model.pte {old_pte['size']:,} -> {new_pte['size']:,} bytes")
         elif old_pte.get("xxh3_128") and new_pte.get("xxh3_128") and old_pte["xxh3_128"] != new_pte["xxh3_128"]:
             lines.append(f"{label}: model.pte changed (same size)")
+        lines.extend(f"{label}: {line}" for line in _numerics_change(prev.get("numerics"), row.get("numerics")))
     lines.extend(f"{model} on {target}: gone" for model, target in old)
     return lines
+
+
+def _snr(row: dict[str, Any]) -> str:
+    return "not compared" if "error" in row or "snr_db" not in row else numerics_report.snr_text(row["snr_db"])
+
+
+def _numerics_change(before: Any, after: Any) -> list[str]:
+    drop = numerics_report.snr_drop(before, after)
+    if drop is None or drop == 0:
+        return []
+    return [f"SNR {_snr(before)} -> {_snr(after)}" + (f" ({-drop:+.1f} dB)" if math.isfinite(drop) else "")]
+
+
+def regressions(before: dict[str, Any], rows: list[dict[str, Any]], max_drop: float) -> list[str]:
+    """Pairs whose worst SNR fell more than ``max_drop`` dB since ``before`` (the build file's ``max-snr-drop``)."""
+    old = {(r.get("model"), r.get("target")): r for r in before.get("pairs", [])}
+    found = []
+    for row in rows:
+        prev = old.get((row["model"], row["target"]))
+        drop = numerics_report.snr_drop((prev or {}).get("numerics"), row.get("numerics"))
+        if drop is not None and drop > max_drop:
+            fell = f"{drop:.1f} dB" if math.isfinite(drop) else "from a measure to none"
+            found.append(f"{row['model']} on {row['target']}: SNR fell {fell} ({_snr(prev['numerics'])} -> {_snr(row['numerics'])}), "
+                         f"more than max-snr-drop {max_drop:g} dB")
+    return found
 
 
 def tally(rows: list[dict[str, Any]], took: str = "") -> str:
@@ -135,6 +166,16 @@ def tally(rows: list[dict[str, Any]], took: str = "") -> str:
     counts = {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES}
     return (f"{counted(len(rows), 'pair')}{took}: {counts['hit']} from the cache, {counts['miss']} lowered, {counts['failed']} failed, "
             f"{counts['skipped']} not run")
+
+
+def _checked(row: Any) -> str:
+    """The SNR, cosine and top-1 cells of a pair with a numerics check (empty cells without one)."""
+    if not row:
+        return " |  | "
+    if "error" in row or "snr_db" not in row:
+        return "not compared |  | "
+    top1 = f"{row['top1'] * 100:.1f}%" if row.get("top1") is not None else ""
+    return f"{numerics_report.snr_text(row.get('snr_db'))} | {row.get('cosine', 0):.6f} | {top1}"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -145,8 +186,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"{tally(rows)}; {report.get('seconds', 0):.1f} s with {report.get('executor')} -j {report.get('jobs')}",
         "",
-        "| model | target | outcome | seconds | model.pte bytes | cycles/inference | SRAM KiB | flash KiB | CPU-fallback ops |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|",
+        "| model | target | outcome | seconds | model.pte bytes | cycles/inference | SRAM KiB | flash KiB | CPU-fallback ops | SNR | cosine | top-1 |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         est = r.get("estimate") or {}
@@ -154,9 +195,12 @@ def markdown(report: dict[str, Any]) -> str:
         pte = (r.get("pte") or {}).get("size")
         lines.append(
             f"| {r['model']} | {r['target']} | {r['outcome']} | {r['seconds']:.2f} | {'' if pte is None else f'{pte:,}'} | "
-            f"{_num(est['cycles']) if est else ''} | {_num(est['sram_kib']) if est else ''} | {_num(est['flash_kib']) if est else ''} | {cpu} |"
+            f"{_num(est['cycles']) if est else ''} | {_num(est['sram_kib']) if est else ''} | {_num(est['flash_kib']) if est else ''} | {cpu} | "
+            f"{_checked(r.get('numerics'))} |"
         )
     failed = [r for r in rows if r["outcome"] == "failed"]
+    if report.get("regressions"):
+        lines += ["", "### Numerics regressions", ""] + [f"- {line}" for line in report["regressions"]]
     if failed:
         lines += ["", "### Failed", ""] + [f"- {r['model']} on {r['target']}: {r.get('error', '')}" for r in failed]
     if "changes" in report:

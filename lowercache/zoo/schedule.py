@@ -168,11 +168,13 @@ def run(build: Build, pairs: list[Pair], options: Options, console: Any = None, 
     if previous is not None:
         meta["compared_with"] = str(options.compare)
         changes = report.compare(previous, rows)
+        if build.max_snr_drop is not None:
+            meta["regressions"] = report.regressions(previous, rows, build.max_snr_drop)
     result.reports = report.write(out_root, rows, meta, changes)
     failed = [r for r in rows if r["outcome"] == "failed"]
-    if failed and result.code == 0:
+    if (failed or meta.get("regressions")) and result.code == 0:
         result.code = 1
-    _summary(rows, seconds, changes, result, emit)
+    _summary(rows, seconds, changes, result, emit, meta.get("regressions", []))
     return result
 
 
@@ -198,7 +200,8 @@ def _settle(pair: Pair, raw: dict[str, Any], executor: str, options: Options, cw
     return Outcome(state, how, seconds)
 
 
-def _summary(rows: list[dict[str, Any]], seconds: float, changes: Optional[list[str]], result: Result, emit: Callable[[str], None]) -> None:
+def _summary(rows: list[dict[str, Any]], seconds: float, changes: Optional[list[str]], result: Result, emit: Callable[[str], None],
+             regressions: list[str] = ()) -> None:
     emit(report.tally(rows, f" in {seconds:.1f}s"))
     for r in rows:
         if r["outcome"] == "failed":
@@ -207,6 +210,8 @@ def _summary(rows: list[dict[str, Any]], seconds: float, changes: Optional[list[
         emit("changes since the compared build:" if changes else "no changes since the compared build")
         for line in changes:
             emit(f"  {line}")
+    for line in regressions:
+        emit(f"numerics regression: {line}")
     emit(f"report: {result.reports[0]} and {result.reports[1].name}")
     if result.code == INTERRUPTED:
         emit("interrupted")
