@@ -162,12 +162,17 @@ def test_a_paused_server_does_not_hang_the_client(own, tmp_path):
     try:
         start = time.monotonic()
         idle = lower_model(server, tmp_path / "idle")
-        stdout, stderr = idle.communicate(timeout=WAIT)
+        first = ""
+        while "warning" not in first and (line := idle.stderr.readline()):
+            first += line
+        # Noticed in the client's start-up plus a second or two, on a loaded machine too; the old client waited 33 s.
+        assert time.monotonic() - start < 20, first
+        stdout, rest = idle.communicate(timeout=WAIT)
+        stderr = first + rest
         assert idle.returncode == 0, stderr[-2000:]
         assert [line for line in stderr.splitlines() if "warning" in line] == [
             f"lowercache: warning: the lowering server (pid {pid}) is not responding (its process is stopped); running in this process"
         ]
-        assert time.monotonic() - start < 25  # a lowering in process, plus at most a second or two to notice
         assert (tmp_path / "idle" / "model.pte").read_bytes() == expected
     finally:
         os.kill(pid, signal.SIGCONT)
