@@ -1,8 +1,8 @@
 """Run ahead: while a script under ``lowercache run`` does its strict export, a copy of it goes on from a non-strict one and fills the cache.
 
-ExecuTorch's aot_arm_compiler exports strictly (dynamo) by default:
-MobileNetV2's first export takes 1.4-2.1 s where the non-strict trace takes
-0.45 s. The steps after it are keyed on their own inputs, and once the
+ExecuTorch's aot_arm_compiler exports strictly (dynamo) by default, and a
+strict export costs several times what the non-strict trace does (docs/run.md
+has figures). The steps after it are keyed on their own inputs, and once the
 quantized model the two reach is exported again, laid out as the script's
 strict re-export is, they reach the partitions' TOSA lowering and Vela with
 the same keys (the benchmark's models do).
@@ -12,7 +12,7 @@ forks. The parent is the script and goes on as stock. The child, the
 *runner*, takes that one export non-strict and then does what the script
 does, on the machine's other core, storing what it computes. Its strict
 re-export of the quantized model is a non-strict one laid out as dynamo's
-(``reexport.laid_out_as_strict``; 0.8 s against 2.4 s on MobileNetV2). When the
+(``reexport.laid_out_as_strict``, a fraction of dynamo's cost). When the
 script reaches a step the runner has started, it waits for the runner's
 entry instead of computing it again (while the runner's CPU time moves); a
 step the runner has not started, the script computes itself.

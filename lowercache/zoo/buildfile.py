@@ -130,7 +130,7 @@ def _check_model(spec: str) -> str:
 
 @functools.cache
 def _schema() -> Any:
-    """The pydantic model of the build file, made on first use (pydantic costs ~0.2 s to import)."""
+    """The pydantic model of the build file, made on first use (pydantic's import is not free, and a warm run may not need it)."""
     from typing import Annotated
 
     from pydantic import AfterValidator, BaseModel, ConfigDict, Field
