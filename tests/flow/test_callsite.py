@@ -11,7 +11,7 @@ import pytest
 from lowercache.speedups import callsite
 from lowercache.bench import models
 
-from tests.helpers.oracle import stock_pte
+from tests.helpers.oracle import run_stock
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_every_stamp_of_a_lowering_is_the_full_calls(target, monkeypatch):
     auditing.format_stack = audit
     for module_name, _ in callsite._SITES:
         monkeypatch.setattr(sys.modules[module_name], "traceback", auditing)
-    stock_pte(*models.transformer_block(), target)
+    run_stock(*models.transformer_block(), target)
     assert len(compared) > 10 and all(compared), compared
 
 

@@ -9,7 +9,7 @@ from lowercache.speedups import decompositions
 from lowercache.bench import models
 
 from tests.helpers.graphs import ConvertsAndReshapes, churn_patch, describe, same_program
-from tests.helpers.oracle import reference, stock_pte
+from tests.helpers.oracle import reference, run_stock, stock_pte
 
 
 def _audit_calls(model: str, target: str, strict: bool = False) -> dict[str, int]:
@@ -46,7 +46,7 @@ def _audit_calls(model: str, target: str, strict: bool = False) -> dict[str, int
 
     torch.export.ExportedProgram.run_decompositions = audit
     try:
-        stock_pte(*models.MODELS[model](), target, strict=strict)
+        run_stock(*models.MODELS[model](), target, strict=strict)
     finally:
         torch.export.ExportedProgram.run_decompositions = original
     return audited
@@ -161,7 +161,7 @@ def test_calls_outside_the_localized_form_run_in_full_untouched():
 def test_skipped_and_localized_calls_give_stock_bytes(target):
     decompositions.reset_stats()
     with decompositions.active():
-        got = stock_pte(*models.residual_cnn(), target)
+        got = run_stock(*models.residual_cnn(), target)
     counts = decompositions.stats()
     assert counts["localized"] >= 2 and counts["full"] == 0  # the first call too, float or quantized
     assert counts["skipped"] >= 1
@@ -302,6 +302,6 @@ def test_an_input_named_like_a_builtin_takes_the_full_call():
     stock = stock_pte(sequential, example, "ethos-u55-128")
     decompositions.reset_stats()
     with decompositions.active():
-        got = stock_pte(sequential, example, "ethos-u55-128")
+        got = run_stock(sequential, example, "ethos-u55-128")
     assert decompositions.stats()["full"] >= 1
     assert got == stock

@@ -12,7 +12,7 @@ from lowercache.speedups import fastcopy, provenance, retrace
 from lowercache.bench import models
 
 from tests.helpers.graphs import Cond, churn_patch
-from tests.helpers.oracle import reference, stock_pte
+from tests.helpers.oracle import reference, run_stock, stock_pte
 
 
 TARGETS = ("tosa-int", "tosa-fp", "ethos-u55-128")
@@ -36,7 +36,7 @@ def _mechanism(reuse: bool = True):
 def test_pte_bytes_identical_and_copies_happen(model, target):
     expected = reference(model, target)
     with _mechanism():
-        got = stock_pte(*models.MODELS[model](), target)
+        got = run_stock(*models.MODELS[model](), target)
     counts = fastcopy.stats()
     assert got == expected
     assert counts["copied"] > 0, counts
@@ -47,7 +47,7 @@ def test_pte_bytes_identical_and_copies_happen(model, target):
 def test_without_fake_value_reuse_still_identical():
     expected = reference("residual_cnn", "ethos-u55-128")
     with _mechanism(reuse=False):
-        got = stock_pte(*models.residual_cnn(), "ethos-u55-128")
+        got = run_stock(*models.residual_cnn(), "ethos-u55-128")
     assert got == expected
     assert fastcopy.stats()["copied"] > 0
     assert retrace.stats()["reused"] == 0
@@ -142,10 +142,10 @@ def test_every_pass_output_matches_node_by_node(model, target):
     """
     stock_log: list = []
     with provenance.shared_provenance(), retrace.reuse_fake_propagation(), _recording(stock_log):
-        expected = stock_pte(*models.MODELS[model](), target)
+        expected = run_stock(*models.MODELS[model](), target)
     fast_log: list = []
     with _mechanism(), _recording(fast_log):
-        got = stock_pte(*models.MODELS[model](), target)
+        got = run_stock(*models.MODELS[model](), target)
     assert got == expected
     assert len(fast_log) == len(stock_log)
     for stock, fast in zip(stock_log, fast_log):

@@ -11,7 +11,7 @@ import lowercache
 from lowercache.bench import models
 from lowercache.cache.store import Store
 
-from tests.helpers.oracle import reference, stock_pte
+from tests.helpers.oracle import reference, run_stock
 
 
 SCRIPT = textwrap.dedent(
@@ -43,10 +43,10 @@ def test_cached_context_serves_the_arm_steps(cache_dir):
     module, example = models.tiny_cnn()
     expected = reference("tiny_cnn", "ethos-u55-128")
     with lowercache.cached(cache_dir=cache_dir) as first:
-        assert stock_pte(module, example, "ethos-u55-128") == expected
+        assert run_stock(module, example, "ethos-u55-128") == expected
     assert [(r.kind, r.outcome) for r in first.records if r.kind in ("tosa", "vela")] == [("tosa", "miss"), ("vela", "miss")]
     with lowercache.cached(cache_dir=cache_dir) as second:
-        assert stock_pte(module, example, "ethos-u55-128") == expected
+        assert run_stock(module, example, "ethos-u55-128") == expected
     assert [(r.kind, r.outcome) for r in second.records if r.kind in ("tosa", "vela")] == [("tosa", "hit"), ("vela", "hit")]
     assert {r.outcome for r in second.records if r.kind == "qparams"} == {"hit"}
 

@@ -99,8 +99,9 @@ def _save(name: str, payload: bytes) -> None:
 
 def stock_pte(module, example_inputs, target: str, calibration=None, per_channel: bool = True, strict: bool = False,
               **vela_options) -> bytes:
-    """The .pte stock ExecuTorch produces; ``strict``: both exports dynamo's; ``vela_options``: EthosUCompileSpec's
-    ``system_config`` / ``memory_mode``."""
+    """The .pte stock ExecuTorch produces, from the disk cache when it holds it; ``strict``: both exports dynamo's;
+    ``vela_options``: EthosUCompileSpec's ``system_config`` / ``memory_mode``. Only for the expected bytes: a test
+    that runs the stock flow under a patch calls :func:`run_stock`."""
     ep = torch.export.export(module, example_inputs, strict=strict)
     name = key(ep, example_inputs, target, calibration, dict(per_channel=per_channel, strict=strict, **vela_options))
     cached = _load(name)
@@ -108,6 +109,13 @@ def stock_pte(module, example_inputs, target: str, calibration=None, per_channel
         cached = _lower(ep, example_inputs, target, calibration, per_channel, strict, vela_options)
         _save(name, cached)
     return cached
+
+
+def run_stock(module, example_inputs, target: str, calibration=None, per_channel: bool = True, strict: bool = False,
+              **vela_options) -> bytes:
+    """The stock flow run now, never from the cache: for tests that run it under a speed-up or an audit."""
+    ep = torch.export.export(module, example_inputs, strict=strict)
+    return _lower(ep, example_inputs, target, calibration, per_channel, strict, vela_options)
 
 
 def _lower(ep, example_inputs, target, calibration, per_channel, strict, vela_options) -> bytes:
