@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from lowercache.speedups import registry
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # The supported releases (pyproject.toml) other than the one installed here, and the
@@ -128,12 +130,16 @@ def test_speedups_report_on_the_release(lowered, release_python):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"executorch {release}," in result.stdout
-    rows = {line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("│ ") and len(line.split()) > 3}
-    states = {name: "off: installed source differs" if "installed source differs" in row else "on" if "│ on " in row else row
+    # A row's first line names the speed-up; a long reason wraps onto lines whose name column is blank.
+    rows = {line.split()[1]: line for line in result.stdout.splitlines()
+            if line.startswith("│ ") and len(line.split()) > 3 and line.split()[1] != "│"}
+    states = {name: "off: installed source differs" if "installed source differs" in row else
+              "off: disabled by setting" if "disabled by setting" in row else "on" if "│ on " in row else row
               for name, row in rows.items()}
     expected_off = OTHER_RELEASES[release]
-    assert states == {name: "off: installed source differs" if name in expected_off else "on" for name in rows}
+    assert states == {name: "off: installed source differs" if name in expected_off else
+                      "off: disabled by setting" if name in registry.OPT_IN else "on" for name in rows}
     assert len(rows) == len(found["cases"][CASES[0]]["speedups"])
     # The lowering itself recorded the same states in its manifest.
     for case in CASES:
-        assert {n for n, s in found["cases"][case]["speedups"].items() if s != "on"} <= expected_off
+        assert {n for n, s in found["cases"][case]["speedups"].items() if s != "on"} <= expected_off | registry.OPT_IN

@@ -61,15 +61,15 @@ def test_the_scripts_re_export_after_convert_is_lowers_step_and_a_weights_edit_h
     seeded = MODEL.replace("ACT", "torch.relu").replace("torch.manual_seed(0)\nModelUnderTest = Tiny().eval()",
                                                         "torch.manual_seed(SEED)\nModelUnderTest = Tiny().eval()\ntorch.manual_seed(0)")
     assert "SEED" in seeded
-    aot = [*AOT, "--non_strict_export"] if export == "non-strict" else AOT
+    command = [*AOT, "--non_strict_export"] if export == "non-strict" else AOT
     expected = {}
     for seed, outcomes in ((1, {"reexport/miss": 1, "tosa/miss": 1}), (1, {"reexport/hit": 1, "tosa/hit": 1}),
                            (2, {"reexport/hit": 2, "tosa/miss": 2})):
         (project / "model.py").write_text(seeded.replace("SEED", str(seed)))
         time.sleep(0.1)
         if seed not in expected:
-            expected[seed] = aot.plain(project, aot)
-        result = subprocess.run([sys.executable, "-m", "lowercache.cli", "run", "--", sys.executable, *aot], cwd=project,
+            expected[seed] = aot.plain(project, command)
+        result = subprocess.run([sys.executable, "-m", "lowercache.cli", "run", "--", sys.executable, *command], cwd=project,
                                 capture_output=True, env=_env(cache_dir), timeout=600)
         assert result.returncode == 0, result.stderr[-2000:]
         assert (project / PTE).read_bytes() == expected[seed], seed
