@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from lowercache.speedups import registry
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # The supported releases (pyproject.toml) other than the one installed here, and the
 # speed-ups whose pinned sources differ there, so they switch themselves off.

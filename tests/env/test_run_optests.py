@@ -11,24 +11,20 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 from lowercache.cache.store import Store
 
+from tests.helpers import optests
 from tests.helpers.optests import OPS, PYTEST, TESTS, outcomes
 
 
 def test_arm_op_tests_have_the_same_outcomes_under_run(tmp_path, cache_dir):
-    if not os.path.isdir(OPS):
-        pytest.skip("this ExecuTorch wheel ships no Arm op tests")
-    plain = subprocess.run(PYTEST, cwd=OPS, capture_output=True, timeout=600)
-    expected = outcomes(plain)
-    assert len(expected) == len(TESTS), plain.stdout.decode()[-2000:]
+    status, expected = optests.plain()
     env = {**os.environ, "LOWERCACHE_DIR": str(cache_dir), "LOWERCACHE_RUN_AHEAD": "0"}  # exact counts: no runner's timing
     for run in ("cold", "warm"):
         result = subprocess.run([sys.executable, "-m", "lowercache.cli", "run", "--", *PYTEST], cwd=OPS, capture_output=True,
                                 env=env, timeout=600)
-        assert (result.returncode, outcomes(result)) == (plain.returncode, expected), run
+        assert (result.returncode, outcomes(result)) == (status, expected), run
     counters = Store(cache_dir).counters()
     assert counters.get("count/tosa/hit") == counters.get("count/tosa/miss") == len(TESTS)  # the warm run: every partition served
     explained = subprocess.run([sys.executable, "-m", "lowercache.cli", "run", "--explain", "--", *PYTEST], cwd=OPS,

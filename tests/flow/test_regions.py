@@ -14,6 +14,8 @@ from lowercache.cache.store import Store
 from lowercache.lowering import regions
 from lowercache.lowering.targets import resolve
 
+from tests.helpers import ROOT
+
 SMALL = ("tiny_cnn", "residual_cnn", "transformer_block")
 
 
@@ -159,9 +161,8 @@ def test_the_upstream_naming_patch_makes_a_splices_names_not_matter():
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "canonical_names.py"
+    script = ROOT / "benchmarks" / "canonical_names.py"
     done = subprocess.run(
         [sys.executable, str(script), "--models", "tiny_cnn", "--targets", "tosa-fp"], capture_output=True, text=True, timeout=900, check=True
     )

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 from importlib.metadata import version
-from pathlib import Path
 
 import pytest
 
@@ -19,9 +18,9 @@ from lowercache.lowering import arm
 from lowercache.speedups import registry, retrace
 
 from tests.helpers.oracle import reference
+from tests.helpers import ROOT
 
 
-ROOT = Path(__file__).resolve().parents[2]
 AUDITED_ON = {"torch": "2.13.0", "executorch": "1.5.1"}
 # Modules of lowercache/speedups/ that are parts of a registered speed-up or tools for them, not switches.
 PARTS = {"oppolicy", "delegatecall", "decompreplay", "passregistry", "sourcepin", "patching", "registry"}

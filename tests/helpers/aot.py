@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 MODEL = textwrap.dedent(
     """
@@ -44,3 +45,11 @@ def plain(project, aot: list[str] = AOT) -> bytes:
     data = (project / PTE).read_bytes()
     (project / PTE).unlink()
     return data
+
+
+def project(tmp_path: Path) -> tuple[Path, bytes]:
+    """A project holding the model with a ReLU, and the plain script's .pte for it."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    write_model(folder, "torch.relu")
+    return folder, plain(folder)

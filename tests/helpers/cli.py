@@ -6,11 +6,10 @@ import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
+from . import ROOT
 from .oracle import stock_pte
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = f"{ROOT}/examples/tiny_cnn.py:model"
 
 
@@ -26,8 +25,12 @@ def cli(*args, cache_dir, cwd=None, env=None):
     )
 
 
-def error_lines(result):
+def error_lines(result) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("lowercache: error:")]
+
+
+def warnings_of(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("lowercache: warning:")]
 
 
 def stock_tiny(target):

@@ -7,7 +7,6 @@ includes their digest, and an edit to the checkout while the tests run would mak
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -18,10 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .oracle import stock_pte
+from . import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
-TINY = f"{ROOT}/examples/tiny_cnn.py:model"
 TARGET = "ethos-u55-128"
 WAIT = 600  # seconds any one command may take on a loaded 2-core machine
 
@@ -122,14 +119,6 @@ def wait_until(predicate, timeout: float) -> bool:
     return predicate()
 
 
-def errors(result: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in result.stderr.splitlines() if line.startswith("lowercache: error:")]
-
-
-def warnings_of(result: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in result.stderr.splitlines() if line.startswith("lowercache: warning:")]
-
-
 class Server:
     """A socket directory of its own, a cache, a project directory with an editable model; stopped at the end."""
 
@@ -161,13 +150,6 @@ class Server:
             if not wait_until(lambda: not alive(pid), 60):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.run, ignore_errors=True)
-
-
-def tiny_stock() -> bytes:
-    spec = importlib.util.spec_from_file_location("tiny_cnn_example", TINY.rsplit(":", 1)[0])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return stock_pte(*module.model(), TARGET)
 
 
 def steady(text: str) -> str:

@@ -16,6 +16,7 @@ import pytest
 
 from lowercache.zoo import report
 
+from tests.helpers import ROOT
 from tests.helpers.oracle import reference
 
 TINY = """
@@ -264,7 +265,7 @@ def test_ray_build_on_a_local_cluster_shares_results_through_redis(tmp_path, red
 def test_the_example_zoo_build_file_is_valid():
     from lowercache.zoo import buildfile
 
-    build = buildfile.load(Path(__file__).resolve().parents[2] / "examples" / "lowercache.toml")
+    build = buildfile.load(ROOT / "examples" / "lowercache.toml")
     assert build.names == ["tiny_cnn", "mobilenet_v2"] and len(build.pairs) == 6
     assert {p.memory for p in build.pairs if p.name == "mobilenet_v2"} == {3 * 2**30}
 

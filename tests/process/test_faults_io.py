@@ -30,9 +30,9 @@ from lowercache.errors import LowercacheError
 from lowercache.lowering.flow import Artifacts
 
 from tests.helpers.cli import TINY, cli, error_lines, stock_tiny
+from tests.helpers import ROOT
 
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- a .pt2 never runs code -------------------------------------------------

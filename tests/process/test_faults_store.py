@@ -25,11 +25,10 @@ import pytest
 from lowercache.cache import dbfile
 from lowercache.cache.store import Entry, Store
 
+from tests.helpers.cli import ROOT, TINY, warnings_of
 from tests.helpers.disks import tmpfs
 
 
-ROOT = Path(__file__).resolve().parents[2]
-TINY = f"{ROOT}/examples/tiny_cnn.py:model"
 TARGET = "tosa-fp"
 
 
@@ -38,10 +37,6 @@ def cli(*args, cache_dir, env=None, timeout=900):
     return subprocess.run(
         [sys.executable, "-m", "lowercache.cli", *map(str, args)], capture_output=True, text=True, env=full_env, timeout=timeout
     )
-
-
-def warnings_of(result) -> list[str]:
-    return [line for line in result.stderr.splitlines() if line.startswith("lowercache: warning:")]
 
 
 def flip_head(db: Path, n: int = 16) -> None:

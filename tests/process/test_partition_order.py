@@ -19,8 +19,8 @@ import pytest
 
 from lowercache.lowering import partitionorder
 from lowercache.bench import stockref
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 TAGS = ["tag0", "tag1"]  # what the partitioner makes for the child's model
 
 

@@ -10,8 +10,8 @@ import warnings
 from pathlib import Path
 
 from lowercache import quiet
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = f"{ROOT / 'examples' / 'tiny_cnn.py'}:model"
 # What a first lowering prints here without lowercache's capture (torchao's CUDA extensions, pytree, FutureWarnings).
 NOISE = ("Failed to load", "_pytree", "FutureWarning", "LeafSpec")

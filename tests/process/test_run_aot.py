@@ -29,10 +29,7 @@ def _env(cache_dir) -> dict[str, str]:
 
 
 def test_aot_arm_compiler_is_replayed_byte_for_byte_and_an_edit_runs_again(tmp_path, cache_dir):
-    project = tmp_path / "project"
-    project.mkdir()
-    aot.write_model(project, "torch.relu")
-    expected = aot.plain(project)
+    project, expected = aot.project(tmp_path)
     for outcome in ("recorded", "confirmed", "replayed"):
         result = _run(project, cache_dir)
         assert (project / PTE).read_bytes() == expected, outcome

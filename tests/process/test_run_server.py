@@ -19,7 +19,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
 
 from tests.helpers.runserver import both, explain, project_with, run
 from tests.helpers.server import Server
@@ -173,10 +172,7 @@ def test_aot_arm_compiler_through_the_server_writes_the_plain_bytes_and_is_recor
     from tests.helpers import aot
     from tests.helpers.aot import AOT, PTE
 
-    project = tmp_path / "project"
-    project.mkdir()
-    aot.write_model(project, "torch.relu")
-    expected = aot.plain(project)
+    project, expected = aot.project(tmp_path)
     for outcome in ("recorded", "confirmed", "replayed"):
         result = run(server, project, PY, *AOT)
         assert result.returncode == 0, result.stderr[-2000:]
@@ -197,16 +193,13 @@ def test_aot_arm_compiler_through_the_server_writes_the_plain_bytes_and_is_recor
 
 def test_executorchs_arm_op_tests_through_the_server_have_the_plain_outcomes(server, tmp_path):
     """``python -m pytest`` in a child of the server: pytest's own start (plugins, capture, fixtures) as in a new process."""
-    from tests.helpers.optests import OPS, PYTEST, TESTS, outcomes
+    from tests.helpers import optests
+    from tests.helpers.optests import OPS, PYTEST, outcomes
 
-    if not os.path.isdir(OPS):
-        pytest.skip("this ExecuTorch wheel ships no Arm op tests")
-    plain = subprocess.run(PYTEST, cwd=OPS, capture_output=True, timeout=600)
-    expected = outcomes(plain)
-    assert len(expected) == len(TESTS), plain.stdout.decode()[-2000:]
+    status, expected = optests.plain()
     for _ in ("cold", "warm"):
         result = run(server, Path(OPS), *PYTEST)
-        assert (result.returncode, outcomes(result)) == (plain.returncode, expected)
+        assert (result.returncode, outcomes(result)) == (status, expected)
         assert "in a child of the warm server" in explain(server, Path(OPS), *PYTEST)
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.server import TARGET, TINY, WAIT, alive, base_env, errors, lc, steady, tiny_stock, wait_until, warnings_of
+from tests.helpers.cli import TINY, error_lines, stock_tiny, warnings_of
+from tests.helpers.server import TARGET, WAIT, alive, base_env, lc, steady, wait_until
 
 
 # the shared server
@@ -57,7 +58,7 @@ def test_bytes_through_the_server_equal_stock_and_in_process(shared, tmp_path):
     assert here.returncode == 0, here.stderr[-2000:]
     hit = shared("lower", TINY, "-t", TARGET, "-o", tmp_path / "hit", **flow_only)
     assert hit.returncode == 0, hit.stderr[-2000:]
-    stock = tiny_stock()
+    stock = stock_tiny(TARGET)
     for out in ("served", "here", "hit"):
         assert (tmp_path / out / "model.pte").read_bytes() == stock, out
     # the output is the CLI's own: no warm-up noise (Vela's summary of the warm-up model), the same lines as in-process
@@ -139,7 +140,7 @@ def test_a_factory_that_raises(shared, tmp_path):
     served = shared("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "a", BEHAVIOUR="raise")
     here = shared("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "b", "--no-server", BEHAVIOUR="raise")
     assert served.returncode == here.returncode == 2
-    assert errors(served) == errors(here) == ["lowercache: error: factory model.py:model raised ValueError: boom"]
+    assert error_lines(served) == error_lines(here) == ["lowercache: error: factory model.py:model raised ValueError: boom"]
     assert served.stdout == "" and "Traceback" not in served.stderr
     assert not (tmp_path / "a").exists()
     assert shared.status()["pid"] == str(shared.pid)
@@ -148,7 +149,7 @@ def test_a_factory_that_raises(shared, tmp_path):
 def test_a_factory_that_aborts(shared, tmp_path):
     result = shared("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "out", BEHAVIOUR="abort")
     assert result.returncode == 1
-    assert errors(result) == ["lowercache: error: the lowering process was killed by SIGABRT; the server is still up"]
+    assert error_lines(result) == ["lowercache: error: the lowering process was killed by SIGABRT; the server is still up"]
     assert result.stdout == "" and "Traceback" not in result.stderr
     assert shared.status()["pid"] == str(shared.pid)
 
@@ -161,7 +162,7 @@ def test_a_factory_that_hangs_past_the_timeout(shared, tmp_path):
     )
     assert time.monotonic() - start < 120
     assert result.returncode == 1
-    assert errors(result) == [
+    assert error_lines(result) == [
         "lowercache: error: the lowering took longer than the request timeout (3 s, LOWERCACHE_SERVER_TIMEOUT) and was stopped"
     ]
     child = int(marker.read_text().split()[0])
@@ -264,7 +265,7 @@ def test_a_stale_server_is_replaced(own, tmp_path):
     rows = server.status(**changed)
     assert rows["pid"] != str(old) and rows["state"] == "current" and rows["served"] == "1"
     assert wait_until(lambda: not alive(old), 60)
-    assert (tmp_path / "out" / "model.pte").read_bytes() == tiny_stock()
+    assert (tmp_path / "out" / "model.pte").read_bytes() == stock_tiny(TARGET)
     server.env.update(changed)
 
 
@@ -317,4 +318,4 @@ def test_config_shows_the_server_settings(tmp_path):
     assert rows["server_jobs"].split()[1] == "3"
     assert rows["server_idle_timeout"].split()[1] == "600" and rows["server_timeout"].split()[1] == "3600"
     bad = lc("lower", TINY, "-t", TARGET, "-o", tmp_path / "o", env={**os.environ, "LOWERCACHE_SERVER_JOBS": "many"}, cwd=tmp_path, timeout=WAIT)
-    assert bad.returncode == 2 and errors(bad) == ["lowercache: error: bad value 'many' for server_jobs; use a whole number, 0 or more"]
+    assert bad.returncode == 2 and error_lines(bad) == ["lowercache: error: bad value 'many' for server_jobs; use a whole number, 0 or more"]

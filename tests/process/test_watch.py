@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from lowercache import estimates
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 TARGET = "ethos-u55-128"
 WAIT = 300  # seconds any one lowering may take on a loaded 2-core machine
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 from typer.main import get_command
@@ -11,8 +10,8 @@ from typer.main import get_command
 from lowercache import config
 from lowercache.cli.commands import app
 from lowercache.speedups import registry
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 pytestmark = pytest.mark.quick

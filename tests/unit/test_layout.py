@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "lowercache"
 
 pytestmark = pytest.mark.quick

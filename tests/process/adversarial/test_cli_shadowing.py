@@ -12,8 +12,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
 
 # Has what torch's imports take from colorsys (mpmath: hsv_to_rgb, hls_to_rgb), lacks what rich.color takes (rgb_to_hls).
 USER_COLORSYS = "WIDTH = 12\n\ndef hls_to_rgb(h, l, s):\n    return (l, l, l)\n\nhsv_to_rgb = hls_to_rgb\n"

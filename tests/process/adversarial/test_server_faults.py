@@ -25,9 +25,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 from tests.helpers.disks import tmpfs
 from tests.helpers.runserver import explain
-from tests.helpers.server import TARGET, TINY, WAIT, alive, base_env, errors, lc, tiny_stock, wait_until, warnings_of
+from tests.helpers.cli import TINY, error_lines, stock_tiny, warnings_of
+from tests.helpers.server import TARGET, WAIT, alive, base_env, lc, wait_until
 
 
 def raw(server, line: bytes, timeout: float = 60) -> dict | None:
@@ -59,7 +61,7 @@ def still_serves(server, tmp_path: Path, name: str) -> None:
     assert server.status()["pid"] == str(server.pid)
     result = server("lower", TINY, "-t", TARGET, "-o", tmp_path / name, "--no-direct")
     assert result.returncode == 0 and warnings_of(result) == [], result.stderr[-2000:]
-    assert (tmp_path / name / "model.pte").read_bytes() == tiny_stock()
+    assert (tmp_path / name / "model.pte").read_bytes() == stock_tiny(TARGET)
 
 
 # 1. requests that ended the server
@@ -130,7 +132,7 @@ def test_a_huge_server_timeout_setting_is_one_line(shared, tmp_path):
         result = shared("lower", TINY, "-t", TARGET, "-o", tmp_path / "out", **{name: "9" * 400})
         setting = name.removeprefix("LOWERCACHE_").lower()
         assert result.returncode == 2, result.stderr[-2000:]
-        assert errors(result) == [f"lowercache: error: bad value '{'9' * 400}' for {setting}; use a whole number of seconds from 0 to 1000000000"]
+        assert error_lines(result) == [f"lowercache: error: bad value '{'9' * 400}' for {setting}; use a whole number of seconds from 0 to 1000000000"]
         assert len(result.stderr.splitlines()) == 1
     assert not (tmp_path / "out").exists()
     assert shared.status()["pid"] == str(shared.pid)
@@ -212,7 +214,7 @@ def test_a_directory_at_the_socket_path_falls_back_at_once(tmp_path):
             "remove it to use the server); running in this process"
         ]
         assert not (run / "lowercache" / "server.log").exists()  # no server was started
-        assert (tmp_path / "out" / "model.pte").read_bytes() == tiny_stock()
+        assert (tmp_path / "out" / "model.pte").read_bytes() == stock_tiny(TARGET)
     finally:
         shutil.rmtree(run, ignore_errors=True)
 
@@ -363,7 +365,7 @@ def test_an_unforeseen_fault_ends_only_its_request(tmp_path):
     at = types.SimpleNamespace(run=Path(tempfile.mkdtemp(prefix="lcs", dir="/tmp")))  # what raw() needs of a server
     (at.run / "lowercache").mkdir()
     path = at.run / "lowercache" / "server.sock"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen([sys.executable, "-c", HARNESS, str(path)], env=env, stderr=subprocess.PIPE, text=True)
     try:
         assert wait_until(path.exists, 60)
