@@ -8,7 +8,8 @@ import subprocess
 import sys
 import time
 
-from tests.helpers.server import TINY, Server
+from tests.helpers.cli import TINY
+from tests.helpers.server import Server
 
 
 def at_a_terminal(server: Server, *args: str, timeout: float = 600) -> tuple[int, str]:
