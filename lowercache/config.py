@@ -116,7 +116,7 @@ def parse_check(value: str | bool | None, name: str) -> str:
     try:
         return "outputs" if parse_bool(text, name) else ""
     except LowercacheError:
-        raise LowercacheError(f"bad value {value!r} for {name}; use true, false or layers") from None
+        raise LowercacheError(f"bad value {value!r} for {name}; use outputs or layers (or true, false)") from None
 
 
 def config_path() -> Path:

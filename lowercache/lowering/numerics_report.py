@@ -304,4 +304,7 @@ def json_part(numerics: dict[str, Any] | None, short: str | None = None) -> dict
     """The ``numerics`` key of ``--json``: the figures without the key parts, and ``below``'s verdict when there is one."""
     if numerics is None:
         return {}
-    return {"numerics": {**{k: v for k, v in numerics.items() if k != "key_parts"}, **({"below_threshold": short} if short else {})}}
+    found = {k: v for k, v in numerics.items() if k != "key_parts"}
+    if isinstance(found.get("layers"), dict):
+        found["layers"] = {k: v for k, v in found["layers"].items() if k != "key_parts"}
+    return {"numerics": {**found, **({"below_threshold": short} if short else {})}}
