@@ -49,7 +49,8 @@ def _requantized(node: Any) -> Any:
 
 def boundaries(graph: Any, requantized: bool) -> dict[str, Any]:
     """Each module path's boundary node: the last operator (in graph order) inside it, with ``requantized`` the
-    dequantize after it when its output is re-quantized there. The root module (path "") is not a layer."""
+    dequantize after it when its output is re-quantized there. The root module (path "") is not a layer, nor a module
+    whose output a batch norm reads (see ``_folded``)."""
     last: dict[str, Any] = {}
     for node in graph.nodes:
         if node.op != "call_function" or _op_name(node) in _QUANTIZE + _DEQUANTIZE:
@@ -58,7 +59,13 @@ def boundaries(graph: Any, requantized: bool) -> dict[str, Any]:
             path = value[0] if isinstance(value, (tuple, list)) and value else None
             if isinstance(path, str) and path:
                 last[path] = node
-    return {path: _requantized(node) if requantized else node for path, node in last.items()}
+    return {path: _requantized(node) if requantized else node for path, node in last.items() if not _folded(node)}
+
+
+def _folded(node: Any) -> bool:
+    """A value a batch norm reads: the quantizer folds the norm into the operator before it (a convolution), so the
+    quantized program has no such value to compare (the norm's output, at the enclosing module, it has)."""
+    return any("batch_norm" in _op_name(user) for user in node.users)
 
 
 def activations(program: Any, samples: Sequence[Sequence[Any]], requantized: bool) -> tuple[dict[str, list[Any]], list[str]]:
@@ -69,7 +76,7 @@ def activations(program: Any, samples: Sequence[Sequence[Any]], requantized: boo
     module = program.module()
     found = boundaries(module.graph, requantized)
     order = {node: i for i, node in enumerate(module.graph.nodes)}
-    paths = sorted(found, key=lambda p: (order[found[p]], p.count("."), p))
+    paths = sorted(found, key=lambda p: (order[found[p]], -p.count("."), p))  # at one node, the inner module first
     wanted: dict[Any, list[str]] = {}
     for path, node in found.items():
         wanted.setdefault(node, []).append(path)
