@@ -51,3 +51,25 @@ def test_a_float_target_has_no_per_layer_error_to_find(tmp_path):
     found = lowercache.lower(module, example, target="tosa-fp", cache_dir=tmp_path / "c", check="layers")
     assert found.numerics["layers"]["error"].startswith("the target is not quantized")
     assert found.numerics["outputs"]  # the outputs check still runs
+
+
+def test_a_convolution_whose_batch_norm_is_folded_has_no_row_and_its_block_has_a_sane_one():
+    """The quantizer folds a norm into the convolution before it: the convolution's own output is not in the quantized
+    program, so comparing it there would show a false drop."""
+    import torch
+
+    from lowercache.lowering import numerics_layers, quantize
+    from lowercache.lowering.targets import resolve
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    block[1].running_mean.uniform_(-1, 1)
+    block[1].running_var.uniform_(0.5, 4)
+    module = torch.nn.Sequential(block, torch.nn.Conv2d(8, 4, 3)).eval()
+    example = (torch.randn(1, 3, 12, 12),)
+    program = torch.export.export(module, example)
+    target = resolve("tosa-int")
+    quantized = quantize.run_stock(program, target, target.compile_spec(), example, [example])
+    rows = {r["module"]: r for r in numerics_layers.compute(program, quantized, [example]).meta["modules"]}
+    assert "0.0" not in rows and "0.1" not in rows  # the convolution (folded into) and the norm (folded away)
+    assert rows["0"]["snr_db"] > 25 and rows["1"]["snr_db"] > 20
