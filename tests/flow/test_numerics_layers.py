@@ -73,3 +73,19 @@ def test_a_convolution_whose_batch_norm_is_folded_has_no_row_and_its_block_has_a
     rows = {r["module"]: r for r in numerics_layers.compute(program, quantized, [example]).meta["modules"]}
     assert "0.0" not in rows and "0.1" not in rows  # the convolution (folded into) and the norm (folded away)
     assert rows["0"]["snr_db"] > 25 and rows["1"]["snr_db"] > 20
+
+
+def test_a_failing_per_layer_check_is_said_not_stored_and_never_fails_the_lowering(tmp_path, monkeypatch):
+    from lowercache.lowering import numerics_layers
+
+    def broken(*args):
+        raise RuntimeError("an operator the interpreter cannot run")
+
+    module, example = lossy.model()
+    monkeypatch.setattr(numerics_layers, "compute", broken)
+    failed = lowercache.lower(module, example, target="tosa-int", cache_dir=tmp_path / "c", check="layers")
+    assert failed.numerics["layers"]["error"] == "not compared: RuntimeError: an operator the interpreter cannot run"
+    assert kinds(failed, "layers") == ["bypass"] and failed.numerics["outputs"] and "model.pte" in failed.files
+    monkeypatch.undo()
+    again = lowercache.lower(module, example, target="tosa-int", cache_dir=tmp_path / "c", check="layers")
+    assert kinds(again, "layers") == ["miss"] and "error" not in again.numerics["layers"]
