@@ -19,7 +19,7 @@ import torch
 
 from .lowering import arm, flow
 from .cache import history
-from .config import Settings, load_settings
+from .config import Settings, load_settings, parse_check
 from .errors import LowercacheError
 from .output import check_output_dir, write_files
 from .lowering.flow import Artifacts
@@ -45,17 +45,18 @@ def lower(
     settings: Settings | None = None,
     system_config: str | None = None,
     memory_mode: str | None = None,
-    check: bool = False,
+    check: bool | str = False,
 ) -> Artifacts:
     """Lower ``model`` for ``target`` as the stock ExecuTorch Arm flow would, from cache when possible.
 
     ``per_channel=False`` quantizes weights per tensor. ``system_config`` and ``memory_mode`` choose Vela's
     (Ethos-U targets; default: ExecuTorch's for the target). ``name`` identifies the model in run history (``lowercache explain``);
     it defaults to the module's class name. ``check`` runs the lowered program on the TOSA reference model against the
-    float model (the example inputs, then each calibration sample) into ``artifacts.numerics`` and the manifest; it changes
-    no lowered byte (docs/numerics.md).
+    float model (the example inputs, then each calibration sample) into ``artifacts.numerics`` and the manifest; ``check="layers"``
+    adds the per-layer figures (``numerics["layers"]``); it changes no lowered byte (docs/numerics.md).
     """
     resolved = resolve(target, per_channel, system_config, memory_mode)
+    mode = parse_check(check, "check")
     settings = settings or load_settings(cache_dir=cache_dir, disable=None if use_cache else True)
     registry.select(settings.speedups)
     if isinstance(model, torch.export.ExportedProgram):
@@ -74,9 +75,9 @@ def lower(
     try:
         session = Session(store, listener=listener, replay_output=listener is None)
         if isinstance(model, torch.export.ExportedProgram):
-            artifacts = flow.lower_program(model, resolved, example, samples, session, check=check)
+            artifacts = flow.lower_program(model, resolved, example, samples, session, check=mode)
         else:
-            artifacts = flow.lower_module(model, example, resolved, samples, session, check=check)
+            artifacts = flow.lower_module(model, example, resolved, samples, session, check=mode)
         artifacts.manifest = flow.manifest(artifacts, resolved, name or default_name)
         remote = getattr(store, "remote", None)
         if remote is not None:

@@ -81,7 +81,7 @@ class Settings:
     server_timeout: int = 3600  # seconds one request may run before its process is killed; 0: no limit
     # lowercache run: a copy of the script goes on non-strictly from its first strict export (run/ahead.py).
     run_ahead: bool = True
-    check: bool = False  # lower: the numerics check after each lowering (lowering/numerics.py, docs/numerics.md)
+    check: str = ""  # lower: the numerics check after each lowering: "", "outputs" or "layers" (lowering/numerics.py, docs/numerics.md)
     origin: dict[str, str] = field(default_factory=dict)  # where each value came from
 
 
@@ -104,6 +104,19 @@ def parse_bool(text: str | bool, name: str) -> bool:
     if value in ("0", "false", "no", "off", ""):
         return False
     raise LowercacheError(f"bad value {text!r} for {name}; use true or false")
+
+
+def parse_check(value: str | bool | None, name: str) -> str:
+    """The numerics check's mode: "" (off), "outputs" (true, 1, yes, on) or "layers" (outputs and per layer)."""
+    if value is None or isinstance(value, bool):
+        return "outputs" if value else ""
+    text = str(value).strip().lower()
+    if text in ("outputs", "layers"):
+        return text
+    try:
+        return "outputs" if parse_bool(text, name) else ""
+    except LowercacheError:
+        raise LowercacheError(f"bad value {value!r} for {name}; use outputs or layers (or true, false)") from None
 
 
 def config_path() -> Path:
@@ -163,7 +176,7 @@ def load_settings(**flags: Any) -> Settings:
         server_jobs=_whole(resolved.get("server_jobs", 0), "server_jobs") or os.cpu_count() or 1,
         server_timeout=_seconds_setting(resolved.get("server_timeout", 3600), "server_timeout"),
         run_ahead=parse_bool(resolved.get("run_ahead", True), "run_ahead"),
-        check=parse_bool(resolved.get("check", False), "check"),
+        check=parse_check(resolved.get("check", False), "check"),
         origin=origin,
     )
 

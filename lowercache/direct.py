@@ -72,7 +72,7 @@ class Request:
     as_json: bool = False
     system_config: str | None = None
     memory_mode: str | None = None
-    check: bool = False  # the numerics check (lowering/numerics.py): its own record, which names the check's entry
+    check: str = ""  # the numerics check, "outputs" or "layers" (lowering/numerics.py): its own record, which names the check's entries
     min_snr: str | None = None
     cwd: str = field(default_factory=os.getcwd)
 
@@ -91,7 +91,7 @@ class Request:
                 "per_tensor": self.per_tensor,
                 "calibration": self.calibration,
                 "vela": [self.system_config, self.memory_mode],
-                **({"check": True} if self.check else {}),
+                **({"check": True} if self.check == "outputs" else {"check": self.check} if self.check else {}),
             }
         )
 
@@ -103,20 +103,24 @@ class Request:
         return f"{os.path.abspath(path)}:{factory}"
 
     def settings(self) -> Settings:
-        return load_settings(
+        settings = load_settings(
             cache_dir=Path(self.cache_dir) if self.cache_dir else None,
             disable=True if self.no_cache else None,
             remote=self.remote,
             direct=False if self.no_direct else None,
-            check=True if self.check or self.min_snr is not None else None,
+            check=self.check or None,
         )
+        if self.min_snr is not None and not settings.check:
+            settings.check = "outputs"
+        return settings
 
 
 _VALUE_OPTIONS = {"--target": "target", "-t": "target", "--out": "out_dir", "-o": "out_dir", "--cache-dir": "cache_dir",
                   "--calibration": "calibration", "--remote": "remote", "--system-config": "system_config",
                   "--memory-mode": "memory_mode", "--min-snr": "min_snr"}
-_FLAG_OPTIONS = {"--no-cache": "no_cache", "--per-tensor": "per_tensor", "--no-direct": "no_direct", "--json": "as_json", "--check": "check",
+_FLAG_OPTIONS = {"--no-cache": "no_cache", "--per-tensor": "per_tensor", "--no-direct": "no_direct", "--json": "as_json",
                  "--no-server": None}
+_CHECK_MODES = {"outputs": "outputs", "layers": "layers"}  # ``--check`` alone is outputs
 
 
 def parse_lower(args: list[str]) -> Request | None:
@@ -140,6 +144,10 @@ def parse_lower(args: list[str]) -> Request | None:
         elif name in _FLAG_OPTIONS and not eq:
             if _FLAG_OPTIONS[name] is not None:
                 values[_FLAG_OPTIONS[name]] = True
+        elif name == "--check":
+            if (inline if eq else "outputs") not in _CHECK_MODES or "check" in values:
+                return None
+            values["check"] = _CHECK_MODES[inline if eq else "outputs"]
         elif arg.startswith("-"):
             return None
         else:
@@ -377,7 +385,7 @@ def _answer(request: Request, settings: Settings, store: Any, started: float, mi
     found = lookup(request, settings, store)
     checked = None
     if not isinstance(found, str) and request.check:
-        checked = numerics_report.stored(store, found[0]["manifest"].get("numerics"), found[0]["flow"]["key"])
+        checked = numerics_report.stored(store, found[0]["manifest"].get("numerics"), found[0]["flow"]["key"], request.check)
         found = found if checked is not None else "its numerics check is not stored"
     if isinstance(found, str):
         if found != "no record":
@@ -391,6 +399,8 @@ def _answer(request: Request, settings: Settings, store: Any, started: float, mi
     if checked is not None:
         manifest["numerics"] = checked[0]
         manifest["step_counts"]["check"] = {"hit": 1}
+        if "layers" in checked[0]:
+            manifest["step_counts"]["layers"] = {"hit": 1}
     manifest["model"] = request.history_name()  # this checkout's path, not the recording one's
     remote = getattr(store, "remote", None)
     if remote is not None:
@@ -401,7 +411,7 @@ def _answer(request: Request, settings: Settings, store: Any, started: float, mi
         print(f"lowercache: error: {e}", file=sys.stderr)
         return 2
     _set_status(store, request, "lookup", "hit", f"served from the record (flow entry {record['flow']['key'][:12]}, {tier} tier)")
-    _count(store, request, record, flow, seconds, checked is not None)
+    _count(store, request, record, flow, seconds, checked is not None, checked is not None and "layers" in checked[0])
     short = numerics_report.below(manifest.get("numerics"), min_snr)
     _report(request, manifest, written, seconds, short)
     if short is not None:
@@ -427,11 +437,13 @@ def _manifest(record: dict[str, Any], flow: Entry, tier: str, seconds: float) ->
     }
 
 
-def _count(store: Any, request: Request, record: dict[str, Any], flow: Entry, seconds: float, checked: bool = False) -> None:
+def _count(store: Any, request: Request, record: dict[str, Any], flow: Entry, seconds: float, checked: bool = False,
+           layers: bool = False) -> None:
     """Counters and run history, as a flow hit of the normal path would leave them."""
     from .cache import history
 
-    store.add_counts({"flow": {"hit": 1}, "direct": {"hit": 1}, **({"check": {"hit": 1}} if checked else {})}, max(flow.cost - seconds, 0.0))
+    store.add_counts({"flow": {"hit": 1}, "direct": {"hit": 1}, **({"check": {"hit": 1}} if checked else {}),
+                      **({"layers": {"hit": 1}} if layers else {})}, max(flow.cost - seconds, 0.0))
     step = {"kind": "flow", "name": record["flow"]["name"], "outcome": "hit", "key": record["flow"]["key"],
             "parts": record["manifest"].get("key_parts", {}), "seconds": seconds}
     history.record_run(store, request.history_name(), record["flow"]["name"], [step])

@@ -32,7 +32,7 @@ from .digests import stat_key
 BYTE_SHAPING = ("lowering/", "speedups/", "cache/digests.py", "cache/hashing.py", "cache/records.py", "cache/steps.py")
 # Modules inside those rooms that make no stored lowering: the numerics check reads a lowering, and its own key holds
 # its code, so an edit to it re-runs checks, not lowerings.
-NOT_BYTE_SHAPING = ("lowering/numerics.py", "lowering/numerics_report.py")
+NOT_BYTE_SHAPING = ("lowering/numerics.py", "lowering/numerics_layers.py", "lowering/numerics_report.py")
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MEMO_VERSION = 1
 

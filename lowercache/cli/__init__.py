@@ -36,6 +36,8 @@ def dispatch(args: List[str]) -> object:
 
     new_command()
     command = next((a for a in args if not a.startswith("-")), None)
+    if command == "lower":
+        args = check_spelled(args)
     if command == "lower":  # direct mode: an unchanged lowering answered from its record, without torch (docs/direct-mode.md)
         with own_imports():
             from ..direct import serve
@@ -56,6 +58,15 @@ def dispatch(args: List[str]) -> object:
         if served is not None:
             return served
     return run_in_process(args)
+
+
+def check_spelled(args: List[str]) -> List[str]:
+    """``lower``'s bare ``--check`` as ``--check=outputs``: the option takes an optional value (``--check=layers``), and
+    spelled so it never takes the next argument (a model path after it) for its value. Arguments after ``--`` are kept."""
+    if "--" in args:
+        split = args.index("--")
+        return check_spelled(args[:split]) + args[split:]
+    return ["--check=outputs" if a == "--check" else a for a in args]
 
 
 def parse_run(args: List[str]) -> dict | None:

@@ -66,6 +66,7 @@ PerTensor = typer.Option(False, "--per-tensor", metavar="", help="Quantize weigh
 SystemConfig = typer.Option(None, "--system-config", help="Ethos-U: Vela's system config from its Arm/vela.ini (default: ExecuTorch's for the target).")
 MemoryMode = typer.Option(None, "--memory-mode", help="Ethos-U: Vela's memory mode from its Arm/vela.ini, e.g. Shared_Sram, Sram_Only (default: ExecuTorch's for the target).")
 Check = typer.Option(False, "--check", metavar="", help=r"Also run the lowering on the TOSA reference model against the float model: error, SNR, cosine, top-1 per output; cached; no lowered byte changes (docs/numerics.md) \[env: LOWERCACHE_CHECK].")
+CheckMode = typer.Option(None, "--check", is_flag=False, flag_value="outputs", metavar="[=layers]", help=r"Also run the lowering on the TOSA reference model against the float model: error, SNR, cosine, top-1 per output; --check=layers also compares the quantized model with the float one at each module's output (where the error enters); cached; no lowered byte changes (docs/numerics.md) \[env: LOWERCACHE_CHECK].")
 MinSnr = typer.Option(None, "--min-snr", metavar="DB", help="With the check (implied): exit 1, after writing the output, when an output's SNR is below DB or the reference model rejected a partition.")
 NoDirect = typer.Option(False, "--no-direct", metavar="", help=r"Do not answer from a direct-mode record (docs/direct-mode.md) \[env: LOWERCACHE_DIRECT=0].")
 
@@ -207,12 +208,13 @@ def lower(
     no_direct: bool = NoDirect,
     system_config: Optional[str] = SystemConfig,
     memory_mode: Optional[str] = MemoryMode,
-    check: bool = Check,
+    check: Optional[str] = CheckMode,
     min_snr: Optional[float] = MinSnr,
 ) -> None:
     """Lower MODEL for a target, serving unchanged work from the cache."""
     global _json_errors
     from .. import api, direct
+    from ..config import parse_check
     from ..lowering import loading, numerics_report
     from ..lowering.targets import resolve
 
@@ -220,7 +222,9 @@ def lower(
 
     try:
         settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote, direct=False if no_direct else None,
-                             check=True if check or min_snr is not None else None)
+                             check=parse_check(check, "--check") if check is not None else None)
+        if min_snr is not None and not settings.check:
+            settings.check = "outputs"
         resolve(target, system_config=system_config, memory_mode=memory_mode)
         api.check_output_dir(out_dir)
         if not settings.disable:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import arm, numerics, partitionorder, quantize
+from . import arm, numerics, numerics_layers, partitionorder, quantize
 from .. import delegation as delegation_report
 from ..speedups import fastcopy, registry, retrace
 from ..speedups.gcfreeze import frozen_heap
@@ -138,6 +138,7 @@ def run_stock(
     partition_orders: list[list[str]] | None = None,
     delegation: list[dict[str, Any]] | None = None,
     programs: list[Any] | None = None,
+    quantized: list[Any] | None = None,
 ) -> bytes:
     """The stock ExecuTorch flow from an exported program; returns the .pte bytes.
 
@@ -146,7 +147,8 @@ def run_stock(
     ``partition_orders`` collects the order the partitions were lowered in
     (see ``partitionorder.py``); ``delegation`` what the edge program runs
     outside its delegates, read before ``to_executorch`` (which it does not change);
-    ``programs`` the exported program ``to_executorch`` leaves (the numerics check runs it).
+    ``programs`` the exported program ``to_executorch`` leaves (the numerics check runs it); ``quantized`` the
+    quantized program (the per-layer check runs it).
     """
     from executorch.exir import to_edge_transform_and_lower
 
@@ -161,6 +163,8 @@ def run_stock(
                 "quantize",
                 lambda: quantize.quantize(program, target, spec, example_inputs, calibration, step_parts, session),
             )
+        if quantized is not None:
+            quantized.append(program)
     partitioner = target.partitioner(spec)
     if partition_orders is not None:
         partitionorder.record_order(partitioner, partition_orders)
@@ -186,13 +190,15 @@ def lower_program(
     calibration: Sequence[Inputs] | None,
     session: Session,
     stages: Stages | None = None,
-    check: bool = False,
+    check: str = "",
 ) -> Artifacts:
-    """Lower an exported program through the cached flow step; ``check``: then the numerics check (numerics.py)."""
+    """Lower an exported program through the cached flow step; ``check`` "outputs": then the numerics check
+    (numerics.py), "layers": that and the per-layer one (numerics_layers.py)."""
     stages = stages or Stages(session)
     check_samples = [tuple(example_inputs), *(calibration or [])]
     calibration = list(calibration) if calibration is not None else [tuple(example_inputs)]
     programs: list[Any] = []
+    quantized: list[Any] | None = [] if check == "layers" else None
     parts = stages.run("hash", lambda: flow_parts(program, target, example_inputs, calibration, session.store))
 
     def compute() -> Entry:
@@ -201,7 +207,8 @@ def lower_program(
         found: list[dict[str, Any]] = []
         with arm.hooks(), activate(session):
             before = {k: len(session.outputs.get(k, [])) for k in ("tosa", "vela")}
-            pte = run_stock(program, target, example_inputs, calibration, stages, session, parts, delegation=found, programs=programs)
+            pte = run_stock(program, target, example_inputs, calibration, stages, session, parts, delegation=found, programs=programs,
+                            quantized=quantized)
         blobs = {"model.pte": bytes(pte)}
         tensor_modules = []
         for i, entry in enumerate(session.outputs.get("tosa", [])[before["tosa"] :]):
@@ -228,11 +235,22 @@ def lower_program(
         def lowered() -> tuple[Any, dict[str, bytes]]:
             if not programs:  # the flow was a hit: lower again, its inner steps served from the cache
                 with arm.hooks(), activate(session):
-                    run_stock(program, target, example_inputs, calibration, stages, session, parts, programs=programs)
+                    run_stock(program, target, example_inputs, calibration, stages, session, parts, programs=programs, quantized=quantized)
             return programs[-1], dict(entry.blobs)
+
+        def quantized_program() -> Any:
+            if not target.quantized or quantized is None:
+                return None
+            if not quantized:  # the flow and the outputs check were hits: the quantize step, served from the cache
+                with arm.hooks(), activate(session):
+                    spec = target.compile_spec()
+                    quantized.append(quantize.quantize(program, target, spec, example_inputs, calibration, quantize.quantize_parts(parts), session)[0])
+            return quantized[-1]
 
         flow_key = step_key("flow", parts) if parts is not None else None
         checked = stages.run("check", lambda: numerics.check(session, flow_key, check_samples, program, lowered))
+        if check == "layers":
+            checked["layers"] = stages.run("layers", lambda: numerics_layers.check(session, flow_key, check_samples, program, quantized_program))
     return Artifacts(
         files=dict(entry.blobs),
         records=[r.to_json() for r in session.records],
@@ -251,7 +269,7 @@ def lower_module(
     target: Target,
     calibration: Sequence[Inputs] | None,
     session: Session,
-    check: bool = False,
+    check: str = "",
 ) -> Artifacts:
     """Export ``module`` and lower it through the cached flow."""
     stages = Stages(session)

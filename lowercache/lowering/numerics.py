@@ -427,6 +427,16 @@ def compute(program: Any, files: dict[str, bytes], float_ref: list[list[Any]], s
     return Entry(meta=meta)
 
 
+def inputs_key(samples: Sequence[Sequence[Any]]) -> str | None:
+    """The check's inputs as a key part; None when they cannot be hashed (the check then runs uncached)."""
+    from ..cache.hashing import Unhashable, inputs_digest
+
+    try:
+        return inputs_digest(samples)
+    except Unhashable:
+        return None
+
+
 def check(
     session: Any,
     flow_key: str | None,
@@ -440,12 +450,7 @@ def check(
     the lowering's files; it is only called on a miss. ``flow_key`` None: the
     flow ran uncached, so the check runs uncached too.
     """
-    from ..cache.hashing import Unhashable, inputs_digest
-
-    try:
-        inputs = inputs_digest(samples)
-    except Unhashable:
-        inputs = None
+    inputs = inputs_key(samples)
     parts = check_parts(flow_key, inputs) if flow_key is not None and inputs is not None else None
 
     def run() -> Entry:

@@ -15,7 +15,10 @@ from ..cache.toolchain import version
 
 # Part of the check's key; v1: outputs against the eager float model.
 NUMERICS_VERSION = "numerics:v1"
-MODES = ("outputs",)
+LAYERS_VERSION = "layers:v1"
+# ``outputs``: the program's outputs on the TOSA reference model; ``layers``: that, and per module the quantized model
+# against the float one (``numerics_layers.py``).
+MODES = ("outputs", "layers")
 # The figures each output gets, in the order tables print them.
 FIGURES = ("max_abs", "mean_abs", "snr_db", "cosine", "top1")
 
@@ -38,6 +41,55 @@ def check_parts(flow_key: str, inputs: str, mode: str = "outputs") -> dict[str, 
     return {"flow": flow_key, "inputs": inputs, "mode": mode, "reference_model": reference_model_version(), "numerics": code_version()}
 
 
+@functools.lru_cache(maxsize=1)
+def layers_code_version() -> str:
+    """The per-layer check's source (``numerics_layers.py``, and ``numerics.py`` whose figures it uses), read as bytes."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = []
+    for name in ("numerics_layers.py", "numerics.py"):
+        with open(os.path.join(here, name), "rb") as f:
+            found.append(digest(f.read()))
+    return f"{LAYERS_VERSION}:{digest(':'.join(found).encode())}"
+
+
+def layers_parts(flow_key: str, inputs: str) -> dict[str, str]:
+    """The ``layers`` step's named key parts: the lowering (its flow key covers the quantized program), the inputs, the code."""
+    return {"flow": flow_key, "inputs": inputs, "layers": layers_code_version()}
+
+
+def layers_section(meta: dict[str, Any], parts: dict[str, str] | None) -> dict[str, Any]:
+    """The numerics section's ``layers`` part from a ``layers`` entry's metadata (a direct-mode hit builds it too)."""
+    found = {k: meta[k] for k in ("samples", "modules", "error") if k in meta}
+    found["semantics"] = "the quantized program (q/dq graph, run in torch) against the float program at each module's output"
+    if parts is not None:
+        found["key_parts"] = parts
+    return found
+
+
+def layer_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-module rows in the order their boundaries run, each with its depth and ``drop_db``: how many dB lower its
+    SNR is than the row before it at the same depth (None for the first, or where either is exact)."""
+    before: dict[int, Any] = {}
+    found = []
+    for row in rows:
+        depth = str(row["module"]).count(".") + 1
+        prev, now = before.get(depth, "none"), row.get("snr_db")
+        drop = round(prev - now, 4) if isinstance(prev, (int, float)) and isinstance(now, (int, float)) else None
+        found.append({**row, "depth": depth, **({"from_snr_db": prev} if prev != "none" else {}), "drop_db": drop})
+        before[depth] = now
+    return found
+
+
+def largest_drop(layers: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The module whose SNR falls most against the one before it (the first with a finite SNR after an exact one
+    when none falls): where the error enters."""
+    rows = (layers or {}).get("modules") or []
+    dropping = [r for r in rows if isinstance(r.get("drop_db"), (int, float)) and r["drop_db"] > 0]
+    if dropping:
+        return max(dropping, key=lambda r: r["drop_db"])
+    return next((r for r in rows if r.get("snr_db") is not None), None)
+
+
 
 def section(meta: dict[str, Any], parts: dict[str, str] | None) -> dict[str, Any]:
     """The manifest's ``numerics`` section from a check entry's metadata (a direct-mode hit builds it too)."""
@@ -48,9 +100,10 @@ def section(meta: dict[str, Any], parts: dict[str, str] | None) -> dict[str, Any
     return found
 
 
-def stored(store: Any, recorded: Any, flow_key: str) -> tuple[dict[str, Any], Entry] | None:
+def stored(store: Any, recorded: Any, flow_key: str, mode: str = "outputs") -> tuple[dict[str, Any], Entry] | None:
     """The check a direct-mode record names, read without torch: its section and entry, or None (not stored, or the
-    reference model or this module changed since, or the record is malformed)."""
+    reference model or this module changed since, or the record is malformed). ``mode`` "layers": the per-layer
+    entry it names too."""
     from ..cache.steps import step_key
 
     parts = recorded.get("key_parts") if isinstance(recorded, dict) else None
@@ -62,7 +115,25 @@ def stored(store: Any, recorded: Any, flow_key: str) -> tuple[dict[str, Any], En
     entry = store.get("check", step_key("check", now))
     if entry is None or not isinstance(entry.meta.get("outputs"), list):
         return None
-    return section(entry.meta, now), entry
+    found = section(entry.meta, now)
+    if mode == "layers":
+        layers = _stored_layers(store, recorded.get("layers"), flow_key, parts["inputs"])
+        if layers is None:
+            return None
+        found["layers"] = layers
+    return found, entry
+
+
+def _stored_layers(store: Any, recorded: Any, flow_key: str, inputs: str) -> dict[str, Any] | None:
+    from ..cache.steps import step_key
+
+    now = layers_parts(flow_key, inputs)
+    if not isinstance(recorded, dict) or recorded.get("key_parts") != now:
+        return None
+    entry = store.get("layers", step_key("layers", now))
+    if entry is None or not isinstance(entry.meta.get("modules"), list):
+        return None
+    return layers_section(entry.meta, now)
 
 
 # -- saying it -------------------------------------------------------------------------------------
@@ -80,11 +151,45 @@ def snr_text(value: Any) -> str:
 
 
 def lines(numerics: dict[str, Any] | None) -> list[str]:
-    """What ``lower`` prints after its table: one line per output, then each rejected partition and any error."""
+    """What ``lower`` prints after its table: one line per output, then each rejected partition and any error, then
+    (``--check=layers``) the per-layer table."""
     if not numerics:
         return []
     n = numerics.get("samples", 0)
-    return [f"numerics (TOSA reference model vs float, {n} input{'s' if n != 1 else ''}): {line}" for line in describe(numerics)]
+    said = [f"numerics (TOSA reference model vs float, {n} input{'s' if n != 1 else ''}): {line}" for line in describe(numerics)]
+    return said + layer_lines(numerics)
+
+
+# The per-layer table on a terminal: modules this deep or shallower (every module is in manifest.json and --json).
+SHOWN_DEPTH = 2
+
+
+def layer_lines(numerics: dict[str, Any] | None) -> list[str]:
+    """What ``lower --check=layers`` prints: a table of the shallow modules' SNR, drop and max abs error, then where
+    the error enters."""
+    layers = (numerics or {}).get("layers")
+    if not layers:
+        return []
+    n = layers.get("samples", 0)
+    head = f"numerics per layer (quantized model vs float at each module's output, {n} input{'s' if n != 1 else ''}):"
+    if layers.get("error"):
+        return [f"{head} {layers['error']}"]
+    rows = layers.get("modules") or []
+    shown = [r for r in rows if r.get("depth", 1) <= SHOWN_DEPTH]
+    width = max([len("module"), *(len(str(r["module"])) for r in shown)])
+    said = [head, f"  {'module':<{width}}  {'SNR':>9}  {'drop':>8}  {'max abs':>9}"]
+    for r in shown:
+        drop = f"{r['drop_db']:.1f} dB" if isinstance(r.get("drop_db"), (int, float)) else "-"
+        said.append(f"  {str(r['module']):<{width}}  {snr_text(r.get('snr_db')):>9}  {drop:>8}  {_number(r.get('max_abs')):>9}")
+    if len(shown) < len(rows):
+        said.append(f"  ({len(rows) - len(shown)} deeper modules in manifest.json)")
+    worst = largest_drop(layers)
+    if worst is not None:
+        if "from_snr_db" in worst:
+            said.append(f"error enters at {worst['module']}: SNR drops from {snr_text(worst['from_snr_db'])} to {snr_text(worst.get('snr_db'))}")
+        else:
+            said.append(f"error enters at {worst['module']}: SNR {snr_text(worst.get('snr_db'))}")
+    return said
 
 
 def read(out_dir: Any) -> dict[str, Any] | None:
@@ -199,4 +304,7 @@ def json_part(numerics: dict[str, Any] | None, short: str | None = None) -> dict
     """The ``numerics`` key of ``--json``: the figures without the key parts, and ``below``'s verdict when there is one."""
     if numerics is None:
         return {}
-    return {"numerics": {**{k: v for k, v in numerics.items() if k != "key_parts"}, **({"below_threshold": short} if short else {})}}
+    found = {k: v for k, v in numerics.items() if k != "key_parts"}
+    if isinstance(found.get("layers"), dict):
+        found["layers"] = {k: v for k, v in found["layers"].items() if k != "key_parts"}
+    return {"numerics": {**found, **({"below_threshold": short} if short else {})}}

@@ -6,15 +6,18 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
+from tests.helpers import ROOT
 
-def _cli(cwd, cache, *args):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOWERCACHE_")}
-    env.update({"LOWERCACHE_DIR": str(cache), "LOWERCACHE_SERVER": "0", "LOWERCACHE_CONFIG": str(cwd / "none.toml")})
-    return subprocess.run([sys.executable, "-m", "lowercache.cli", "lower", "tiny.py:model", "-t", "ethos-u55-128", "-o", "out", *args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+def _cli(cwd, cache, *args, model="tiny.py:model", target="ethos-u55-128", env=None):
+    full = {k: v for k, v in os.environ.items() if not k.startswith("LOWERCACHE_")}
+    full.update({"LOWERCACHE_DIR": str(cache), "LOWERCACHE_SERVER": "0", "LOWERCACHE_CONFIG": str(cwd / "none.toml"), **(env or {})})
+    return subprocess.run([sys.executable, "-m", "lowercache.cli", "lower", model, "-t", target, "-o", "out", *args],
+                          cwd=cwd, env=full, capture_output=True, text=True, timeout=900)
 
 
 def test_cli_check_direct_mode_hit_prints_the_figures_without_torch_and_min_snr_fails_only_when_asked(tmp_path):
@@ -41,6 +44,28 @@ def test_cli_check_direct_mode_hit_prints_the_figures_without_torch_and_min_snr_
     plain = _cli(tmp_path, cache)  # no check asked: none said
     assert plain.returncode == 0 and "numerics" not in plain.stderr
     assert "numerics" not in json.loads((tmp_path / "out" / "manifest.json").read_text())
+
+
+def test_cli_check_layers_names_the_lossy_layer_cold_from_the_variable_and_from_a_direct_mode_hit(tmp_path):
+    (tmp_path / ".git").mkdir()
+    shutil.copy(ROOT / "tests" / "helpers" / "lossy.py", tmp_path / "lossy.py")
+    cache = tmp_path / "cache"
+    cold = _cli(tmp_path, cache, "--check=layers", "--json", model="lossy.py:model", target="tosa-int")
+    assert cold.returncode == 0, cold.stderr[-2000:]
+    summary = json.loads(cold.stdout)
+    assert summary["step_counts"]["layers"] == {"miss": 1}
+    assert [r["module"] for r in summary["numerics"]["layers"]["modules"]] == ["conv1", "conv2", "lossy", "conv3", "fc"]
+    assert "key_parts" not in summary["numerics"]["layers"]
+    assert "error enters at lossy: SNR drops from" in cold.stderr and re.search(r"lowercache:   lossy +[\d.]+ dB", cold.stderr)
+    recorded = json.loads((tmp_path / "out" / "manifest.json").read_text())["numerics"]
+    variable = _cli(tmp_path, cache, model="lossy.py:model", target="tosa-int", env={"LOWERCACHE_CHECK": "layers"})  # confirms
+    assert variable.returncode == 0 and "error enters at lossy" in variable.stderr, variable.stderr[-2000:]
+    warm = _cli(tmp_path, cache, "--check=layers", model="lossy.py:model", target="tosa-int")
+    assert warm.returncode == 0, warm.stderr[-2000:]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["direct"] == {"outcome": "hit", "torch_imported": False}
+    assert manifest["step_counts"]["layers"] == {"hit": 1} and manifest["numerics"] == recorded
+    assert "error enters at lossy: SNR drops from" in warm.stderr
 
 
 def test_watch_shows_the_figures_against_the_previous_lowering(tmp_path):
