@@ -11,11 +11,10 @@ import torch
 from lowercache.speedups import fastcopy, provenance, retrace
 from lowercache.bench import models
 
-from tests.helpers.graphs import Cond, churn_patch
+from tests.helpers.graphs import PAIRS, Cond, churn_patch
 from tests.helpers.oracle import reference, run_stock, stock_pte
 
 
-TARGETS = ("tosa-int", "tosa-fp", "ethos-u55-128")
 
 
 @contextlib.contextmanager
@@ -31,8 +30,7 @@ def _mechanism(reuse: bool = True):
     assert not fastcopy.enabled()
 
 
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("model", ["tiny_cnn", "residual_cnn", "transformer_block"])
+@pytest.mark.parametrize(("model", "target"), PAIRS)
 def test_pte_bytes_identical_and_copies_happen(model, target):
     expected = reference(model, target)
     with _mechanism():

@@ -9,11 +9,10 @@ import torch
 from lowercache.bench import models
 from lowercache.speedups import retrace
 
-from tests.helpers.graphs import Cond, churn_patch
+from tests.helpers.graphs import PAIRS, Cond, churn_patch
 from tests.helpers.oracle import run_stock, stock_pte
 
 
-TARGETS = ("tosa-fp", "tosa-int", "ethos-u55-128")
 
 
 def _lower_both(module_fn, target):
@@ -26,8 +25,7 @@ def _lower_both(module_fn, target):
     return expected, got, retrace.stats()
 
 
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("model", ["tiny_cnn", "residual_cnn", "transformer_block"])
+@pytest.mark.parametrize(("model", "target"), PAIRS)
 def test_pte_bytes_identical_and_reuse_happens(model, target):
     expected, got, counts = _lower_both(models.MODELS[model], target)
     assert got == expected

@@ -9,6 +9,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 SMALL_TARGETS = ("tosa-int", "tosa-fp", "ethos-u55-128", "ethos-u55-256", "ethos-u85-256")
+# One speed-up alone against stock: every small model and every kind of target (float TOSA, INT TOSA, INT + Vela) at
+# least once, and the transformer on both quantized paths. flow/test_identity lowers every model on every target with
+# all speed-ups on, and flow/test_speedups each speed-up off in turn.
+PAIRS = (("tiny_cnn", "tosa-int"), ("residual_cnn", "ethos-u55-128"), ("transformer_block", "tosa-fp"),
+         ("transformer_block", "ethos-u55-128"))
 
 
 def outcomes(artifacts, kind):
