@@ -26,17 +26,22 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import threading
 import time
 from typing import Any
 
 import torch
 
-from . import regions
+from . import regioncache, regions, regionstore
+from .programstore import FormatError
+from .specdigest import compile_spec_digest, pass_insertions_digest
 from ..cache.toolchain import toolchain_parts
 from ..speedups.patching import Patch
 
 SPLIT_PASS = "FuseViewCopyTransformPass"  # the first layout pass: entries before it run per region
+TAIL = "(dirty tail)"  # the regions after the served ones, extracted as one
+log = logging.getLogger("lowercache")
 
 
 class Fallback(Exception):
@@ -51,15 +56,29 @@ class RegionState:
     program: Any
     outputs: list[str]  # the whole graph's name of the node each output position carries
     inputs: dict[str, str]  # placeholder name in the region's program -> the whole graph's node it stands for
+    served: regioncache.ServedTrail | None = None  # served from the cache: its outputs' metadata pass by pass
+    trail: regioncache.Trail | None = None  # recording its outputs' metadata pass by pass, to be stored
 
 
 @dataclasses.dataclass
 class Outcome:
-    """What the region-by-region run did: the regions, or why it fell back."""
+    """What the region-by-region run did: the regions and each one's verdict, or why it fell back."""
 
     regions: list[str] = dataclasses.field(default_factory=list)
     fallback: str | None = None
     split: int = 0
+    verdicts: dict[str, str] = dataclasses.field(default_factory=dict)  # region -> served, or re-ran and why
+
+
+@dataclasses.dataclass
+class Plan:
+    """A program cut into regions that the splice can order, with the whole pipeline and its split."""
+
+    program: Any
+    members: dict[torch.fx.Node, str]
+    states: list[RegionState]
+    whole: list[Any]
+    split: int
 
 
 def pipeline(compile_spec: Any, program: Any) -> list[Any]:
@@ -123,8 +142,18 @@ def _output_nodes(state: RegionState) -> list[torch.fx.Node]:
     return list(args) if isinstance(args, (tuple, list)) else [args]
 
 
-def _adopt(state: RegionState, producers: dict[str, tuple[RegionState, int]]) -> None:
-    """Give each tensor ``state`` reads from another region its producer's current metadata."""
+def _producer_meta(producer: RegionState, index: int, after: int) -> dict[str, Any]:
+    """The metadata of ``producer``'s output ``index`` after pass ``after``: as it runs now, or as it was stored."""
+    if producer.served is not None:
+        try:
+            return producer.served.meta(index, after)
+        except FormatError as err:
+            raise Fallback(f"region {producer.name}'s stored state: {err}") from None
+    return regions.copied_meta(_output_nodes(producer)[index].meta)
+
+
+def _adopt(state: RegionState, producers: dict[str, tuple[RegionState, int]], after: int) -> None:
+    """Give each tensor ``state`` reads from another region its producer's metadata after pass ``after``."""
     by_name = {n.name: n for n in state.program.graph_module.graph.nodes if n.op == "placeholder"}
     for placeholder, source in state.inputs.items():
         found = producers.get(source)
@@ -134,7 +163,7 @@ def _adopt(state: RegionState, producers: dict[str, tuple[RegionState, int]]) ->
         node = by_name.get(placeholder)
         if node is None:
             raise Fallback(f"region {state.name} lost its input {source}")
-        node.meta = regions.copied_meta(_output_nodes(producer)[index].meta)
+        node.meta = _producer_meta(producer, index, after)
 
 
 def _user_inputs(program: Any) -> set[str]:
@@ -143,8 +172,8 @@ def _user_inputs(program: Any) -> set[str]:
     return {s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
 
 
-def run_prefix(program: Any, compile_spec: Any, depth: int) -> tuple[list[RegionState], int, list[Any]]:
-    """Every region of ``program`` through the pipeline's prefix, in lockstep; the states, the split and the whole pipeline."""
+def plan(program: Any, compile_spec: Any, depth: int) -> Plan:
+    """``program`` cut into regions at ``depth`` and each extracted; Fallback when the splice cannot order them."""
     from torch.export.graph_signature import OutputKind
 
     if any(spec.kind != OutputKind.USER_OUTPUT for spec in program.graph_signature.output_specs):
@@ -161,20 +190,60 @@ def run_prefix(program: Any, compile_spec: Any, depth: int) -> tuple[list[Region
         readers = {members[u] for u in node.users if u in members}
         if node.op == "placeholder" and len(readers) > 1 and node.name not in _user_inputs(program):
             raise Fallback(f"constant {node.name} is read by {len(readers)} regions")
-    states = [_extract(program, members, name) for name in runs]
+    return Plan(program, members, [_extract(program, members, name) for name in runs], whole, split)
+
+
+def lockstep(states: list[RegionState], compile_spec: Any, whole: list[Any], split: int) -> None:
+    """The prefix on every state that is not served, pass by pass over the states in graph order; each tensor a
+    state reads from another takes its producer's metadata as that pass left it. A state with a ``trail`` records
+    its outputs' metadata after each pass (dropped if it cannot be stored)."""
+    running = [s for s in states if s.served is None]
     producers = {out: (s, k) for s in states for k, out in enumerate(s.outputs)}
-    pipelines = {s.name: pipeline(compile_spec, s.program) for s in states}
-    for s in states:
+    pipelines = {s.name: pipeline(compile_spec, s.program) for s in running}
+    for s in running:
         if [type(p) for p in pipelines[s.name][:split]] != [type(p) for p in whole[:split]]:
             raise Fallback(f"region {s.name}'s pipeline differs from the whole graph's")
     for index in range(split):
-        for s in states:
-            _adopt(s, producers)
+        for s in running:
+            _adopt(s, producers, index)
             try:
                 s.program = run_pass(pipelines[s.name][index], s.program)
             except Exception as e:  # noqa: BLE001 - a pass that cannot run on the region alone
                 raise Fallback(f"{type(whole[index]).__name__} fails on region {s.name} alone: {type(e).__name__}") from e
-    return states, split, whole
+            if s.trail is not None:
+                try:
+                    s.trail.note(index, [o.meta for o in _output_nodes(s)])
+                except FormatError:
+                    s.trail = None
+
+
+def run_prefix(program: Any, compile_spec: Any, depth: int) -> tuple[list[RegionState], int, list[Any]]:
+    """Every region of ``program`` through the pipeline's prefix, in lockstep; the states, the split and the whole pipeline."""
+    cut = plan(program, compile_spec, depth)
+    lockstep(cut.states, compile_spec, cut.whole, cut.split)
+    return cut.states, cut.split, cut.whole
+
+
+def _serve(state: RegionState, program: Any, extra: dict[str, Any], like: Any) -> None:
+    """Make ``state`` the stored one: its program, its inputs mapped by position, its outputs' trail."""
+    stored_inputs = extra.get("inputs")
+    placeholders = _user_inputs(program)
+    if not isinstance(stored_inputs, list) or len(stored_inputs) != len(state.inputs) or not set(stored_inputs) <= placeholders:
+        raise FormatError("the stored inputs do not match the region's")
+    outputs = program.graph_module.graph.output_node().args[0]
+    if len(outputs if isinstance(outputs, (tuple, list)) else [outputs]) != len(state.outputs):
+        raise FormatError("the stored outputs do not match the region's")
+    trail = regioncache.ServedTrail(extra.get("trail"), len(state.outputs), regionstore.fake_mode(like))
+    state.inputs = dict(zip(stored_inputs, state.inputs.values()))
+    state.program = program
+    state.served = trail
+
+
+def _tail(cut: Plan, served: list[RegionState]) -> RegionState:
+    """Every region after the served ones, as one extracted program."""
+    names = {s.name for s in served}
+    members = {n: (r if r in names else TAIL) for n, r in cut.members.items()}
+    return _extract(cut.program, members, TAIL)
 
 
 def splice(program: Any, states: list[RegionState]) -> Any:
@@ -192,8 +261,8 @@ def splice(program: Any, states: list[RegionState]) -> Any:
     first_seen: dict[str, torch.fx.Node] = {}
     for s in states:
         for node in s.program.graph_module.graph.nodes:
-            if node.op == "placeholder" and s.inputs.get(node.name) is not None and node.name not in first_seen:
-                first_seen[node.name] = node
+            if node.op == "placeholder" and s.inputs.get(node.name) is not None and s.inputs[node.name] not in first_seen:
+                first_seen[s.inputs[node.name]] = node
     state_dict: dict[str, Any] = {}
     constants: dict[str, Any] = {}
     constant_specs: list[InputSpec] = []
@@ -272,30 +341,101 @@ def _from_constants(node: torch.fx.Node, placed: dict[torch.fx.Node, torch.fx.No
     return bool(node.all_input_nodes) and all(a in placed for a in node.all_input_nodes)
 
 
-def transform(program: Any, compile_spec: Any, depth: int) -> tuple[Any, Outcome]:
+def transform(program: Any, compile_spec: Any, depth: int, session: Any = None) -> tuple[Any, Outcome]:
     """The TOSA pipeline on ``program`` region by region up to the split, spliced, then whole; ``program`` is updated in place.
 
+    With a ``session`` whose store holds them, the leading regions whose
+    chain is unchanged are served from the cache, and the regions after them
+    run through the prefix as one program. When none is served, every region
+    runs alone in lockstep and each one's state is stored.
     Raises ``Fallback`` (before changing ``program``) when the splice cannot be used.
     """
     from executorch.backends.arm._passes.arm_pass_manager import ArmPassManager
 
     manager = ArmPassManager(compile_spec)
     with manager._tosa_context(program.graph_module):
-        states, split, whole = run_prefix(program, compile_spec, depth)
+        cut = plan(program, compile_spec, depth)
+        chain = _chain(cut, compile_spec, depth)
+        verdicts: dict[str, str] = {}
+        served = _served(cut, chain, session, verdicts)
+        if not served:
+            states = cut.states
+            for s in states:
+                s.trail = regioncache.Trail(len(s.outputs)) if chain is not None else None
+            lockstep(states, compile_spec, cut.whole, cut.split)
+            _keep(states, chain, session, verdicts)
+        elif len(served) < len(cut.states):
+            states = served + [_tail(cut, served)]
+            lockstep(states, compile_spec, cut.whole, cut.split)
+            first = cut.states[len(served)].name
+            for i, s in enumerate(cut.states[len(served):], start=len(served)):
+                why = verdicts.get(s.name) or f"in the dirty tail after {first}, run as one program; not stored"
+                verdicts[s.name] = why
+                if chain is not None:
+                    regioncache.note(session, s.name, "miss", chain[i], why)
+        else:
+            states = served
         spliced = splice(program, states)
-        for graph_pass in whole[split:]:
+        for graph_pass in cut.whole[cut.split:]:
             spliced = run_pass(graph_pass, spliced)
     program._graph_module = spliced.graph_module
     program._graph_signature = spliced.graph_signature
     program._state_dict = spliced.state_dict
     program._constants = spliced.constants
-    return program.graph_module, Outcome(regions=[s.name for s in states], split=split)
+    return program.graph_module, Outcome(regions=[s.name for s in cut.states], split=cut.split, verdicts=verdicts)
+
+
+def _chain(cut: Plan, compile_spec: Any, depth: int) -> list[dict[str, str]] | None:
+    """Each region's key parts for its stored state, in graph order; None when the pipeline cannot be keyed."""
+    insertions = pass_insertions_digest()
+    if insertions is None:
+        return None
+    fixed = {"compile_spec": compile_spec_digest(compile_spec), "pass_insertions": insertions,
+             "pipeline": f"{VERSION}:{cut.split}"}
+    return regioncache.chain_parts(cut.program, depth, [s.name for s in cut.states], fixed)
+
+
+def _served(cut: Plan, chain: list[dict[str, str]] | None, session: Any, verdicts: dict[str, str]) -> list[RegionState]:
+    """The leading states the cache holds, made the stored ones; the first region without one gets its reason."""
+    served: list[RegionState] = []
+    if chain is None:
+        return served
+    for s, parts in zip(cut.states, chain):
+        found = regioncache.fetch(session, parts, cut.program)
+        if not isinstance(found, str):
+            try:
+                _serve(s, *found, cut.program)
+            except FormatError as err:
+                log.warning("stored region state unreadable (%s); the region re-runs", err)
+                found = f"stored state unreadable ({err})"
+        if isinstance(found, str):
+            verdicts[s.name] = f"re-ran: {found}"
+            break
+        verdicts[s.name] = "served"
+        regioncache.note(session, s.name, "hit", parts, "served")
+        served.append(s)
+    return served
+
+
+def _keep(states: list[RegionState], chain: list[dict[str, str]] | None, session: Any, verdicts: dict[str, str]) -> None:
+    """Store every state the lockstep recorded; each region's verdict says it re-ran and whether it was stored."""
+    for i, s in enumerate(states):
+        why = verdicts.get(s.name) or "re-ran: nothing upstream served, every region alone"
+        if chain is None:
+            verdicts[s.name] = why + "; not stored (pass insertions registered)"
+            continue
+        if s.trail is None:
+            stored = "not stored (metadata this form does not carry)"
+        else:
+            stored = regioncache.keep(session, s.name, chain[i], s.program, {"inputs": list(s.inputs), "trail": s.trail.to_json()})
+        verdicts[s.name] = f"{why}; {stored}"
+        regioncache.note(session, s.name, "miss", chain[i], verdicts[s.name])
 
 
 # --- The switch: on for Ethos-U partitions while the ``regions`` speed-up is on (``speedups/registry.py``).
 
 MAX_REGIONS = 64  # the deepest cut with at most this many regions is used
-VERSION = "regions:prefix-118:v1"  # in the TOSA step's key while engaged: its TOSA differs from stock's in names
+VERSION = "regions:prefix-118:v2"  # in the TOSA step's key while engaged: its TOSA differs from stock's in names
 # The Arm backend's sources (toolchain ``arm_backend_src``) the splice was tested against: every pass is in them.
 AUDITED_ARM_SRC = "4e5e1b26bb9809a0e32122d3794ff932"
 _state = threading.local()  # .ethosu: this thread is inside EthosUBackend.preprocess
@@ -323,15 +463,19 @@ def _pipeline(self: Any, exported_program: Any, graph_module: Any) -> Any:
 
     session = current_session()
     start = time.perf_counter()
+    mark = len(session.records) if session is not None else 0
     try:
         if toolchain_parts()["arm_backend_src"] != AUDITED_ARM_SRC:
             raise Fallback("the Arm backend's sources are not the ones the splice was tested against")
         depth = choose_depth(exported_program)
-        result, outcome = transform(exported_program, self.compile_spec, depth)
+        result, outcome = transform(exported_program, self.compile_spec, depth, session)
+        served = sum(v == "served" for v in outcome.verdicts.values())
         name = (f"{len(outcome.regions)} regions at depth {depth} spliced before pipeline entry {outcome.split}; "
-                "every region re-ran (none is served from the cache yet)")
-        verdict, note = "spliced", "re-ran: " + ", ".join(outcome.regions)
-    except Fallback as reason:
+                f"{served} served from the cache, {len(outcome.regions) - served} re-ran")
+        verdict, note = "spliced", " | ".join(f"{r}: {v}" for r, v in outcome.verdicts.items())
+    except (Fallback, FormatError) as reason:
+        if session is not None:
+            del session.records[mark:]  # no region verdicts for a pipeline that ran whole
         result = original(self, exported_program, graph_module)
         name, verdict, note = f"full pipeline: {reason}", "fallback", ""
     if session is not None:

@@ -31,19 +31,68 @@ def _regions(artifacts: lowercache.Artifacts) -> list[dict]:
     return [s for s in artifacts.manifest["steps"] if s["kind"] == "regions"]
 
 
+def _verdicts(step: dict) -> dict[str, str]:
+    return dict(item.split(": ", 1) for item in step["note"].split(" | "))
+
+
+def _same_as_stock(name: str, edit: str | None, spliced: lowercache.Artifacts, reference: lowercache.Artifacts) -> None:
+    module, example = models.MODELS[name](edit=edit)
+    assert spliced.pte == reference.pte == stock_pte(module, example, TARGET), (name, edit)
+    tosa = [k for k in spliced.files if k.endswith(".tosa")]
+    assert tosa and all(equal_up_to_names(spliced.files[k], reference.files[k]) for k in tosa), (name, edit)
+
+
 @pytest.mark.parametrize("name", ["tiny_cnn", "residual_cnn"])
 def test_spliced_lowering_is_stock_cold_and_after_an_edit(name, tmp_path, monkeypatch):
+    """Cold, every region runs alone and its state is stored; after an edit, the regions before the edited block
+    are served and the rest runs as one program."""
+    edited = models.EDITED_BLOCKS[name]
     for edit in (None, "structure"):
         spliced = _lower(name, edit, tmp_path / "cache", monkeypatch, "all,regions")
         reference = _lower(name, edit, tmp_path / "reference", monkeypatch, "all")
         (step,) = _regions(spliced)
-        assert step["outcome"] == "spliced" and "every region re-ran" in step["name"], step
-        assert step["note"].startswith("re-ran: ") and models.EDITED_BLOCKS[name] in step["note"], step
         assert not _regions(reference)
-        module, example = models.MODELS[name](edit=edit)
-        assert spliced.pte == reference.pte == stock_pte(module, example, TARGET), (name, edit)
-        tosa = [k for k in spliced.files if k.endswith(".tosa")]
-        assert tosa and all(equal_up_to_names(spliced.files[k], reference.files[k]) for k in tosa), (name, edit)
+        verdicts = _verdicts(step)
+        assert step["outcome"] == "spliced" and edited in verdicts, step
+        order = list(verdicts)
+        if edit is None:
+            assert "0 served from the cache" in step["name"], step
+            assert all(v.startswith("re-ran") and v.endswith("; stored") for v in verdicts.values()), verdicts
+        else:
+            upstream = order[: order.index(edited)]
+            assert upstream and all(verdicts[r] == "served" for r in upstream), verdicts
+            assert verdicts[edited] == "re-ran: no stored state", verdicts
+            assert all("dirty tail" in verdicts[r] for r in order[order.index(edited) + 1:]), verdicts
+            served = [r for r in spliced.records if r["kind"] == "region" and r["outcome"] == "hit"]
+            assert [r["name"] for r in served] == upstream
+        _same_as_stock(name, edit, spliced, reference)
+    lines = explain(Store(tmp_path / "cache"), type(models.MODELS[name]()[0]).__name__, TARGET)
+    assert f"  region {edited}: re-ran: no stored state" in lines, lines
+    assert any(line.startswith(f"region {edited}: missed; changed: ") and "region.nodes" in line for line in lines), lines
+
+
+def test_a_corrupt_stored_state_means_a_recompute_and_a_warning(tmp_path, monkeypatch, caplog):
+    """Every stored region state of the base is overwritten with one that cannot be rebuilt: the edit re-runs the
+    regions, warns, and still gives stock's bytes."""
+    from lowercache.cache.store import Entry
+
+    base = _lower("tiny_cnn", None, tmp_path / "cache", monkeypatch, "all,regions")
+    keys = [r["key"] for r in base.records if r["kind"] == "region"]
+    store = Store(tmp_path / "cache")
+    for key in keys:
+        entry = store.get("region", key)
+        assert entry is not None
+        bad = entry.blobs["program.json"].replace(b'"edge"', b'"python"', 1)
+        store.put("region", key, Entry(meta=entry.meta, blobs={**entry.blobs, "program.json": bad}))
+    store.close()
+    spliced = _lower("tiny_cnn", "structure", tmp_path / "cache", monkeypatch, "all,regions")
+    reference = _lower("tiny_cnn", "structure", tmp_path / "reference", monkeypatch, "all")
+    (step,) = _regions(spliced)
+    first = next(iter(_verdicts(step).values()))
+    assert first.startswith("re-ran: stored state unreadable"), step
+    assert "0 served from the cache" in step["name"], step
+    assert any("stored region state unreadable" in r.getMessage() for r in caplog.records)
+    _same_as_stock("tiny_cnn", "structure", spliced, reference)
 
 
 def test_interleaved_regions_fall_back_and_say_why(tmp_path, monkeypatch):

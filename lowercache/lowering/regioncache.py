@@ -1,0 +1,123 @@
+"""Region states at the split, as cache entries: their keys, and reading and writing them.
+
+A region's state after the pipeline's prefix depends on its own content and
+on the facts its producers hand it pass by pass, and those come from the
+regions before it. So a state is keyed by the chain: the region's own key
+parts (``regions.region_parts``: ``region.nodes``, ``region.constants``,
+``region.boundary``), ``upstream`` (the names and keys of every region
+before it, in graph order), the compile spec, the pass insertions, the
+pipeline version and the toolchain. ``lowercache explain`` names the parts
+that changed. An entry holds the region's program (``regionstore``) and, for
+each of its outputs, the metadata it carried after each prefix pass (its
+``trail``), which a region downstream that re-runs adopts pass by pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from . import regions, regionstore
+from .programstore import FormatError
+from ..cache.digests import digest_json
+from ..cache.steps import Session, StepRecord, step_key
+from ..cache.toolchain import toolchain_parts
+
+log = logging.getLogger("lowercache")
+
+KIND = "region"
+
+
+def chain_parts(program: Any, depth: int, order: list[str], fixed: dict[str, str]) -> list[dict[str, str]]:
+    """The key parts of every region's state at the split, in ``order`` (graph order); ``fixed``: the parts all
+    share (compile spec, pass insertions, pipeline version)."""
+    own = regions.region_parts(program, depth)
+    chain: list[list[str]] = []
+    out = []
+    for name in order:
+        parts = {f"region.{k}": v for k, v in own[name].items() if k != "toolchain"}
+        parts["upstream"] = digest_json(chain)
+        parts.update(fixed)
+        parts.update(toolchain_parts())
+        out.append(parts)
+        chain.append([name, digest_json(own[name])])
+    return out
+
+
+class Trail:
+    """What one region's outputs carried after each prefix pass: per output, ``(pass index, metadata form)`` where
+    it changed. Recorded as the region runs; read back by a region downstream that re-runs."""
+
+    def __init__(self, outputs: int) -> None:
+        self.forms: list[list[list[Any]]] = [[] for _ in range(outputs)]
+
+    def note(self, index: int, metas: list[dict[str, Any]]) -> None:
+        """The outputs' metadata after pass ``index``; FormatError if one cannot be stored."""
+        for form_list, meta in zip(self.forms, metas):
+            form = regionstore.encode_meta(meta)
+            if not form_list or form_list[-1][1] != form:
+                form_list.append([index, form])
+
+    def to_json(self) -> list[list[list[Any]]]:
+        return self.forms
+
+
+class ServedTrail:
+    """A stored trail, decoded once: the metadata of output ``k`` after pass ``index``."""
+
+    def __init__(self, forms: Any, outputs: int, mode: Any) -> None:
+        if not isinstance(forms, list) or len(forms) != outputs:
+            raise FormatError("the stored trail does not match the outputs")
+        self.metas: list[list[tuple[int, dict[str, Any]]]] = []
+        for steps in forms:
+            if not isinstance(steps, list) or not steps:
+                raise FormatError("bad stored trail")
+            decoded = []
+            for step in steps:
+                if not (isinstance(step, list) and len(step) == 2 and type(step[0]) is int):
+                    raise FormatError("bad stored trail")
+                decoded.append((step[0], regionstore.decode_meta(step[1], mode)))
+            self.metas.append(decoded)
+
+    def meta(self, output: int, index: int) -> dict[str, Any]:
+        found = None
+        for at, meta in self.metas[output]:
+            if at > index:
+                break
+            found = meta
+        if found is None:
+            raise FormatError(f"the stored trail starts after pass {index}")
+        return regions.copied_meta(found)
+
+
+def fetch(session: Session | None, parts: dict[str, str], like: Any) -> tuple[Any, dict[str, Any]] | str:
+    """The stored state for ``parts`` (program, extra), or why there is none (a corrupt entry: a warning too)."""
+    if session is None or session.store is None:
+        return "no cache"
+    entry = session.store.get(KIND, step_key(KIND, parts))
+    if entry is None:
+        return "no stored state"
+    try:
+        return regionstore.decode(entry, like)
+    except FormatError as err:
+        log.warning("stored region state unreadable (%s); the region re-runs", err)
+        return f"stored state unreadable ({err})"
+
+
+def keep(session: Session | None, name: str, parts: dict[str, str], program: Any, extra: dict[str, Any]) -> str:
+    """Store a region's state; what happened, for the record."""
+    if session is None or session.store is None:
+        return "not stored (no cache)"
+    try:
+        entry = regionstore.encode(program, extra)
+    except FormatError as err:
+        log.info("region %s not stored (%s)", name, err)
+        return f"not stored ({err})"
+    session.store.put(KIND, step_key(KIND, parts), entry)
+    return "stored"
+
+
+def note(session: Session | None, name: str, outcome: str, parts: dict[str, str], why: str) -> None:
+    """One region's verdict as a step record: ``hit`` (served) or ``miss`` (re-ran), with its key parts."""
+    if session is not None:
+        session.records.append(StepRecord(kind=KIND, name=name, outcome=outcome, key=step_key(KIND, parts), parts=dict(parts), note=why))
