@@ -26,6 +26,8 @@ from ..cache.toolchain import toolchain_parts
 log = logging.getLogger("lowercache")
 
 KIND = "region"
+_UNTRACKED = regionstore.DROPPED_META  # a trail keeps what the stored form keeps
+_SCALARS = (int, float, bool, str, type(None))
 
 
 def chain_parts(program: Any, depth: int, order: list[str], fixed: dict[str, str]) -> list[dict[str, str]]:
@@ -45,21 +47,47 @@ def chain_parts(program: Any, depth: int, order: list[str], fixed: dict[str, str
 
 
 class Trail:
-    """What one region's outputs carried after each prefix pass: per output, ``(pass index, metadata form)`` where
-    it changed. Recorded as the region runs; read back by a region downstream that re-runs."""
+    """What one region's outputs carried after each prefix pass: per output, ``(pass index, metadata)`` where it
+    changed. Recorded as the pipeline runs; stored with the region and read back by a region downstream that re-runs."""
 
     def __init__(self, outputs: int) -> None:
-        self.forms: list[list[list[Any]]] = [[] for _ in range(outputs)]
+        self.metas: list[list[tuple[int, dict[str, Any]]]] = [[] for _ in range(outputs)]
 
     def note(self, index: int, metas: list[dict[str, Any]]) -> None:
-        """The outputs' metadata after pass ``index``; FormatError if one cannot be stored."""
-        for form_list, meta in zip(self.forms, metas):
-            form = regionstore.encode_meta(meta)
-            if not form_list or form_list[-1][1] != form:
-                form_list.append([index, form])
+        """The outputs' metadata after pass ``index`` (a snapshot is kept where it differs from the last one)."""
+        for kept, meta in zip(self.metas, metas):
+            meta = {k: v for k, v in meta.items() if k not in _UNTRACKED}
+            if not kept or not _same(kept[-1][1], meta):
+                kept.append((index, regions.copied_meta(meta)))
 
     def to_json(self) -> list[list[list[Any]]]:
-        return self.forms
+        """The stored form; FormatError if some metadata cannot be stored."""
+        return [[[index, regionstore.encode_meta(meta)] for index, meta in kept] for kept in self.metas]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two metadata values are equal as stored: fake values by dtype, shape, strides and grad."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if a is b:
+        return True
+    if isinstance(a, FakeTensor) or isinstance(b, FakeTensor):
+        return (isinstance(a, FakeTensor) and isinstance(b, FakeTensor) and a.dtype == b.dtype and a.shape == b.shape
+                and a.stride() == b.stride() and a.storage_offset() == b.storage_offset() and a.requires_grad == b.requires_grad)
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return False
+        if all(type(x) in _SCALARS for x in a):  # per-channel scales: hundreds of floats
+            return all(type(x) in _SCALARS for x in b) and list(a) == list(b)
+        return all(_same(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value without a plain equality: count it as changed
+        return False
 
 
 class ServedTrail:
@@ -104,12 +132,13 @@ def fetch(session: Session | None, parts: dict[str, str], like: Any) -> tuple[An
         return f"stored state unreadable ({err})"
 
 
-def keep(session: Session | None, name: str, parts: dict[str, str], program: Any, extra: dict[str, Any]) -> str:
-    """Store a region's state; what happened, for the record."""
+def keep(session: Session | None, name: str, parts: dict[str, str], program: Any, inputs: list[str], trail: Trail) -> str:
+    """Store a region's state: its program, its inputs' placeholder names in extraction order, its outputs' trail;
+    what happened, for the record."""
     if session is None or session.store is None:
         return "not stored (no cache)"
     try:
-        entry = regionstore.encode(program, extra)
+        entry = regionstore.encode(program, {"inputs": inputs, "trail": trail.to_json()})
     except FormatError as err:
         log.info("region %s not stored (%s)", name, err)
         return f"not stored ({err})"

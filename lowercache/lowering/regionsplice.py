@@ -57,7 +57,6 @@ class RegionState:
     outputs: list[str]  # the whole graph's name of the node each output position carries
     inputs: dict[str, str]  # placeholder name in the region's program -> the whole graph's node it stands for
     served: regioncache.ServedTrail | None = None  # served from the cache: its outputs' metadata pass by pass
-    trail: regioncache.Trail | None = None  # recording its outputs' metadata pass by pass, to be stored
 
 
 @dataclasses.dataclass
@@ -68,6 +67,7 @@ class Outcome:
     fallback: str | None = None
     split: int = 0
     verdicts: dict[str, str] = dataclasses.field(default_factory=dict)  # region -> served, or re-ran and why
+    spliced: bool = False  # False: nothing was served, the whole pipeline ran as stock runs it
 
 
 @dataclasses.dataclass
@@ -79,6 +79,7 @@ class Plan:
     states: list[RegionState]
     whole: list[Any]
     split: int
+    wiring: dict[str, Any] = dataclasses.field(default_factory=dict)  # region -> where its inputs come from, its outputs go
 
 
 def pipeline(compile_spec: Any, program: Any) -> list[Any]:
@@ -93,12 +94,17 @@ def pipeline(compile_spec: Any, program: Any) -> list[Any]:
 
 def run_pass(graph_pass: Any, program: Any) -> Any:
     """One pass on ``program`` as the Arm pass manager runs each of its passes (adapter, then recompile)."""
+    return run_pass_noting(graph_pass, program)[0]
+
+
+def run_pass_noting(graph_pass: Any, program: Any) -> tuple[Any, bool]:
+    """``run_pass``, and whether the pass says it changed the graph."""
     from executorch.backends.arm._passes.arm_pass_manager import _ExportedProgramGraphPassAdapter
 
     result = _ExportedProgramGraphPassAdapter(graph_pass)(program)
     if result.modified:
         result.exported_program.graph_module.recompile()
-    return result.exported_program
+    return result.exported_program, bool(result.modified)
 
 
 def split_index(passes: list[Any]) -> int:
@@ -190,13 +196,21 @@ def plan(program: Any, compile_spec: Any, depth: int) -> Plan:
         readers = {members[u] for u in node.users if u in members}
         if node.op == "placeholder" and len(readers) > 1 and node.name not in _user_inputs(program):
             raise Fallback(f"constant {node.name} is read by {len(readers)} regions")
-    return Plan(program, members, [_extract(program, members, name) for name in runs], whole, split)
+    states = [_extract(program, members, name) for name in runs]
+    return Plan(program, members, states, whole, split, {st.name: _wiring(program.graph_module, members, st) for st in states})
+
+
+def _wiring(gm: torch.fx.GraphModule, members: dict[torch.fx.Node, str], state: RegionState) -> list[Any]:
+    """Which region produces each of ``state``'s inputs and which regions read each of its outputs, in order."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    sources = [members.get(by_name[source], "(input)") for source in state.inputs.values()]
+    sinks = [sorted({members.get(u, "(output)") for u in by_name[out].users} - {state.name}) for out in state.outputs]
+    return [sources, sinks]
 
 
 def lockstep(states: list[RegionState], compile_spec: Any, whole: list[Any], split: int) -> None:
     """The prefix on every state that is not served, pass by pass over the states in graph order; each tensor a
-    state reads from another takes its producer's metadata as that pass left it. A state with a ``trail`` records
-    its outputs' metadata after each pass (dropped if it cannot be stored)."""
+    state reads from another takes its producer's metadata as that pass left it (a served producer's as stored)."""
     running = [s for s in states if s.served is None]
     producers = {out: (s, k) for s in states for k, out in enumerate(s.outputs)}
     pipelines = {s.name: pipeline(compile_spec, s.program) for s in running}
@@ -210,11 +224,6 @@ def lockstep(states: list[RegionState], compile_spec: Any, whole: list[Any], spl
                 s.program = run_pass(pipelines[s.name][index], s.program)
             except Exception as e:  # noqa: BLE001 - a pass that cannot run on the region alone
                 raise Fallback(f"{type(whole[index]).__name__} fails on region {s.name} alone: {type(e).__name__}") from e
-            if s.trail is not None:
-                try:
-                    s.trail.note(index, [o.meta for o in _output_nodes(s)])
-                except FormatError:
-                    s.trail = None
 
 
 def run_prefix(program: Any, compile_spec: Any, depth: int) -> tuple[list[RegionState], int, list[Any]]:
@@ -346,8 +355,9 @@ def transform(program: Any, compile_spec: Any, depth: int, session: Any = None) 
 
     With a ``session`` whose store holds them, the leading regions whose
     chain is unchanged are served from the cache, and the regions after them
-    run through the prefix as one program. When none is served, every region
-    runs alone in lockstep and each one's state is stored.
+    run through the prefix as one program. When none is served, the whole
+    pipeline runs as stock runs it, and each region's state is cut out of the
+    whole graph at the split and stored.
     Raises ``Fallback`` (before changing ``program``) when the splice cannot be used.
     """
     from executorch.backends.arm._passes.arm_pass_manager import ArmPassManager
@@ -359,12 +369,10 @@ def transform(program: Any, compile_spec: Any, depth: int, session: Any = None) 
         verdicts: dict[str, str] = {}
         served = _served(cut, chain, session, verdicts)
         if not served:
-            states = cut.states
-            for s in states:
-                s.trail = regioncache.Trail(len(s.outputs)) if chain is not None else None
-            lockstep(states, compile_spec, cut.whole, cut.split)
-            _keep(states, chain, session, verdicts)
-        elif len(served) < len(cut.states):
+            whole = _run_whole(cut, depth, chain, session, verdicts)
+            _update(program, whole)
+            return program.graph_module, Outcome(regions=[s.name for s in cut.states], split=cut.split, verdicts=verdicts)
+        if len(served) < len(cut.states):
             states = served + [_tail(cut, served)]
             lockstep(states, compile_spec, cut.whole, cut.split)
             first = cut.states[len(served)].name
@@ -378,11 +386,16 @@ def transform(program: Any, compile_spec: Any, depth: int, session: Any = None) 
         spliced = splice(program, states)
         for graph_pass in cut.whole[cut.split:]:
             spliced = run_pass(graph_pass, spliced)
-    program._graph_module = spliced.graph_module
-    program._graph_signature = spliced.graph_signature
-    program._state_dict = spliced.state_dict
-    program._constants = spliced.constants
-    return program.graph_module, Outcome(regions=[s.name for s in cut.states], split=cut.split, verdicts=verdicts)
+    _update(program, spliced)
+    return program.graph_module, Outcome(regions=[s.name for s in cut.states], split=cut.split, verdicts=verdicts, spliced=True)
+
+
+def _update(program: Any, result: Any) -> None:
+    """``program`` made the pipeline's result, as the Arm pass manager leaves its input."""
+    program._graph_module = result.graph_module
+    program._graph_signature = result.graph_signature
+    program._state_dict = result.state_dict
+    program._constants = result.constants
 
 
 def _chain(cut: Plan, compile_spec: Any, depth: int) -> list[dict[str, str]] | None:
@@ -417,19 +430,85 @@ def _served(cut: Plan, chain: list[dict[str, str]] | None, session: Any, verdict
     return served
 
 
-def _keep(states: list[RegionState], chain: list[dict[str, str]] | None, session: Any, verdicts: dict[str, str]) -> None:
-    """Store every state the lockstep recorded; each region's verdict says it re-ran and whether it was stored."""
-    for i, s in enumerate(states):
-        why = verdicts.get(s.name) or "re-ran: nothing upstream served, every region alone"
-        if chain is None:
-            verdicts[s.name] = why + "; not stored (pass insertions registered)"
+class _Tracker:
+    """Each region's outputs followed through the whole graph's run of the prefix, and their metadata after each pass.
+
+    A region's nodes are found by ``regions.membership`` again after every
+    pass that changes the graph; its outputs are its nodes read outside it,
+    in graph order. A region whose output count changes is lost (not stored).
+    """
+
+    def __init__(self, cut: Plan, depth: int) -> None:
+        self.depth = depth
+        self.expected = {s.name: len(s.outputs) for s in cut.states}
+        self.trails = {s.name: regioncache.Trail(len(s.outputs)) for s in cut.states}
+        self.lost: dict[str, str] = {}
+        self.outputs: dict[str, list[torch.fx.Node]] | None = None
+
+    def note(self, index: int, gm: torch.fx.GraphModule, modified: bool, name: str) -> None:
+        if modified or self.outputs is None or any(o.graph is not gm.graph or getattr(o, "_erased", False) for outs in self.outputs.values() for o in outs):
+            members = regions.membership(gm, self.depth)
+            self.outputs = {}
+            for node, region in members.items():
+                if any(members.get(u) != region for u in node.users):
+                    self.outputs.setdefault(region, []).append(node)
+        for region, trail in self.trails.items():
+            if region in self.lost:
+                continue
+            found = self.outputs.get(region, [])
+            if len(found) != self.expected[region]:
+                self.lost[region] = f"its outputs were not followed through {name}"
+                continue
+            trail.note(index, [o.meta for o in found])
+
+
+def _run_whole(cut: Plan, depth: int, chain: list[dict[str, str]] | None, session: Any, verdicts: dict[str, str]) -> Any:
+    """Nothing served: the pipeline on the whole program as stock runs it. With a cache, each region's state is cut
+    out of the whole graph at the split and stored, with its outputs' metadata after every prefix pass."""
+    recording = chain is not None and session is not None and session.store is not None
+    tracker = _Tracker(cut, depth) if recording else None
+    first = verdicts.get(cut.states[0].name, "re-ran: no cache")
+    stored: dict[str, str] = {}
+    current = cut.program
+    for index, graph_pass in enumerate(cut.whole):
+        if index == cut.split and tracker is not None:
+            try:
+                _store_cut(current, cut, tracker, chain, session, stored)
+            except (FormatError, ValueError, KeyError) as err:
+                log.warning("region states not stored (%s: %s)", type(err).__name__, err)
+        current, modified = run_pass_noting(graph_pass, current)
+        if tracker is not None and index < cut.split:
+            tracker.note(index, current.graph_module, modified, type(graph_pass).__name__)
+    for i, s in enumerate(cut.states):
+        why = first if i == 0 else "re-ran: nothing upstream served"
+        verdicts[s.name] = f"{why}; {stored.get(s.name, 'not stored' if recording else 'not stored (no cache)')}"
+        if chain is not None:
+            regioncache.note(session, s.name, "miss", chain[i], verdicts[s.name])
+    return current
+
+
+def _store_cut(current: Any, cut: Plan, tracker: _Tracker, chain: list[dict[str, str]], session: Any, verdicts: dict[str, str]) -> None:
+    """Cut the whole graph at the split into the pipeline input's regions and store each one that matches its
+    input's wiring; each region's verdict says whether it was stored and why not."""
+    gm = current.graph_module
+    members = regions.membership(gm, tracker.depth)
+    constants = {n.name for n in gm.graph.nodes if n.op == "placeholder"} - _user_inputs(current)
+    runs = region_runs(gm, members, constants)
+    if runs != [s.name for s in cut.states]:
+        for s in cut.states:
+            verdicts[s.name] = "not stored (the regions at the split differ from the pipeline input's)"
+        return
+    for i, s in enumerate(cut.states):
+        if s.name in tracker.lost:
+            verdicts[s.name] = f"not stored ({tracker.lost[s.name]})"
             continue
-        if s.trail is None:
-            stored = "not stored (metadata this form does not carry)"
-        else:
-            stored = regioncache.keep(session, s.name, chain[i], s.program, {"inputs": list(s.inputs), "trail": s.trail.to_json()})
-        verdicts[s.name] = f"{why}; {stored}"
-        regioncache.note(session, s.name, "miss", chain[i], verdicts[s.name])
+        state = _extract(current, members, s.name)
+        wiring = _wiring(gm, members, state)
+        sources, sinks = wiring
+        if wiring != cut.wiring[s.name] or len(set(sources)) < len(sources) or len({tuple(x) for x in sinks}) < len(sinks):
+            verdicts[s.name] = "not stored (its inputs and outputs at the split differ from the pipeline input's)"
+            continue
+        verdicts[s.name] = regioncache.keep(session, s.name, chain[i], state.program, list(state.inputs), tracker.trails[s.name])
 
 
 # --- The switch: on for Ethos-U partitions while the ``regions`` speed-up is on (``speedups/registry.py``).
@@ -470,9 +549,14 @@ def _pipeline(self: Any, exported_program: Any, graph_module: Any) -> Any:
         depth = choose_depth(exported_program)
         result, outcome = transform(exported_program, self.compile_spec, depth, session)
         served = sum(v == "served" for v in outcome.verdicts.values())
-        name = (f"{len(outcome.regions)} regions at depth {depth} spliced before pipeline entry {outcome.split}; "
-                f"{served} served from the cache, {len(outcome.regions) - served} re-ran")
-        verdict, note = "spliced", " | ".join(f"{r}: {v}" for r, v in outcome.verdicts.items())
+        if outcome.spliced:
+            name = (f"{len(outcome.regions)} regions at depth {depth} spliced before pipeline entry {outcome.split}; "
+                    f"{served} served from the cache, {len(outcome.regions) - served} re-ran")
+        else:
+            name = (f"{len(outcome.regions)} regions at depth {depth}; none served from the cache: the whole pipeline "
+                    f"ran, and each region's state at entry {outcome.split} was cut out to be stored")
+        verdict = "spliced" if outcome.spliced else "recorded"
+        note = " | ".join(f"{r}: {v}" for r, v in outcome.verdicts.items())
     except (Fallback, FormatError) as reason:
         if session is not None:
             del session.records[mark:]  # no region verdicts for a pipeline that ran whole

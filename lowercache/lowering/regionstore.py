@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import json
 import math
 import operator
@@ -91,6 +92,19 @@ def decode_target(form: Any) -> Any:
     return op
 
 
+@functools.lru_cache(maxsize=1)
+def _kinds() -> tuple[type, ...]:
+    """The classes a stored value may be, imported once (the encoder sees thousands of values)."""
+    from executorch.backends.arm._passes.quant_args import QuantArgs
+    from executorch.backends.arm.common.annotation_meta import ArmAnnotationInfo
+    from executorch.backends.arm.tosa.mapping import TosaSpecialDtype
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+    from torch.fx.passes.shape_prop import TensorMetadata
+
+    return QuantArgs, ArmAnnotationInfo, TosaSpecialDtype, FakeTensor, TensorMetadata, immutable_dict, immutable_list
+
+
 class _Encoder:
     """Values to tagged JSON; node references as indices into the graph's node list."""
 
@@ -98,13 +112,7 @@ class _Encoder:
         self.nodes = nodes or {}
 
     def value(self, v: Any) -> Any:
-        from executorch.backends.arm._passes.quant_args import QuantArgs
-        from executorch.backends.arm.common.annotation_meta import ArmAnnotationInfo
-        from executorch.backends.arm.tosa.mapping import TosaSpecialDtype
-        from torch._subclasses.fake_tensor import FakeTensor
-        from torch.fx.immutable_collections import immutable_dict, immutable_list
-        from torch.fx.passes.shape_prop import TensorMetadata
-
+        QuantArgs, ArmAnnotationInfo, TosaSpecialDtype, FakeTensor, TensorMetadata, immutable_dict, immutable_list = _kinds()
         if v is None or isinstance(v, (bool, str)):
             return v
         if isinstance(v, int) and type(v) in (int, bool):
