@@ -21,10 +21,10 @@ from tests.helpers.oracle import stock_pte
 TARGET = "ethos-u55-128"
 
 
-def _lower(name: str, edit: str | None, cache, monkeypatch, speedups: str) -> lowercache.Artifacts:
+def _lower(name: str, edit: str | None, cache, monkeypatch, speedups: str, target: str = TARGET) -> lowercache.Artifacts:
     monkeypatch.setenv("LOWERCACHE_SPEEDUPS", speedups)
     module, example = models.MODELS[name](edit=edit)
-    return lowercache.lower(module, example, target=TARGET, cache_dir=cache)
+    return lowercache.lower(module, example, target=target, cache_dir=cache)
 
 
 def _regions(artifacts: lowercache.Artifacts) -> list[dict]:
@@ -35,9 +35,10 @@ def _verdicts(step: dict) -> dict[str, str]:
     return dict(item.split(": ", 1) for item in step["note"].split(" | "))
 
 
-def _same_as_stock(name: str, edit: str | None, spliced: lowercache.Artifacts, reference: lowercache.Artifacts) -> None:
+def _same_as_stock(name: str, edit: str | None, spliced: lowercache.Artifacts, reference: lowercache.Artifacts,
+                   target: str = TARGET) -> None:
     module, example = models.MODELS[name](edit=edit)
-    assert spliced.pte == reference.pte == stock_pte(module, example, TARGET), (name, edit)
+    assert spliced.pte == reference.pte == stock_pte(module, example, target), (name, edit, target)
     tosa = [k for k in spliced.files if k.endswith(".tosa")]
     assert tosa and all(equal_up_to_names(spliced.files[k], reference.files[k]) for k in tosa), (name, edit)
 
@@ -70,6 +71,16 @@ def test_spliced_lowering_is_stock_cold_and_after_an_edit(name, tmp_path, monkey
     lines = explain(Store(tmp_path / "cache"), type(models.MODELS[name]()[0]).__name__, TARGET)
     assert f"  region {edited}: re-ran: no stored state" in lines, lines
     assert any(line.startswith(f"region {edited}: missed; changed: ") and "region.nodes" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("target", ["ethos-u65-256", "ethos-u85-256"])
+def test_served_regions_give_stock_bytes_on_the_other_families(target, tmp_path, monkeypatch):
+    for edit in (None, "weights"):
+        spliced = _lower("tiny_cnn", edit, tmp_path / "cache", monkeypatch, "all,regions", target)
+        reference = _lower("tiny_cnn", edit, tmp_path / "reference", monkeypatch, "all", target)
+        (step,) = _regions(spliced)
+        assert step["outcome"] == ("recorded" if edit is None else "spliced"), step
+        _same_as_stock("tiny_cnn", edit, spliced, reference, target)
 
 
 def test_a_corrupt_stored_state_means_a_recompute_and_a_warning(tmp_path, monkeypatch, caplog):
