@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -200,17 +200,22 @@ def plan(program: Any, compile_spec: Any, depth: int) -> Plan:
     return Plan(program, members, states, whole, split, {st.name: _wiring(program.graph_module, members, st) for st in states})
 
 
-def _wiring(gm: torch.fx.GraphModule, members: dict[torch.fx.Node, str], state: RegionState) -> list[Any]:
-    """Which region produces each of ``state``'s inputs and which regions read each of its outputs, in order."""
+def _wiring(gm: torch.fx.GraphModule, members: dict[torch.fx.Node, str], state: RegionState,
+            outside: dict[str, str] | None = None) -> list[Any]:
+    """Which region produces each of ``state``'s inputs and which regions read each of its outputs, in order;
+    ``outside``: the region of each tensor ``gm`` takes as an input, by name (the dirty tail's served producers)."""
     by_name = {n.name: n for n in gm.graph.nodes}
-    sources = [members.get(by_name[source], "(input)") for source in state.inputs.values()]
+    outside = outside or {}
+    sources = [members.get(by_name[source]) or outside.get(source, "(input)") for source in state.inputs.values()]
     sinks = [sorted({members.get(u, "(output)") for u in by_name[out].users} - {state.name}) for out in state.outputs]
     return [sources, sinks]
 
 
-def lockstep(states: list[RegionState], compile_spec: Any, whole: list[Any], split: int) -> None:
+def lockstep(states: list[RegionState], compile_spec: Any, whole: list[Any], split: int,
+             observe: Callable[[int, RegionState, bool], None] | None = None) -> None:
     """The prefix on every state that is not served, pass by pass over the states in graph order; each tensor a
-    state reads from another takes its producer's metadata as that pass left it (a served producer's as stored)."""
+    state reads from another takes its producer's metadata as that pass left it (a served producer's as stored).
+    ``observe(index, state, modified)`` is told after each pass on each state."""
     running = [s for s in states if s.served is None]
     producers = {out: (s, k) for s in states for k, out in enumerate(s.outputs)}
     pipelines = {s.name: pipeline(compile_spec, s.program) for s in running}
@@ -221,9 +226,11 @@ def lockstep(states: list[RegionState], compile_spec: Any, whole: list[Any], spl
         for s in running:
             _adopt(s, producers, index)
             try:
-                s.program = run_pass(pipelines[s.name][index], s.program)
+                s.program, modified = run_pass_noting(pipelines[s.name][index], s.program)
             except Exception as e:  # noqa: BLE001 - a pass that cannot run on the region alone
                 raise Fallback(f"{type(whole[index]).__name__} fails on region {s.name} alone: {type(e).__name__}") from e
+            if observe is not None:
+                observe(index, s, modified)
 
 
 def run_prefix(program: Any, compile_spec: Any, depth: int) -> tuple[list[RegionState], int, list[Any]]:
@@ -373,14 +380,25 @@ def transform(program: Any, compile_spec: Any, depth: int, session: Any = None) 
             _update(program, whole)
             return program.graph_module, Outcome(regions=[s.name for s in cut.states], split=cut.split, verdicts=verdicts)
         if len(served) < len(cut.states):
-            states = served + [_tail(cut, served)]
-            lockstep(states, compile_spec, cut.whole, cut.split)
-            first = cut.states[len(served)].name
-            for i, s in enumerate(cut.states[len(served):], start=len(served)):
-                why = verdicts.get(s.name) or f"in the dirty tail after {first}, run as one program; not stored"
-                verdicts[s.name] = why
+            tail = _tail(cut, served)
+            states = served + [tail]
+            dirty = cut.states[len(served):]
+            tracker = _Tracker(dirty, depth) if session is not None and session.store is not None else None
+
+            def observe(index: int, state: RegionState, modified: bool) -> None:
+                if tracker is not None and state is tail:
+                    tracker.note(index, tail.program.graph_module, modified, type(cut.whole[index]).__name__)
+
+            lockstep(states, compile_spec, cut.whole, cut.split, observe)
+            stored: dict[str, str] = {}
+            if tracker is not None:
+                outside = {n.name: r for n, r in cut.members.items() if r in {s.name for s in served}}
+                _store_cut(tail.program, cut, tracker, chain, session, stored, outside)
+            for i, s in enumerate(dirty, start=len(served)):
+                why = verdicts.get(s.name) or f"in the dirty tail after {dirty[0].name}, run as one program"
+                verdicts[s.name] = f"{why}; {stored.get(s.name, 'not stored')}"
                 if chain is not None:
-                    regioncache.note(session, s.name, "miss", chain[i], why)
+                    regioncache.note(session, s.name, "miss", chain[i], verdicts[s.name])
         else:
             states = served
         spliced = splice(program, states)
@@ -438,10 +456,10 @@ class _Tracker:
     in graph order. A region whose output count changes is lost (not stored).
     """
 
-    def __init__(self, cut: Plan, depth: int) -> None:
+    def __init__(self, states: list[RegionState], depth: int) -> None:
         self.depth = depth
-        self.expected = {s.name: len(s.outputs) for s in cut.states}
-        self.trails = {s.name: regioncache.Trail(len(s.outputs)) for s in cut.states}
+        self.expected = {s.name: len(s.outputs) for s in states}
+        self.trails = {s.name: regioncache.Trail(len(s.outputs)) for s in states}
         self.lost: dict[str, str] = {}
         self.outputs: dict[str, list[torch.fx.Node]] | None = None
 
@@ -466,7 +484,7 @@ def _run_whole(cut: Plan, depth: int, chain: list[dict[str, str]] | None, sessio
     """Nothing served: the pipeline on the whole program as stock runs it. With a cache, each region's state is cut
     out of the whole graph at the split and stored, with its outputs' metadata after every prefix pass."""
     recording = chain is not None and session is not None and session.store is not None
-    tracker = _Tracker(cut, depth) if recording else None
+    tracker = _Tracker(cut.states, depth) if recording else None
     first = verdicts.get(cut.states[0].name, "re-ran: no cache")
     stored: dict[str, str] = {}
     current = cut.program
@@ -487,28 +505,33 @@ def _run_whole(cut: Plan, depth: int, chain: list[dict[str, str]] | None, sessio
     return current
 
 
-def _store_cut(current: Any, cut: Plan, tracker: _Tracker, chain: list[dict[str, str]], session: Any, verdicts: dict[str, str]) -> None:
-    """Cut the whole graph at the split into the pipeline input's regions and store each one that matches its
-    input's wiring; each region's verdict says whether it was stored and why not."""
+def _store_cut(current: Any, cut: Plan, tracker: _Tracker, chain: list[dict[str, str]] | None, session: Any,
+               verdicts: dict[str, str], outside: dict[str, str] | None = None) -> None:
+    """Cut ``current`` (the whole graph, or the dirty tail) at the split into the regions ``tracker`` followed and store
+    each one whose wiring is the pipeline input's; each region's verdict says whether it was stored and why not."""
+    if chain is None:
+        return
+    names = list(tracker.trails)
     gm = current.graph_module
     members = regions.membership(gm, tracker.depth)
     constants = {n.name for n in gm.graph.nodes if n.op == "placeholder"} - _user_inputs(current)
     runs = region_runs(gm, members, constants)
-    if runs != [s.name for s in cut.states]:
-        for s in cut.states:
-            verdicts[s.name] = "not stored (the regions at the split differ from the pipeline input's)"
+    if runs != names:
+        for name in names:
+            verdicts[name] = "not stored (the regions at the split differ from the pipeline input's)"
         return
-    for i, s in enumerate(cut.states):
-        if s.name in tracker.lost:
-            verdicts[s.name] = f"not stored ({tracker.lost[s.name]})"
+    index = {s.name: i for i, s in enumerate(cut.states)}
+    for name in names:
+        if name in tracker.lost:
+            verdicts[name] = f"not stored ({tracker.lost[name]})"
             continue
-        state = _extract(current, members, s.name)
-        wiring = _wiring(gm, members, state)
+        state = _extract(current, members, name)
+        wiring = _wiring(gm, members, state, outside)
         sources, sinks = wiring
-        if wiring != cut.wiring[s.name] or len(set(sources)) < len(sources) or len({tuple(x) for x in sinks}) < len(sinks):
-            verdicts[s.name] = "not stored (its inputs and outputs at the split differ from the pipeline input's)"
+        if wiring != cut.wiring[name] or len(set(sources)) < len(sources) or len({tuple(x) for x in sinks}) < len(sinks):
+            verdicts[name] = "not stored (its inputs and outputs at the split differ from the pipeline input's)"
             continue
-        verdicts[s.name] = regioncache.keep(session, s.name, chain[i], state.program, list(state.inputs), tracker.trails[s.name])
+        verdicts[name] = regioncache.keep(session, name, chain[index[name]], state.program, list(state.inputs), tracker.trails[name])
 
 
 # --- The switch: on for Ethos-U partitions while the ``regions`` speed-up is on (``speedups/registry.py``).
