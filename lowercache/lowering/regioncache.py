@@ -52,17 +52,37 @@ class Trail:
 
     def __init__(self, outputs: int) -> None:
         self.metas: list[list[tuple[int, dict[str, Any]]]] = [[] for _ in range(outputs)]
+        self.refs: list[list[Any]] = [[] for _ in range(outputs)]  # the values last seen, held so their ids stay theirs
 
     def note(self, index: int, metas: list[dict[str, Any]]) -> None:
-        """The outputs' metadata after pass ``index`` (a snapshot is kept where it differs from the last one)."""
-        for kept, meta in zip(self.metas, metas):
-            meta = {k: v for k, v in meta.items() if k not in _UNTRACKED}
+        """The outputs' metadata after pass ``index`` (a snapshot is kept where it differs from the last one).
+
+        Most passes leave an output's metadata as it was: the same values,
+        and the same entries in its nested dicts. That is checked by
+        identity first; only a changed value is compared by content.
+        """
+        for k, (kept, meta) in enumerate(zip(self.metas, metas)):
+            refs = _refs(meta)
+            if len(refs) == len(self.refs[k]) and all(a is b for a, b in zip(refs, self.refs[k])):
+                continue
+            self.refs[k] = refs
+            meta = {key: v for key, v in meta.items() if key not in _UNTRACKED}
             if not kept or not _same(kept[-1][1], meta):
                 kept.append((index, regions.copied_meta(meta)))
 
     def to_json(self) -> list[list[list[Any]]]:
         """The stored form; FormatError if some metadata cannot be stored."""
         return [[[index, regionstore.encode_meta(meta)] for index, meta in kept] for kept in self.metas]
+
+
+def _refs(meta: dict[str, Any]) -> list[Any]:
+    """The keys and values of ``meta`` and of the dicts nested in it, as objects."""
+    out: list[Any] = []
+    for key, value in meta.items():
+        out += [key, value]
+        if isinstance(value, dict):
+            out += [x for item in value.items() for x in item]
+    return out
 
 
 def _same(a: Any, b: Any) -> bool:
