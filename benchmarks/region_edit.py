@@ -19,8 +19,11 @@ and split:
 - the rest of the TOSA step (node visitors, serialization);
 - ``Vela``, ``to_executorch``, and what is left (hashing, the cache).
 
-It also cuts the partition's pipeline input into regions at the depth of the
-edited block and compares each region's key with the base model's. The
+It also times the base lowering (``cold seconds``), reports the ``regions``
+step of both lowerings when ``LOWERCACHE_SPEEDUPS`` names ``regions`` (its
+outcome, seconds, and the pipeline passes' share of them), and cuts the
+partition's pipeline input into regions at the depth of the edited block
+and compares each region's key with the base model's. The
 regions whose key is unchanged are what replay could serve; their share of
 the nodes bounds what region replay of the pipeline prefix could save.
 

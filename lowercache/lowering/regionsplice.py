@@ -1,17 +1,17 @@
-"""The TOSA pass pipeline run region by region up to the first layout pass, spliced, then on the whole graph.
+"""Region replay for Ethos-U targets (issue 42): the TOSA pipeline's prefix served region by region, spliced.
 
-This is the execution half of region replay for Ethos-U targets (issue 42):
-an unchanged region's state at the split is what a replay would serve, and
-this module is where a served state and a freshly run one meet. It runs
-every region of a partition's pipeline input through the pipeline's prefix
-(the entries before ``FuseViewCopyTransformPass``, which the pass census
-finds local up to names and the facts a region reads from its producers),
-in lockstep: pass ``i`` runs on each region in graph order, and before it
-runs on a region, each tensor the region reads from another region takes
-that producer's metadata as pass ``i`` left it, as in the whole graph. The
-regions are then spliced in graph order into one program, and the rest of
-the pipeline (the layout passes, constant shapes, duplicate users: the
-global entries) runs on it as stock runs it.
+The pipeline's input is cut into regions; the entries before
+``FuseViewCopyTransformPass`` (the prefix, which the pass census finds local
+up to names and the facts a region reads from its producers) are where a
+region's state can be stored and served (``regioncache.py``). When nothing
+is served, the whole pipeline runs as stock runs it, and a tracker follows
+each region through the prefix so its state can be cut out at the split and
+stored. After an edit, the leading regions with an unchanged chain are
+served; the rest run the prefix as one program, pass by pass, each tensor
+they read from a served region taking that region's stored metadata after
+the same pass. Served states and that program are spliced in graph order,
+and the rest of the pipeline (the layout passes, constant shapes, duplicate
+users: the global entries) runs on the result as stock runs it.
 
 The result differs from stock's in names and in the order of constants,
 which an Ethos-U ``.pte`` does not hold (``tests/flow/test_vela_names.py``); a
