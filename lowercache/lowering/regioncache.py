@@ -155,15 +155,21 @@ def fetch(session: Session | None, parts: dict[str, str], like: Any) -> tuple[An
 def keep(session: Session | None, name: str, parts: dict[str, str], program: Any, inputs: list[str], trail: Trail) -> str:
     """Store a region's state: its program, its inputs' placeholder names in extraction order, its outputs' trail;
     what happened, for the record."""
-    if session is None or session.store is None:
-        return "not stored (no cache)"
+    if not writable(session):
+        return "not stored (no writable cache)"
     try:
         entry = regionstore.encode(program, {"inputs": inputs, "trail": trail.to_json()})
     except FormatError as err:
         log.info("region %s not stored (%s)", name, err)
         return f"not stored ({err})"
-    session.store.put(KIND, step_key(KIND, parts), entry)
+    if not session.store.put(KIND, step_key(KIND, parts), entry):
+        return "not stored (the cache did not take it)"
     return "stored"
+
+
+def writable(session: Session | None) -> bool:
+    """Whether states can be stored in ``session``'s cache (following regions to store them costs time)."""
+    return session is not None and session.store is not None and session.store.writable
 
 
 def note(session: Session | None, name: str, outcome: str, parts: dict[str, str], why: str) -> None:

@@ -383,7 +383,7 @@ def transform(program: Any, compile_spec: Any, depth: int, session: Any = None) 
             tail = _tail(cut, served)
             states = served + [tail]
             dirty = cut.states[len(served):]
-            tracker = _Tracker(dirty, depth) if session is not None and session.store is not None else None
+            tracker = _Tracker(dirty, depth) if regioncache.writable(session) else None
 
             def observe(index: int, state: RegionState, modified: bool) -> None:
                 if tracker is not None and state is tail:
@@ -483,7 +483,7 @@ class _Tracker:
 def _run_whole(cut: Plan, depth: int, chain: list[dict[str, str]] | None, session: Any, verdicts: dict[str, str]) -> Any:
     """Nothing served: the pipeline on the whole program as stock runs it. With a cache, each region's state is cut
     out of the whole graph at the split and stored, with its outputs' metadata after every prefix pass."""
-    recording = chain is not None and session is not None and session.store is not None
+    recording = chain is not None and regioncache.writable(session)
     tracker = _Tracker(cut.states, depth) if recording else None
     first = verdicts.get(cut.states[0].name, "re-ran: no cache")
     stored: dict[str, str] = {}
@@ -499,7 +499,7 @@ def _run_whole(cut: Plan, depth: int, chain: list[dict[str, str]] | None, sessio
             tracker.note(index, current.graph_module, modified, type(graph_pass).__name__)
     for i, s in enumerate(cut.states):
         why = first if i == 0 else "re-ran: nothing upstream served"
-        verdicts[s.name] = f"{why}; {stored.get(s.name, 'not stored' if recording else 'not stored (no cache)')}"
+        verdicts[s.name] = f"{why}; {stored.get(s.name, 'not stored' if recording else 'not stored (no writable cache)')}"
         if chain is not None:
             regioncache.note(session, s.name, "miss", chain[i], verdicts[s.name])
     return current
