@@ -380,25 +380,7 @@ def transform(program: Any, compile_spec: Any, depth: int, session: Any = None) 
             _update(program, whole)
             return program.graph_module, Outcome(regions=[s.name for s in cut.states], split=cut.split, verdicts=verdicts)
         if len(served) < len(cut.states):
-            tail = _tail(cut, served)
-            states = served + [tail]
-            dirty = cut.states[len(served):]
-            tracker = _Tracker(dirty, depth) if regioncache.writable(session) else None
-
-            def observe(index: int, state: RegionState, modified: bool) -> None:
-                if tracker is not None and state is tail:
-                    tracker.note(index, tail.program.graph_module, modified, type(cut.whole[index]).__name__)
-
-            lockstep(states, compile_spec, cut.whole, cut.split, observe)
-            stored: dict[str, str] = {}
-            if tracker is not None:
-                outside = {n.name: r for n, r in cut.members.items() if r in {s.name for s in served}}
-                _store_cut(tail.program, cut, tracker, chain, session, stored, outside)
-            for i, s in enumerate(dirty, start=len(served)):
-                why = verdicts.get(s.name) or f"in the dirty tail after {dirty[0].name}, run as one program"
-                verdicts[s.name] = f"{why}; {stored.get(s.name, 'not stored')}"
-                if chain is not None:
-                    regioncache.note(session, s.name, "miss", chain[i], verdicts[s.name])
+            states = served + [_run_tail(cut, served, compile_spec, depth, chain, session, verdicts)]
         else:
             states = served
         spliced = splice(program, states)
@@ -406,6 +388,34 @@ def transform(program: Any, compile_spec: Any, depth: int, session: Any = None) 
             spliced = run_pass(graph_pass, spliced)
     _update(program, spliced)
     return program.graph_module, Outcome(regions=[s.name for s in cut.states], split=cut.split, verdicts=verdicts, spliced=True)
+
+
+def _run_tail(cut: Plan, served: list[RegionState], compile_spec: Any, depth: int, chain: list[dict[str, str]] | None,
+              session: Any, verdicts: dict[str, str]) -> RegionState:
+    """The regions after the served ones through the prefix as one program, beside the served states; each of
+    them is followed as it runs and, with a writable cache, cut out at the split and stored."""
+    tail = _tail(cut, served)
+    dirty = cut.states[len(served):]
+    tracker = _Tracker(dirty, depth) if regioncache.writable(session) else None
+
+    def observe(index: int, state: RegionState, modified: bool) -> None:
+        if tracker is not None and state is tail:
+            tracker.note(index, tail.program.graph_module, modified, type(cut.whole[index]).__name__)
+
+    lockstep(served + [tail], compile_spec, cut.whole, cut.split, observe)
+    stored: dict[str, str] = {}
+    if tracker is not None:
+        outside = {n.name: r for n, r in cut.members.items() if r in {s.name for s in served}}
+        try:
+            _store_cut(tail.program, cut, tracker, chain, session, stored, outside)
+        except (FormatError, ValueError, KeyError) as err:
+            log.warning("region states not stored (%s: %s)", type(err).__name__, err)
+    for i, s in enumerate(dirty, start=len(served)):
+        why = verdicts.get(s.name) or f"in the dirty tail after {dirty[0].name}, run as one program"
+        verdicts[s.name] = f"{why}; {stored.get(s.name, 'not stored')}"
+        if chain is not None:
+            regioncache.note(session, s.name, "miss", chain[i], verdicts[s.name])
+    return tail
 
 
 def _update(program: Any, result: Any) -> None:
