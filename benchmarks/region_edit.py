@@ -19,8 +19,11 @@ and split:
 - the rest of the TOSA step (node visitors, serialization);
 - ``Vela``, ``to_executorch``, and what is left (hashing, the cache).
 
-It also cuts the partition's pipeline input into regions at the depth of the
-edited block and compares each region's key with the base model's. The
+It also times the base lowering (``cold seconds``), reports the ``regions``
+step of both lowerings when ``LOWERCACHE_SPEEDUPS`` names ``regions`` (its
+outcome, seconds, and the pipeline passes' share of them), and cuts the
+partition's pipeline input into regions at the depth of the edited block
+and compares each region's key with the base model's. The
 regions whose key is unchanged are what replay could serve; their share of
 the nodes bounds what region replay of the pipeline prefix could save.
 
@@ -178,14 +181,30 @@ def measure(name: str, target: str, edit: str) -> dict[str, Any]:
 
     cache = tempfile.mkdtemp(prefix="region-edit-")
     module, example = BUILDERS[name]()
-    api.lower(module, example, target=target, cache_dir=cache)
+    _timers.clear()
+    start = time.perf_counter()
+    cold = api.lower(module, example, target=target, cache_dir=cache)
+    cold_seconds = time.perf_counter() - _timers["untimed"] - start
     base = _captured[-1]
     module, example = BUILDERS[name](edit=edit)
     _timers.clear()
     start = time.perf_counter()
     artifacts = api.lower(module, example, target=target, cache_dir=cache)
     total = time.perf_counter() - start
-    return {"model": name, "target": target, "edit": edit, "seconds": split(artifacts, total), "regions": reuse(base, _captured[-1])}
+    return {"model": name, "target": target, "edit": edit, "cold seconds": round(cold_seconds, 3), "seconds": split(artifacts, total),
+            "regions": reuse(base, _captured[-1]), "regions step": {"cold": _regions_step(cold), "edit": _regions_step(artifacts)}}
+
+
+def _regions_step(artifacts: Any) -> dict[str, Any] | None:
+    """The ``regions`` speed-up's step (``LOWERCACHE_SPEEDUPS=all,regions``): what it did and its seconds."""
+    records = artifacts.records
+    step = next((r for r in records if r["kind"] == "regions"), None)
+    if step is None:
+        return None
+    quantize_at = next((i for i, r in enumerate(records) if r["kind"] == "quantize"), -1)
+    passes = sum(r["seconds"] for r in records[quantize_at + 1:] if r["kind"] == "pass")
+    return {"outcome": step["outcome"], "name": step["name"], "seconds": round(step["seconds"], 3),
+            "of it passes": round(passes, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:

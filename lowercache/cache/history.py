@@ -28,7 +28,8 @@ def record_run(store: Store, model: str, target: str, steps: list[dict[str, Any]
     """
     run = {
         "time": time.time(),
-        "steps": [{k: s[k] for k in ("kind", "name", "outcome", "key", "parts")} for s in listed(steps)],
+        "steps": [{**{k: s[k] for k in ("kind", "name", "outcome", "key", "parts")}, **({"note": s["note"]} if s.get("note") else {})}
+                  for s in listed(steps)],
         "passes": [
             [s["name"], s["outcome"], round(s["seconds"], 4), s.get("nodes", {})] for s in steps if s["kind"] == "pass"
         ],
@@ -84,7 +85,11 @@ def explain(store: Store, model: str, target: str) -> list[str]:
     lines = []
     latest = runs[-1]
     # Region replay's verdicts (lowering/regionsplice.py): spliced, or the full pipeline and why.
-    lines += [f"TOSA pipeline by region: {s['outcome']}: {s['name']}" for s in latest["steps"] if s["kind"] == "regions"]
+    for s in latest["steps"]:
+        if s["kind"] == "regions":
+            lines.append(f"TOSA pipeline by region: {s['outcome']}: {s['name']}")
+            note = s.get("note")
+            lines += [f"  region {verdict}" for verdict in note.split(" | ") if verdict] if isinstance(note, str) else []
     flow = _step(latest, "flow")
     if flow is not None and flow["outcome"] == "hit":
         lines.append("the latest run was a hit: nothing changed")

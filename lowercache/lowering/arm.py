@@ -34,7 +34,6 @@ artifacts on disk run uncached (a hit would not write them).
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import io
 import os
@@ -43,11 +42,12 @@ import threading
 from typing import Any
 
 from . import partitionorder, passes, qparams, regionsplice
+from .specdigest import compile_spec_digest, pass_insertions_digest
 from .. import delegation
 from ..speedups import registry
 from ..speedups.patching import Patch
 from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
-from ..cache.hashing import Unhashable, canon, digest, digest_json, program_parts
+from ..cache.hashing import Unhashable, digest, digest_json, program_parts
 from ..cache.steps import current_session
 from ..cache.store import Entry
 from ..cache.toolchain import toolchain_parts
@@ -55,43 +55,6 @@ from ..cache.toolchain import toolchain_parts
 _lock = threading.Lock()
 _originals: dict[str, Any] = {}
 _naming = threading.local()  # .modules: the TOSA tensor name -> module path map of the partition this thread lowers
-
-
-def compile_spec_digest(spec: Any) -> str:
-    """Digest of a compile spec as ExecuTorch serializes it (key/value bytes)."""
-    return digest_json(canon([(cs.key, cs.value) for cs in _spec_list(spec)]))
-
-
-def _spec_list(spec: Any) -> list[Any]:
-    """``spec._to_list()``, also for a spec ExecuTorch 1.4 parsed back from its list.
-
-    ExecuTorch 1.4's ``_from_list`` keeps ``output_order_workaround`` as the
-    decoded string (``''`` for False), on which its ``_to_list`` raises; the
-    backend reads only its truth value, so the spec is serialized with that.
-    """
-    try:
-        return spec._to_list()
-    except TypeError:
-        workaround = getattr(spec, "output_order_workaround", None)
-        if not isinstance(workaround, str):
-            raise
-        normalized = copy.copy(spec)
-        normalized.output_order_workaround = bool(workaround)
-        return normalized._to_list()
-
-
-def pass_insertions_digest() -> str | None:
-    """Globally registered pass insertions change the pipeline: None when any exist.
-
-    Registered passes are arbitrary user objects, so a step that would run
-    them is not keyed (it runs uncached) rather than keyed on a guess.
-    """
-    import sys
-
-    manager = sys.modules.get("executorch.backends.arm._passes.arm_pass_manager")
-    if manager is None:
-        return "none"  # not imported yet, so nothing can have been registered
-    return None if manager._registered_pass_insertions else "none"
 
 
 def tosa_parts(edge_program: Any, compile_spec: Any) -> dict[str, str] | None:

@@ -123,7 +123,8 @@ def _check_graph(graph: bytes, doc: dict[str, Any] | None = None) -> dict[str, A
     return doc
 
 
-def _tensor(record: dict[str, Any], packed: bytes) -> torch.Tensor:
+def tensor_from_record(record: dict[str, Any], packed: bytes) -> torch.Tensor:
+    """A stored tensor from its record (``tensor_record`` plus offset and size) and the packed bytes."""
     start, size = record["offset"], record["size"]
     if start < 0 or size < 0 or start + size > len(packed):
         raise FormatError("tensor outside the stored bytes")
@@ -149,7 +150,7 @@ def decode(entry: Entry, doc: dict[str, Any] | None = None) -> torch.export.Expo
         groups: dict[str, dict[str, torch.Tensor]] = {"state_dict": {}, "constants": {}, "example_inputs": {}}
         for blob, record in entry.meta["tensors"].items():
             group, _, name = blob.partition("/")
-            groups[group][name] = _tensor(record, entry.blobs["tensors"])
+            groups[group][name] = tensor_from_record(record, entry.blobs["tensors"])
         args = tuple(groups["example_inputs"][str(i)] for i in range(len(groups["example_inputs"])))
         with _fast_tensor_meta.active():
             try:

@@ -167,8 +167,9 @@ SPEEDUPS: tuple[Speedup, ...] = (
          "executorch.backends.arm.ethosu.backend:EthosUBackend.preprocess",
          "executorch.backends.transforms.propagate_view_copy_permute_pass:PropagateViewCopyPermutePass"),
         "4f8c9ecea3eb85df553e83b048dc880b6f5e91518c839580b765d425865a095d",
-        "Ethos-U only: regions run the pipeline alone up to the first layout pass and are spliced; a .pte holds Vela's "
-        "stream, which ignores the names and constant order that differ. Opt-in: nothing is served yet.",
+        "Ethos-U only: each region's state at the first layout pass is stored; after an edit the regions before it are "
+        "served and spliced with the rest, run as one; a .pte holds Vela's stream, which ignores the names and constant "
+        "order that differ. Opt-in: it saves little yet.",
         "tests/flow/test_region_splice.py",
     ),
     Speedup(
