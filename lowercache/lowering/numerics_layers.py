@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 from ..cache.store import Entry
 from .numerics import Unstored, figures, inputs_key
-from .numerics_report import layer_rows, layers_parts, layers_section
+from .numerics_report import layers_parts, layers_section
 
 _QUANTIZE = ("quantize_per_tensor", "quantize_per_channel")
 _DEQUANTIZE = ("dequantize_per_tensor", "dequantize_per_channel")
@@ -111,7 +111,7 @@ def compute(float_program: Any, quantized_program: Any, samples: Sequence[Sequen
             continue
         f = figures(ref, got)
         rows.append({"module": path, **{k: f[k] for k in ("snr_db", "max_abs", "mean_abs", "cosine", "shape")}})
-    return Entry(meta={"samples": len(samples), "modules": layer_rows(rows)})
+    return Entry(meta={"samples": len(samples), "modules": rows})
 
 
 def check(session: Any, flow_key: str | None, samples: Sequence[Sequence[Any]], float_program: Any,

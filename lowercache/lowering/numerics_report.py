@@ -58,8 +58,12 @@ def layers_parts(flow_key: str, inputs: str) -> dict[str, str]:
 
 
 def layers_section(meta: dict[str, Any], parts: dict[str, str] | None) -> dict[str, Any]:
-    """The numerics section's ``layers`` part from a ``layers`` entry's metadata (a direct-mode hit builds it too)."""
-    found = {k: meta[k] for k in ("samples", "modules", "error") if k in meta}
+    """The numerics section's ``layers`` part from a ``layers`` entry's metadata (a direct-mode hit builds it too).
+
+    The entry holds each module's figures; depths and drops are derived here, so this module's code is not part of
+    the entry's key."""
+    found = {k: meta[k] for k in ("samples", "error") if k in meta}
+    found["modules"] = layer_rows(meta.get("modules") or [])
     found["semantics"] = "the quantized program (q/dq graph, run in torch) against the float program at each module's output"
     if parts is not None:
         found["key_parts"] = parts

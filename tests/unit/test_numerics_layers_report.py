@@ -99,6 +99,6 @@ def test_a_direct_mode_hit_with_layers_needs_the_layers_entry_its_record_names()
     assert numerics_report.stored(store, recorded, "flowkey", "layers") is None  # not stored: the normal path runs it
     entries[("layers", step_key("layers", layers))] = Entry(meta={"samples": 1, "modules": [{"module": "conv1", "snr_db": 30.0}]})
     found, _ = numerics_report.stored(store, recorded, "flowkey", "layers")
-    assert found["layers"]["modules"] == [{"module": "conv1", "snr_db": 30.0}] and found["layers"]["key_parts"] == layers
+    assert found["layers"]["modules"] == [{"module": "conv1", "snr_db": 30.0, "depth": 1, "drop_db": None}] and found["layers"]["key_parts"] == layers
     stale = {**recorded, "layers": {"key_parts": {**layers, "layers": "layers:v0:old"}}}
     assert numerics_report.stored(store, stale, "flowkey", "layers") is None  # the per-layer code changed since
