@@ -120,7 +120,6 @@ _VALUE_OPTIONS = {"--target": "target", "-t": "target", "--out": "out_dir", "-o"
                   "--memory-mode": "memory_mode", "--min-snr": "min_snr"}
 _FLAG_OPTIONS = {"--no-cache": "no_cache", "--per-tensor": "per_tensor", "--no-direct": "no_direct", "--json": "as_json",
                  "--no-server": None}
-_CHECK_MODES = {"outputs": "outputs", "layers": "layers"}  # ``--check`` alone is outputs
 
 
 def parse_lower(args: list[str]) -> Request | None:
@@ -145,9 +144,10 @@ def parse_lower(args: list[str]) -> Request | None:
             if _FLAG_OPTIONS[name] is not None:
                 values[_FLAG_OPTIONS[name]] = True
         elif name == "--check":
-            if (inline if eq else "outputs") not in _CHECK_MODES or "check" in values:
+            mode = inline if eq else "outputs"  # ``--check`` alone is outputs
+            if mode not in numerics_report.MODES or "check" in values:
                 return None
-            values["check"] = _CHECK_MODES[inline if eq else "outputs"]
+            values["check"] = mode
         elif arg.startswith("-"):
             return None
         else:

@@ -36,9 +36,8 @@ def dispatch(args: List[str]) -> object:
 
     new_command()
     command = next((a for a in args if not a.startswith("-")), None)
-    if command == "lower":
-        args = check_spelled(args)
     if command == "lower":  # direct mode: an unchanged lowering answered from its record, without torch (docs/direct-mode.md)
+        args = check_spelled(args)
         with own_imports():
             from ..direct import serve
 

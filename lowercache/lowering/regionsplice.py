@@ -556,7 +556,7 @@ _originals: dict[str, Any] = {}
 
 def choose_depth(program: Any) -> int:
     """The deepest module-path depth (1 to 4) that cuts ``program`` into at most ``MAX_REGIONS`` regions that do not
-    interleave in graph order; depth 1 when none does (``run_prefix`` then says why it falls back)."""
+    interleave in graph order; depth 1 when none does (``plan`` then says why it falls back)."""
     gm = program.graph_module
     constants = {n.name for n in gm.graph.nodes if n.op == "placeholder"} - _user_inputs(program)
     for depth in range(4, 0, -1):

@@ -15,8 +15,6 @@ from tests.helpers.graphs import PAIRS, Cond, churn_patch
 from tests.helpers.oracle import reference, run_stock, stock_pte
 
 
-
-
 @contextlib.contextmanager
 def _mechanism(reuse: bool = True):
     """Fast copy as the flow runs it: with shared provenance and fake-value reuse."""

@@ -13,8 +13,6 @@ from tests.helpers.graphs import PAIRS, Cond, churn_patch
 from tests.helpers.oracle import run_stock, stock_pte
 
 
-
-
 def _lower_both(module_fn, target):
     assert not retrace.enabled()
     expected = stock_pte(*module_fn(), target)
