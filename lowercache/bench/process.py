@@ -10,6 +10,8 @@ running:
   lowercache code is on its import path;
 - ``lowercache lower --no-server`` with direct mode off;
 - ``lowercache lower`` through a warm server, direct mode off;
+- for Ethos-U targets, the same through a second warm server started with ``LOWERCACHE_SPEEDUPS=all,regions``
+  (region replay, docs/regions.md), client and server alike;
 - ``lowercache lower`` as installed (direct mode on, server on): a warm hit is answered by direct mode, which
   imports no torch and never asks the server;
 - for the warm phase, a hit from a shared Redis (``redis-server`` on a loopback port) into an empty local cache:
@@ -17,7 +19,7 @@ running:
 
 Each repetition starts from nothing: a project directory whose ``model.py`` is ``models.py`` followed by a
 factory for one benchmark model (an edit rewrites its last line, as a user edits a file), empty caches, a
-private socket directory (the server is started there once per repetition, its start-up timed on its own),
+private socket directory per server (each started once per repetition, its start-up timed on its own),
 an empty config file, and a copy of lowercache's sources on ``PYTHONPATH``: an edit to the checkout meanwhile
 would otherwise make the server stale (replaced mid-figure) and change direct mode's toolchain digest.
 The edit phases start from a copy of each cache as the warm phase left it. Every ``.pte`` is compared byte for
@@ -59,11 +61,17 @@ class Mode:
     args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     remote: bool = False  # a Redis row: warm only, each run into an empty local cache
+    server: str = ""  # which of the repetition's servers it talks to ("": the default one)
+    ethos_u_only: bool = False  # a column only where its setting acts (regions act on Ethos-U targets only)
 
 
 MODES: tuple[Mode, ...] = (
     Mode("--no-server", ("--no-server",), {"LOWERCACHE_DIRECT": "0"}),
     Mode("warm server", (), {"LOWERCACHE_DIRECT": "0", "LOWERCACHE_SERVER": "1"}),
+    Mode(
+        "warm server, regions", (), {"LOWERCACHE_DIRECT": "0", "LOWERCACHE_SERVER": "1", "LOWERCACHE_SPEEDUPS": "all,regions"},
+        server="regions", ethos_u_only=True,
+    ),
     Mode("direct mode", (), {"LOWERCACHE_SERVER": "1"}),
     Mode("Redis, direct", ("--no-server",), {}, remote=True),
     Mode("Redis, --no-direct", ("--no-server", "--no-direct"), {}, remote=True),
@@ -73,6 +81,8 @@ MODES: tuple[Mode, ...] = (
 MODE_NOTES: dict[str, str] = {
     "--no-server": "`lowercache lower --no-server`, LOWERCACHE_DIRECT=0: one process, torch imported",
     "warm server": "`lowercache lower` through a warm server (LOWERCACHE_DIRECT=0); the client imports no torch",
+    "warm server, regions": "the same through a warm server of its own, client and server with "
+    "LOWERCACHE_SPEEDUPS=all,regions (region replay, Ethos-U targets only)",
     "direct mode": "`lowercache lower` as installed: direct mode on, server on; a warm hit is answered by direct "
     "mode without torch and without the server (the first re-run after a lowering confirms the record: "
     "`warm, first re-run`)",
@@ -89,6 +99,11 @@ PHASE_LABELS: dict[str, str] = {
     "edit-structure": "one block edited (structure)",
     "edit-weights": "one block's weights",
 }
+
+
+def modes_for(target: str) -> tuple[Mode, ...]:
+    """The lowercache columns that apply to ``target``."""
+    return tuple(m for m in MODES if target.startswith("ethos-u") or not m.ethos_u_only)
 
 
 def model_source(model: str, edit: str | None) -> str:
@@ -132,8 +147,10 @@ def served(out: Path) -> str:
 class _Repetition:
     """One repetition's directories, environments and server, and what its commands measured."""
 
-    def __init__(self, model: str, target: str, root: Path, run_dir: Path):
+    def __init__(self, model: str, target: str, root: Path, run_dirs: dict[str, Path]):
         self.model, self.target, self.root = model, target, root
+        self.modes = modes_for(target)
+        self.run_dirs = run_dirs
         self.project = root / "project"
         self.project.mkdir(parents=True)
         shutil.copy(HERE / "stockscript.py", self.project / "export.py")
@@ -146,7 +163,7 @@ class _Repetition:
         self.env = {
             **user,
             "PYTHONPATH": path,
-            "XDG_RUNTIME_DIR": str(run_dir),
+            "XDG_RUNTIME_DIR": str(run_dirs[""]),
             "LOWERCACHE_CONFIG": str(root / "config.toml"),
             "LOWERCACHE_SERVER_IDLE_TIMEOUT": "7200",
         }
@@ -175,6 +192,7 @@ class _Repetition:
         shutil.rmtree(out, ignore_errors=True)
         cmd = [*self.lc, "lower", "model.py:model", "-t", self.target, "-o", str(out), *mode.args]
         env = {**self.env, **mode.env, **(extra_env or {}), "LOWERCACHE_DIR": str(cache)}
+        env["XDG_RUNTIME_DIR"] = str(self.run_dirs[mode.server])
         seconds = timed(cmd, env, self.project)
         stock_phase = phase if phase.startswith("edit") else "cold"  # warm and the Redis runs lower the base model
         self.seconds[(phase, mode.name)] = seconds
@@ -183,8 +201,11 @@ class _Repetition:
         self.flow_seconds[(phase, mode.name)] = sum(json.loads((out / "manifest.json").read_text())["stages"].values())
         return seconds
 
-    def server(self, action: str) -> float:
-        return timed([*self.lc, "server", action], {**self.env, "LOWERCACHE_SERVER": "1"}, self.project)
+    def server(self, action: str, name: str = "") -> float:
+        """Start or stop one of the repetition's servers, in the environment of the modes that talk to it."""
+        own = next((m.env for m in self.modes if m.server == name), {}) if name else {}
+        env = {**self.env, **own, "LOWERCACHE_SERVER": "1", "XDG_RUNTIME_DIR": str(self.run_dirs[name])}
+        return timed([*self.lc, "server", action], env, self.project)
 
     def cache(self, mode: Mode) -> Path:
         return self.root / "cache" / mode.name.replace(" ", "_")
@@ -192,7 +213,7 @@ class _Repetition:
 
 def _local_phases(rep: _Repetition, phases: list[str], log: Callable[[str], None]) -> None:
     """Stock and every local mode through the phases; the edit phases start from the caches the warm phase left."""
-    local = [m for m in MODES if not m.remote]
+    local = [m for m in rep.modes if not m.remote]
     seeds: dict[str, Path] = {}
     for phase in (p for p in PHASES if p == "cold" or p in phases):
         rep.write_model(EDITS[phase])
@@ -227,9 +248,9 @@ def _remote_phase(rep: _Repetition, log: Callable[[str], None]) -> str | None:
         fill = Mode("fill", ("--no-server",))
         for step in ("fill", "confirm"):  # a lowering records, a re-run with identical inputs confirms (direct-mode.md)
             rep.lower(step, fill, rep.root / "cache" / f"redis-{step}", remote)
-        for mode in (m for m in MODES if m.remote):
+        for mode in (m for m in rep.modes if m.remote):
             rep.lower("warm", mode, rep.cache(mode), remote)
-        log("    warm from Redis: " + ", ".join(f"{m.name} {rep.seconds[('warm', m.name)]:.2f} s" for m in MODES if m.remote))
+        log("    warm from Redis: " + ", ".join(f"{m.name} {rep.seconds[('warm', m.name)]:.2f} s" for m in rep.modes if m.remote))
     finally:
         redis.kill()
     return None
@@ -237,19 +258,22 @@ def _remote_phase(rep: _Repetition, log: Callable[[str], None]) -> str | None:
 
 def _repetition(model: str, target: str, phases: list[str], root: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """Every mode through every phase in fresh directories; the server is stopped however it ends."""
-    run_dir = Path(tempfile.mkdtemp(prefix="lcb", dir="/tmp"))  # short: a Unix socket path has about 100 bytes
-    rep = _Repetition(model, target, root, run_dir)
+    names = sorted({m.server for m in modes_for(target)})
+    run_dirs = {name: Path(tempfile.mkdtemp(prefix="lcb", dir="/tmp")) for name in names}  # a socket path has ~100 bytes
+    rep = _Repetition(model, target, root, run_dirs)
     try:
-        server_start = rep.server("start")
-        log(f"    server start-up {server_start:.2f} s")
+        starts = {name: rep.server("start", name) for name in names}
+        server_start = starts[""]
+        log("    server start-up " + ", ".join(f"{name or 'default'} {s:.2f} s" for name, s in starts.items()))
         _local_phases(rep, phases, log)
         remote_skipped = _remote_phase(rep, log) if "warm" in phases else "warm phase not measured"
     finally:
-        try:
-            rep.server("stop")
-        except (RuntimeError, subprocess.TimeoutExpired):
-            pass
-        shutil.rmtree(run_dir, ignore_errors=True)
+        for name in names:
+            try:
+                rep.server("stop", name)
+            except (RuntimeError, subprocess.TimeoutExpired):
+                pass
+            shutil.rmtree(run_dirs[name], ignore_errors=True)
     return {
         "seconds": rep.seconds, "equal": rep.equal, "served": rep.served, "flow_seconds": rep.flow_seconds,
         "server_start": server_start, "remote_skipped": remote_skipped,
@@ -270,7 +294,7 @@ def run_case(
             reps.append(_repetition(model, target, phases, root, log))
         finally:
             shutil.rmtree(root, ignore_errors=True)
-    columns = [STOCK, *(m.name for m in MODES)]
+    columns = [STOCK, *(m.name for m in modes_for(target))]
     shown = [p for p in REPORT_PHASES if p in phases or (p == "warm-first" and "warm" in phases) or p == "cold"]
     seconds = {p: {c: [r["seconds"][(p, c)] for r in reps if (p, c) in r["seconds"]] for c in columns} for p in shown}
     seconds = {p: {c: v for c, v in cols.items() if v} for p, cols in seconds.items()}
@@ -284,7 +308,7 @@ def run_case(
         "status": "ok",
         "phases": shown,
         "columns": columns,
-        "modes": MODE_NOTES,
+        "modes": {c: MODE_NOTES[c] for c in columns[1:]},
         "seconds": seconds,
         "median": medians,
         "ratio": {

@@ -40,7 +40,8 @@ def test_quick_benchmark_on_tiny_cnn(tmp_path):
 
 
 def test_process_scenario_on_tiny_cnn_cold(tmp_path):
-    """Whole commands in new processes (stock script, no server, warm server, direct mode), bytes checked."""
+    """Whole commands in new processes (stock script, no server, warm server with and without regions, direct mode),
+    bytes checked."""
     out = tmp_path / "out"
     code = bench.main([
         "--models", "tiny_cnn", "--targets", "ethos-u55-128", "--scenarios", "process",
@@ -50,7 +51,7 @@ def test_process_scenario_on_tiny_cnn_cold(tmp_path):
     assert code == 0 and results["all_equal"] is True
     (row,) = results["rows"]
     assert row["scenario"] == "process" and row["phases"] == ["cold"] and row["equal"] is True
-    assert set(row["bytes_equal"]["cold"]) == {"--no-server", "warm server", "direct mode"}
+    assert set(row["bytes_equal"]["cold"]) == {"--no-server", "warm server", "warm server, regions", "direct mode"}
     assert all(v == [True] for v in row["bytes_equal"]["cold"].values())
     assert set(row["served"]["cold"].values()) == {"flow miss"}
     assert row["median"]["cold"]["stock script"] > 0 and len(row["server_start_seconds"]) == 1
@@ -66,3 +67,11 @@ def test_a_timed_command_passes_lowercaches_warnings_on(tmp_path, capsys):
     timed([sys.executable, "-c", "print('fine')"], dict(os.environ), tmp_path)
     noted = capsys.readouterr().err.splitlines()
     assert len(noted) == 1 and noted[0].startswith("note: ") and noted[0].endswith("lowercache: warning: cache database x is damaged")
+
+
+def test_the_regions_column_is_only_for_ethos_u_targets():
+    from lowercache.bench.process import modes_for
+
+    assert "warm server, regions" in [m.name for m in modes_for("ethos-u85-256")]
+    assert "warm server, regions" not in [m.name for m in modes_for("tosa-int")]
+    assert [m.name for m in modes_for("tosa-int")] == [m.name for m in modes_for("ethos-u55-128") if not m.ethos_u_only]
