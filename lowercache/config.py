@@ -119,6 +119,11 @@ def parse_check(value: str | bool | None, name: str) -> str:
         raise LowercacheError(f"bad value {value!r} for {name}; use outputs or layers (or true, false)") from None
 
 
+def check_with_min_snr(check: str, min_snr: object) -> str:
+    """The check a run makes: a minimum SNR needs the outputs' SNRs, so it implies the outputs check."""
+    return check or ("outputs" if min_snr is not None else "")
+
+
 def config_path() -> Path:
     explicit = os.environ.get("LOWERCACHE_CONFIG")
     if explicit:

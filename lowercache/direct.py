@@ -31,7 +31,7 @@ from typing import Any, Callable, TypeVar
 from . import delegation
 from .cache.digests import digest, digest_json
 from .cache.store import Entry
-from .config import Settings, load_settings
+from .config import Settings, check_with_min_snr, load_settings
 from .errors import LowercacheError
 from .lowering import numerics_report
 from .lowering.targets import resolve
@@ -110,8 +110,7 @@ class Request:
             direct=False if self.no_direct else None,
             check=self.check or None,
         )
-        if self.min_snr is not None and not settings.check:
-            settings.check = "outputs"
+        settings.check = check_with_min_snr(settings.check, self.min_snr)
         return settings
 
 

@@ -214,7 +214,7 @@ def lower(
     """Lower MODEL for a target, serving unchanged work from the cache."""
     global _json_errors
     from .. import api, direct
-    from ..config import parse_check
+    from ..config import check_with_min_snr, parse_check
     from ..lowering import loading, numerics_report
     from ..lowering.targets import resolve
 
@@ -223,8 +223,7 @@ def lower(
     try:
         settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote, direct=False if no_direct else None,
                              check=parse_check(check, "--check") if check is not None else None)
-        if min_snr is not None and not settings.check:
-            settings.check = "outputs"
+        settings.check = check_with_min_snr(settings.check, min_snr)
         resolve(target, system_config=system_config, memory_mode=memory_mode)
         api.check_output_dir(out_dir)
         if not settings.disable:

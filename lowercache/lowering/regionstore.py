@@ -210,21 +210,14 @@ class _Decoder:
             return torch.device(body)
         if tag == "fake":
             return self._fake(body)
+        QuantArgs, ArmAnnotationInfo, TosaSpecialDtype, _, TensorMetadata, _, _ = _kinds()
         if tag == "qargs":
-            from executorch.backends.arm._passes.quant_args import QuantArgs
-
             return QuantArgs(*[self.value(x) for x in self._list(body)])
         if tag == "tensor_meta":
-            from torch.fx.passes.shape_prop import TensorMetadata
-
             return TensorMetadata(*[self.value(x) for x in self._list(body)])
         if tag == "arm_annotation":
-            from executorch.backends.arm.common.annotation_meta import ArmAnnotationInfo
-
             return ArmAnnotationInfo(quantized=bool(body))
         if tag == "tosa_special_dtype":
-            from executorch.backends.arm.tosa.mapping import TosaSpecialDtype
-
             if body not in TosaSpecialDtype.__members__:
                 raise FormatError("bad TOSA special dtype")
             return TosaSpecialDtype[body]
@@ -241,8 +234,7 @@ class _Decoder:
         return body
 
     def _fake(self, body: Any) -> Any:
-        from torch._subclasses.fake_tensor import FakeTensor
-
+        FakeTensor = _kinds()[3]
         if not (isinstance(body, list) and len(body) == 5):
             raise FormatError("bad stored fake value")
         dtype, shape, stride, offset, grad = body
