@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import statistics
@@ -134,14 +135,20 @@ def timed(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = 7200)
 
 
 def served(out: Path) -> str:
-    """How a lowering was served, from its manifest: ``direct hit``, or the flow step's outcome (and remote tier)."""
+    """How a lowering was served, from its manifest: ``direct hit``, or the flow step's outcome (and remote tier), and
+    what region replay did in each partition (``regions spliced, 8 served``)."""
     manifest = json.loads((out / "manifest.json").read_text())
-    flow = next((s for s in manifest.get("steps", []) if s.get("kind") == "flow"), {})
+    steps = manifest.get("steps", [])
+    flow = next((s for s in steps if s.get("kind") == "flow"), {})
     tier = " (remote)" if flow.get("tier") == "remote" else ""
     if manifest.get("direct", {}).get("outcome") == "hit":
         torch = ", torch imported" if manifest["direct"].get("torch_imported") else ""
         return f"direct hit{tier}{torch}"
-    return f"flow {flow.get('outcome', '?')}{tier}"
+    replay = []
+    for step in (s for s in steps if s.get("kind") == "regions"):
+        count = re.search(r"(\d+) served", step.get("name", ""))
+        replay.append(f"regions {step.get('outcome', '?')}" + (f", {count.group(1)} served" if count else ""))
+    return "; ".join([f"flow {flow.get('outcome', '?')}{tier}", *replay])
 
 
 class _Repetition:
