@@ -328,16 +328,8 @@ def extract(ep: torch.export.ExportedProgram, members: dict[torch.fx.Node, str],
     if any(spec.kind != OutputKind.USER_OUTPUT for spec in ep.graph_signature.output_specs):
         raise ValueError("programs that mutate buffers or return gradients are not cut into regions")
     gm = ep.graph_module
-    nodes = [n for n in gm.graph.nodes if members.get(n) == region]
+    nodes, constant_inputs, user_inputs, specs = _inputs(ep, members, region)
     inside = set(nodes)
-    specs = {spec.arg.name: spec for spec in ep.graph_signature.input_specs if hasattr(spec.arg, "name")}
-    inputs: dict[torch.fx.Node, None] = {}
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a not in inside:
-                inputs.setdefault(a, None)
-    constant_inputs = [p for p in gm.graph.nodes if p in inputs and p.op == "placeholder" and specs[p.name].kind != InputKind.USER_INPUT]
-    user_inputs = [a for a in inputs if a not in constant_inputs]
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     input_specs = []
@@ -364,6 +356,39 @@ def extract(ep: torch.export.ExportedProgram, members: dict[torch.fx.Node, str],
     program._state_dict = {k: v for k, v in ep.state_dict.items() if k in targets}
     program._constants = {k: v for k, v in ep.constants.items() if k in targets}
     return program
+
+
+def _inputs(ep: torch.export.ExportedProgram, members: dict[torch.fx.Node, str], region: str) -> tuple[
+        list[torch.fx.Node], list[torch.fx.Node], list[torch.fx.Node], dict[str, Any]]:
+    """``region``'s nodes, the constants it reads (in graph order), the other tensors it reads (in first-use order), and
+    ``ep``'s input specs by name."""
+    from torch.export.graph_signature import InputKind
+
+    gm = ep.graph_module
+    nodes = [n for n in gm.graph.nodes if members.get(n) == region]
+    inside = set(nodes)
+    specs = {spec.arg.name: spec for spec in ep.graph_signature.input_specs if hasattr(spec.arg, "name")}
+    inputs: dict[torch.fx.Node, None] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside:
+                inputs.setdefault(a, None)
+    constant_inputs = [p for p in gm.graph.nodes if p in inputs and p.op == "placeholder" and specs[p.name].kind != InputKind.USER_INPUT]
+    user_inputs = [a for a in inputs if a not in constant_inputs]
+    return nodes, constant_inputs, user_inputs, specs
+
+
+def user_input_names(ep: torch.export.ExportedProgram, members: dict[torch.fx.Node, str], region: str) -> list[str]:
+    """The names of the user inputs ``extract`` would give ``region``'s program, in its order, without building it.
+
+    The placeholders are made in a scratch graph in ``extract``'s order, so a
+    name FX would change (one that shadows a builtin) is changed alike.
+    """
+    _nodes, constant_inputs, user_inputs, _specs = _inputs(ep, members, region)
+    graph = torch.fx.Graph()
+    for a in constant_inputs:
+        graph.placeholder(a.name)
+    return [graph.placeholder(a.name).name for a in user_inputs]
 
 
 def input_facts(program: torch.export.ExportedProgram) -> list[list[Any]]:

@@ -142,6 +142,15 @@ def _extract(program: Any, members: dict[torch.fx.Node, str], name: str) -> Regi
     return RegionState(name, part, outputs, inputs)
 
 
+def _boundary(program: Any, members: dict[torch.fx.Node, str], name: str) -> RegionState:
+    """``_extract``'s state without its program: the inputs and outputs alone, for a region that is served or runs in
+    the dirty tail, whose own program is never run."""
+    inputs = regions.user_input_names(program, members, name)
+    inside = [n for n in program.graph_module.graph.nodes if members.get(n) == name]
+    outputs = [n.name for n in inside if any(members.get(u) != name for u in n.users)]
+    return RegionState(name, None, outputs, {n: n for n in inputs})
+
+
 def _output_nodes(state: RegionState) -> list[torch.fx.Node]:
     out = state.program.graph_module.graph.output_node()
     args = out.args[0]
@@ -178,8 +187,13 @@ def _user_inputs(program: Any) -> set[str]:
     return {s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
 
 
-def plan(program: Any, compile_spec: Any, depth: int) -> Plan:
-    """``program`` cut into regions at ``depth`` and each extracted; Fallback when the splice cannot order them."""
+def plan(program: Any, compile_spec: Any, depth: int, extract: bool = True) -> Plan:
+    """``program`` cut into regions at ``depth`` and each extracted; Fallback when the splice cannot order them.
+
+    ``extract=False``: the states carry their inputs and outputs but no program
+    (``transform`` never runs a region's own program: it serves stored ones and
+    runs the dirty tail, or the whole graph).
+    """
     from torch.export.graph_signature import OutputKind
 
     if any(spec.kind != OutputKind.USER_OUTPUT for spec in program.graph_signature.output_specs):
@@ -196,7 +210,7 @@ def plan(program: Any, compile_spec: Any, depth: int) -> Plan:
         readers = {members[u] for u in node.users if u in members}
         if node.op == "placeholder" and len(readers) > 1 and node.name not in _user_inputs(program):
             raise Fallback(f"constant {node.name} is read by {len(readers)} regions")
-    states = [_extract(program, members, name) for name in runs]
+    states = [(_extract if extract else _boundary)(program, members, name) for name in runs]
     return Plan(program, members, states, whole, split, {st.name: _wiring(program.graph_module, members, st) for st in states})
 
 
@@ -371,7 +385,7 @@ def transform(program: Any, compile_spec: Any, depth: int, session: Any = None) 
 
     manager = ArmPassManager(compile_spec)
     with manager._tosa_context(program.graph_module):
-        cut = plan(program, compile_spec, depth)
+        cut = plan(program, compile_spec, depth, extract=False)
         chain = _chain(cut, compile_spec, depth)
         verdicts: dict[str, str] = {}
         served = _served(cut, chain, session, verdicts)

@@ -18,14 +18,35 @@ from lowercache.lowering.targets import resolve
 from tests.helpers.graphs import describe
 
 
+def _pipeline_input(name: str) -> tuple:
+    module, example = MODELS[name]()
+    return census.pipeline_input(torch.export.export(module, example), resolve("ethos-u55-128"), example, [example])
+
+
 def _states(name: str) -> list[regionsplice.RegionState]:
     from executorch.backends.arm._passes.arm_pass_manager import ArmPassManager
 
-    module, example = MODELS[name]()
-    edge, spec = census.pipeline_input(torch.export.export(module, example), resolve("ethos-u55-128"), example, [example])
+    edge, spec = _pipeline_input(name)
     with ArmPassManager(spec)._tosa_context(edge.graph_module):
         states, _split, _whole = regionsplice.run_prefix(edge, spec, regionsplice.choose_depth(edge))
     return states
+
+
+@pytest.mark.parametrize("name", ["tiny_cnn", "residual_cnn", "mobilenet_v2"])
+def test_a_plan_without_programs_has_the_extracted_states_boundaries(name):
+    """``transform`` plans without extracting each region's program (it never runs one): the inputs and outputs it
+    serves and wires by are those the extracted programs have."""
+    from executorch.backends.arm._passes.arm_pass_manager import ArmPassManager
+
+    edge, spec = _pipeline_input(name)
+    with ArmPassManager(spec)._tosa_context(edge.graph_module):
+        depth = regionsplice.choose_depth(edge)
+        whole = regionsplice.plan(edge, spec, depth)
+        light = regionsplice.plan(edge, spec, depth, extract=False)
+    assert len(whole.states) > 1
+    assert [(s.name, s.inputs, s.outputs) for s in light.states] == [(s.name, s.inputs, s.outputs) for s in whole.states]
+    assert light.wiring == whole.wiring and light.split == whole.split
+    assert all(s.program is None for s in light.states)
 
 
 def _kept(program) -> list:
