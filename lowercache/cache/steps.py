@@ -47,7 +47,7 @@ class StepRecord:
 
     def to_json(self) -> dict[str, Any]:
         """The record as ``dataclasses.asdict`` gives it. A lowering has hundreds of records, and asdict's generic deep
-        copy cost about 10 ms of each; a record of plain values (all of them, in practice) is copied field by field."""
+        copy cost about 10 ms per lowering; a record of plain values (all of them, in practice) is copied field by field."""
         out = {name: getattr(self, name) for name in _RECORD_FIELDS}
         parts, nodes = self.parts, self.nodes
         plain = type(parts) is dict and type(nodes) is dict and all(isinstance(v, _ATOMS) for v in (*parts.values(), *nodes.values()))
