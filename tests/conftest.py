@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import uuid
 from pathlib import Path
 
@@ -14,6 +15,12 @@ import pytest
 
 from tests.helpers.services import BUCKET, RedisServer, start_moto
 
+
+# A suite started as a background job (`pytest ... &` from a script) inherits SIGINT ignored, and so would every
+# command it starts: the Ctrl-C tests would see a command that cannot be interrupted. The tests model a user at a
+# terminal, so SIGINT is caught here; a caught signal is reset to the default in every program the tests start.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # No test reaches a server the user runs: module-scoped fixtures run before the per-test environment below, and the
 # server tests start their own in socket directories of their own.
