@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import shutil
 import statistics
@@ -42,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..lowering.targets import resolve
 from .redisserver import RedisServer
 
 HERE = Path(__file__).resolve().parent
@@ -104,7 +104,8 @@ PHASE_LABELS: dict[str, str] = {
 
 def modes_for(target: str) -> tuple[Mode, ...]:
     """The lowercache columns that apply to ``target``."""
-    return tuple(m for m in MODES if target.startswith("ethos-u") or not m.ethos_u_only)
+    ethosu = resolve(target).is_ethosu
+    return tuple(m for m in MODES if ethosu or not m.ethos_u_only)
 
 
 def model_source(model: str, edit: str | None) -> str:
@@ -136,7 +137,7 @@ def timed(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = 7200)
 
 def served(out: Path) -> str:
     """How a lowering was served, from its manifest: ``direct hit``, or the flow step's outcome (and remote tier), and
-    what region replay did in each partition (``regions spliced, 8 served``)."""
+    what region replay did (each partition's ``regions`` outcome, and how many regions were served from the cache)."""
     manifest = json.loads((out / "manifest.json").read_text())
     steps = manifest.get("steps", [])
     flow = next((s for s in steps if s.get("kind") == "flow"), {})
@@ -144,11 +145,12 @@ def served(out: Path) -> str:
     if manifest.get("direct", {}).get("outcome") == "hit":
         torch = ", torch imported" if manifest["direct"].get("torch_imported") else ""
         return f"direct hit{tier}{torch}"
-    replay = []
-    for step in (s for s in steps if s.get("kind") == "regions"):
-        count = re.search(r"(\d+) served", step.get("name", ""))
-        replay.append(f"regions {step.get('outcome', '?')}" + (f", {count.group(1)} served" if count else ""))
-    return "; ".join([f"flow {flow.get('outcome', '?')}{tier}", *replay])
+    text = f"flow {flow.get('outcome', '?')}{tier}"
+    replay = [s.get("outcome", "?") for s in steps if s.get("kind") == "regions"]
+    if replay:
+        hits = sum(1 for s in steps if s.get("kind") == "region" and s.get("outcome") == "hit")
+        text += "; regions " + ", ".join(replay) + (f", {hits} served" if hits else "")
+    return text
 
 
 class _Repetition:
@@ -170,7 +172,6 @@ class _Repetition:
         self.env = {
             **user,
             "PYTHONPATH": path,
-            "XDG_RUNTIME_DIR": str(run_dirs[""]),
             "LOWERCACHE_CONFIG": str(root / "config.toml"),
             "LOWERCACHE_SERVER_IDLE_TIMEOUT": "7200",
         }
@@ -198,8 +199,8 @@ class _Repetition:
         out = self.root / "out" / f"{mode.name}-{phase}".replace(" ", "_").replace(",", "")
         shutil.rmtree(out, ignore_errors=True)
         cmd = [*self.lc, "lower", "model.py:model", "-t", self.target, "-o", str(out), *mode.args]
-        env = {**self.env, **mode.env, **(extra_env or {}), "LOWERCACHE_DIR": str(cache)}
-        env["XDG_RUNTIME_DIR"] = str(self.run_dirs[mode.server])
+        env = {**self.env, **mode.env, **(extra_env or {}), "LOWERCACHE_DIR": str(cache),
+               "XDG_RUNTIME_DIR": str(self.run_dirs[mode.server])}
         seconds = timed(cmd, env, self.project)
         stock_phase = phase if phase.startswith("edit") else "cold"  # warm and the Redis runs lower the base model
         self.seconds[(phase, mode.name)] = seconds

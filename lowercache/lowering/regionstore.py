@@ -25,7 +25,7 @@ import json
 import math
 import operator
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -92,8 +92,18 @@ def decode_target(form: Any) -> Any:
     return op
 
 
+class _Kinds(NamedTuple):
+    QuantArgs: type
+    ArmAnnotationInfo: type
+    TosaSpecialDtype: type
+    FakeTensor: type
+    TensorMetadata: type
+    immutable_dict: type
+    immutable_list: type
+
+
 @functools.lru_cache(maxsize=1)
-def _kinds() -> tuple[type, ...]:
+def _kinds() -> _Kinds:
     """The classes a stored value may be, imported once (the encoder sees thousands of values)."""
     from executorch.backends.arm._passes.quant_args import QuantArgs
     from executorch.backends.arm.common.annotation_meta import ArmAnnotationInfo
@@ -102,7 +112,7 @@ def _kinds() -> tuple[type, ...]:
     from torch.fx.immutable_collections import immutable_dict, immutable_list
     from torch.fx.passes.shape_prop import TensorMetadata
 
-    return QuantArgs, ArmAnnotationInfo, TosaSpecialDtype, FakeTensor, TensorMetadata, immutable_dict, immutable_list
+    return _Kinds(QuantArgs, ArmAnnotationInfo, TosaSpecialDtype, FakeTensor, TensorMetadata, immutable_dict, immutable_list)
 
 
 class _Encoder:
@@ -210,17 +220,17 @@ class _Decoder:
             return torch.device(body)
         if tag == "fake":
             return self._fake(body)
-        QuantArgs, ArmAnnotationInfo, TosaSpecialDtype, _, TensorMetadata, _, _ = _kinds()
+        kinds = _kinds()
         if tag == "qargs":
-            return QuantArgs(*[self.value(x) for x in self._list(body)])
+            return kinds.QuantArgs(*[self.value(x) for x in self._list(body)])
         if tag == "tensor_meta":
-            return TensorMetadata(*[self.value(x) for x in self._list(body)])
+            return kinds.TensorMetadata(*[self.value(x) for x in self._list(body)])
         if tag == "arm_annotation":
-            return ArmAnnotationInfo(quantized=bool(body))
+            return kinds.ArmAnnotationInfo(quantized=bool(body))
         if tag == "tosa_special_dtype":
-            if body not in TosaSpecialDtype.__members__:
+            if body not in kinds.TosaSpecialDtype.__members__:
                 raise FormatError("bad TOSA special dtype")
-            return TosaSpecialDtype[body]
+            return kinds.TosaSpecialDtype[body]
         if tag == "size":
             return torch.Size(self.value(x) for x in self._list(body))
         if tag == "op":
@@ -234,7 +244,6 @@ class _Decoder:
         return body
 
     def _fake(self, body: Any) -> Any:
-        FakeTensor = _kinds()[3]
         if not (isinstance(body, list) and len(body) == 5):
             raise FormatError("bad stored fake value")
         dtype, shape, stride, offset, grad = body
@@ -243,7 +252,7 @@ class _Decoder:
         meta = torch.empty_strided(shape, stride, dtype=_dtype(dtype), device="meta")
         if offset:
             meta = meta.as_strided(shape, stride, offset)
-        fake = FakeTensor(self.fake_mode, meta, torch.device("cpu"))
+        fake = _kinds().FakeTensor(self.fake_mode, meta, torch.device("cpu"))
         return fake.requires_grad_(True) if grad is True else fake
 
     def meta(self, meta: Any) -> dict[str, Any]:
@@ -387,11 +396,9 @@ def _node(graph: torch.fx.Graph, decoder: _Decoder, stored: Any) -> torch.fx.Nod
 
 def fake_mode(program: Any) -> Any:
     """The fake mode of ``program``'s values (new values are made in it)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     for n in program.graph_module.graph.nodes:
         val = n.meta.get("val")
-        if isinstance(val, FakeTensor):
+        if isinstance(val, _kinds().FakeTensor):
             return val.fake_mode
     raise FormatError("the program has no fake values")
 
