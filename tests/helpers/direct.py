@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -130,11 +129,3 @@ def confirmed(project: Path, cache_dir: Path, env: dict[str, str] | None = None)
     assert not served(second) and second["direct"]["record"] == "confirmed", second.get("direct")
     assert again == pte
     return pte
-
-
-def restore(pristine: Path, at: Path) -> Path:
-    """``at`` replaced by a copy of ``pristine``, timestamps and modes kept: a record made at ``at`` (before it was
-    copied aside as ``pristine``) applies to the copy, and nothing a test does to the copy reaches ``pristine``."""
-    shutil.rmtree(at, ignore_errors=True)
-    shutil.copytree(pristine, at, symlinks=True)
-    return at

@@ -1,4 +1,4 @@
-"""Caches lowered once per worker and copied per test: for tests whose cold lowering is where they start."""
+"""Lowerings made once and copied per test: for tests whose first lowering is only where they start."""
 
 from __future__ import annotations
 
@@ -23,3 +23,11 @@ def cold_cache(model: str, target: str, factory: pytest.TempPathFactory, into: P
     template, artifacts = _COLD[model, target]
     shutil.copytree(template, into)
     return artifacts
+
+
+def restore(pristine: Path, at: Path) -> Path:
+    """``at`` replaced by a copy of ``pristine``, timestamps and modes kept: a record made at ``at`` (before it was
+    copied aside as ``pristine``) applies to the copy, and nothing a test does to the copy reaches ``pristine``."""
+    shutil.rmtree(at, ignore_errors=True)
+    shutil.copytree(pristine, at, symlinks=True)
+    return at

@@ -12,7 +12,9 @@ import torch
 
 from lowercache.cache.store import Store
 
-from tests.helpers.direct import MODEL, PORTABLE_MODEL, confirmed, explain, lower, make_project, restore, served, stock, weights
+from tests.helpers.direct import MODEL, PORTABLE_MODEL, confirmed, explain, lower, make_project, served, stock, weights
+from tests.helpers.isolation import isolate
+from tests.helpers.seeded import restore
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +22,8 @@ def _confirmed_once(tmp_path_factory) -> tuple[Path, bytes]:
     """The plain project recorded and confirmed once for the tests that start from there (two lowerings each saved),
     then copied aside."""
     base = tmp_path_factory.mktemp("confirmed")
-    with pytest.MonkeyPatch.context() as env:  # as each test's own settings (conftest.py), which a module's fixture precedes
-        env.setenv("LOWERCACHE_CONFIG", str(base / "no-config.toml"))
-        env.setenv("XDG_CACHE_HOME", str(base / "xdg-cache"))
+    with pytest.MonkeyPatch.context() as env:
+        isolate(env, base)
         normal = confirmed(make_project(base / "proj"), base / "cache")
     for name in ("proj", "cache"):
         shutil.copytree(base / name, base / f"pristine-{name}", symlinks=True)
