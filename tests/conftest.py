@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.isolation import isolate
 from tests.helpers.services import BUCKET, RedisServer, start_moto
 
 
@@ -34,24 +35,7 @@ def cache_dir(tmp_path):
 @pytest.fixture(autouse=True)
 def _isolated_config(tmp_path, monkeypatch):
     """No test reads the developer's own config file or cache."""
-    for var in (
-        "LOWERCACHE_DIR",
-        "LOWERCACHE_MAX_SIZE",
-        "LOWERCACHE_DISABLE",
-        "LOWERCACHE_READ_ONLY",
-        "LOWERCACHE_REMOTE",
-        "LOWERCACHE_REMOTE_MODE",
-        "LOWERCACHE_REMOTE_TTL",
-        "LOWERCACHE_REMOTE_REQUIRE_SIGNED",
-        "LOWERCACHE_HMAC_KEY",
-        "LOWERCACHE_S3_ENDPOINT",
-        "LOWERCACHE_SPEEDUPS",
-        "LOWERCACHE_CHECK",
-    ):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("LOWERCACHE_CONFIG", str(tmp_path / "no-config.toml"))
-    monkeypatch.setenv("LOWERCACHE_SERVER", "0")  # each test runs in its own processes; tests/process/test_server.py starts servers
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    isolate(monkeypatch, tmp_path)
     logging.getLogger("lowercache").propagate = True
 
 

@@ -9,14 +9,14 @@ from lowercache.bench import models
 
 from tests.helpers.graphs import SMALL_TARGETS, outcomes
 from tests.helpers.oracle import reference, stock_pte
+from tests.helpers.seeded import cold_cache
 
 
 @pytest.mark.parametrize("target", SMALL_TARGETS)
 @pytest.mark.parametrize("model", models.SMALL)
-def test_cold_and_warm_match_stock(model, target, cache_dir):
+def test_cold_and_warm_match_stock(model, target, cache_dir, tmp_path_factory):
     expected = reference(model, target)
-    module, example = models.MODELS[model]()
-    cold = lowercache.lower(module, example, target=target, cache_dir=cache_dir)
+    cold = cold_cache(model, target, tmp_path_factory, cache_dir)
     assert outcomes(cold, "flow") == ["miss"]
     assert cold.pte == expected
 
@@ -47,9 +47,8 @@ def test_no_cache_matches_stock(cache_dir):
 
 
 @pytest.mark.parametrize("edit", ["structure", "weights"])
-def test_edits_miss_and_match_stock(edit, cache_dir):
-    module, example = models.residual_cnn()
-    lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
+def test_edits_miss_and_match_stock(edit, cache_dir, tmp_path_factory):
+    cold_cache("residual_cnn", "ethos-u55-128", tmp_path_factory, cache_dir)
     module, example = models.residual_cnn(edit=edit)
     edited = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
     assert outcomes(edited, "flow") == ["miss"]

@@ -9,23 +9,22 @@ from lowercache.bench import models
 from lowercache.lowering.qparams import observer_parts
 
 from tests.helpers.oracle import reference, stock_pte
+from tests.helpers.seeded import cold_cache
 
 
 def qparams_outcomes(artifacts):
     return artifacts.manifest["step_counts"].get("qparams", {})
 
 
-def test_cold_run_reuses_observer_results_and_matches_stock(cache_dir):
-    module, example = models.residual_cnn()
-    cold = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
+def test_cold_run_reuses_observer_results_and_matches_stock(cache_dir, tmp_path_factory):
+    cold = cold_cache("residual_cnn", "ethos-u55-128", tmp_path_factory, cache_dir)
     assert cold.pte == reference("residual_cnn", "ethos-u55-128")
     counts = qparams_outcomes(cold)
     assert counts.get("miss", 0) > 0 and counts.get("hit", 0) > 0  # bias qspecs ask again
 
 
-def test_weights_edit_misses_only_changed_observers(cache_dir):
-    module, example = models.residual_cnn()
-    lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
+def test_weights_edit_misses_only_changed_observers(cache_dir, tmp_path_factory):
+    cold_cache("residual_cnn", "ethos-u55-128", tmp_path_factory, cache_dir)
     module, example = models.residual_cnn(edit="weights")
     edited = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
     assert edited.pte == reference("residual_cnn", "ethos-u55-128", "weights")

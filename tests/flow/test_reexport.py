@@ -17,6 +17,7 @@ from lowercache.lowering.targets import resolve
 
 from tests.helpers.graphs import without_varying_meta
 from tests.helpers.oracle import reference
+from tests.helpers.seeded import cold_cache
 
 
 def counts(artifacts, kind):
@@ -109,9 +110,8 @@ def test_template_with_wrong_literal_count_does_not_fill():
 
 
 @pytest.mark.parametrize("model,target", [("residual_cnn", "ethos-u55-128"), ("transformer_block", "tosa-int")])
-def test_weights_edit_fills_the_template_and_lowers_to_stock_bytes(model, target, cache_dir):
-    module, example = models.MODELS[model]()
-    cold = lowercache.lower(module, example, target=target, cache_dir=cache_dir)
+def test_weights_edit_fills_the_template_and_lowers_to_stock_bytes(model, target, cache_dir, tmp_path_factory):
+    cold = cold_cache(model, target, tmp_path_factory, cache_dir)
     assert counts(cold, "reexport") == {"miss": 1}
     edited, example = models.MODELS[model](edit="weights")
     weights = lowercache.lower(edited, example, target=target, cache_dir=cache_dir)
@@ -124,9 +124,8 @@ def test_weights_edit_fills_the_template_and_lowers_to_stock_bytes(model, target
     assert changed.pte == reference(model, target, "structure")
 
 
-def test_unusable_template_exports_with_a_warning_and_is_replaced(cache_dir, caplog, monkeypatch):
-    module, example = models.residual_cnn()
-    lowercache.lower(module, example, target="ethos-u55-128", cache_dir=cache_dir)
+def test_unusable_template_exports_with_a_warning_and_is_replaced(cache_dir, caplog, monkeypatch, tmp_path_factory):
+    cold_cache("residual_cnn", "ethos-u55-128", tmp_path_factory, cache_dir)
     store = Store(cache_dir)
     (key,) = [key for kind, key in store.actions() if kind == "reexport"]
     template = store.get("reexport", key)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,12 +17,35 @@ from lowercache.bench import models
 from lowercache.cache.store import Store
 
 from tests.helpers.cli import ROOT, TINY, cli, error_lines, stock_tiny
+from tests.helpers.isolation import isolate
 from tests.helpers.oracle import reference, stock_pte
+from tests.helpers.seeded import restore
 
 
-def test_lower_twice_writes_identical_outputs_and_explains(tmp_path, cache_dir):
-    out = tmp_path / "out"
-    first = cli("lower", TINY, "--target", "ethos-u55-128", "--out", out, cache_dir=cache_dir)
+@pytest.fixture(scope="module")
+def _lowered_once(tmp_path_factory):
+    """examples/tiny_cnn.py lowered by the CLI for ethos-u55-128 into an empty cache, once for the tests that start
+    there, then copied aside: the result."""
+    base = tmp_path_factory.mktemp("lowered")
+    with pytest.MonkeyPatch.context() as env:
+        isolate(env, base)
+        first = cli("lower", TINY, "--target", "ethos-u55-128", "--out", base / "out", cache_dir=base / "cache")
+    assert first.returncode == 0, first.stderr
+    for name in ("out", "cache"):
+        shutil.copytree(base / name, base / f"pristine-{name}", symlinks=True)
+    return base, first
+
+
+@pytest.fixture
+def lowered_once(_lowered_once):
+    """That lowering's result, output directory and cache, restored for this test at the paths it wrote them to."""
+    base, first = _lowered_once
+    out, cache = (restore(base / f"pristine-{name}", base / name) for name in ("out", "cache"))
+    return first, out, cache
+
+
+def test_lower_twice_writes_identical_outputs_and_explains(tmp_path, lowered_once):
+    first, out, cache_dir = lowered_once
     assert first.returncode == 0, first.stderr
     files = {p.name: p.read_bytes() for p in out.iterdir()}
     assert {"model.pte", "partition_0.tosa", "partition_0.vela.bin", "manifest.json"} <= set(files)
@@ -161,11 +185,11 @@ def test_corrupt_entry_is_recomputed_with_a_warning(tmp_path, cache_dir):
     assert json.loads((out / "manifest.json").read_text())["steps"][0]["outcome"] == "hit"
 
 
-def test_quantize_hit_in_a_fresh_process_matches_stock(tmp_path, cache_dir):
+def test_quantize_hit_in_a_fresh_process_matches_stock(tmp_path, lowered_once):
     """A fresh process that hits the quantize step (flow entry gone) never imported
     the Arm quantizer; the out variants it loads must still be there for to_executorch."""
-    out = tmp_path / "out"
-    assert cli("lower", TINY, "-t", "ethos-u55-128", "-o", out, cache_dir=cache_dir).returncode == 0
+    first, _, cache_dir = lowered_once
+    assert first.returncode == 0
     store = Store(cache_dir)
     flow_keys = [key for kind, key in store.actions() if kind == "flow"]
     assert flow_keys

@@ -13,6 +13,29 @@ import torch
 from lowercache.cache.store import Store
 
 from tests.helpers.direct import MODEL, PORTABLE_MODEL, confirmed, explain, lower, make_project, served, stock, weights
+from tests.helpers.isolation import isolate
+from tests.helpers.seeded import restore
+
+
+@pytest.fixture(scope="module")
+def _confirmed_once(tmp_path_factory) -> tuple[Path, bytes]:
+    """The plain project recorded and confirmed once for the tests that start from there (two lowerings each saved),
+    then copied aside."""
+    base = tmp_path_factory.mktemp("confirmed")
+    with pytest.MonkeyPatch.context() as env:
+        isolate(env, base)
+        normal = confirmed(make_project(base / "proj"), base / "cache")
+    for name in ("proj", "cache"):
+        shutil.copytree(base / name, base / f"pristine-{name}", symlinks=True)
+    return base, normal
+
+
+@pytest.fixture
+def confirmed_project(_confirmed_once) -> tuple[Path, Path, bytes]:
+    """The confirmed project and its cache, restored for this test at the paths they were recorded at; their bytes."""
+    base, normal = _confirmed_once
+    project, cache = (restore(base / f"pristine-{name}", base / name) for name in ("proj", "cache"))
+    return project, cache, normal
 
 
 def test_unchanged_inputs_are_served_without_torch_and_each_changed_input_misses(tmp_path):
@@ -72,9 +95,8 @@ def test_a_factory_that_uses_the_network_is_never_served(tmp_path):
     assert "used the network" in explain(project, cache)
 
 
-def test_a_corrupt_record_or_flow_entry_falls_back_to_a_normal_lowering(tmp_path):
-    project, cache = make_project(tmp_path / "proj"), tmp_path / "cache"
-    normal = confirmed(project, cache)
+def test_a_corrupt_record_or_flow_entry_falls_back_to_a_normal_lowering(confirmed_project):
+    project, cache, normal = confirmed_project
     store = Store(cache)
     flow_keys = [key for kind, key in store.actions() if kind == "flow"]
     for key in flow_keys:  # the record stays, the entry it names is gone
@@ -120,10 +142,9 @@ def test_the_remote_tier_serves_a_record_to_an_empty_cache_in_another_directory(
     assert not served(manifest) and pte == normal
 
 
-def test_a_package_that_would_shadow_an_imported_module_misses(tmp_path):
+def test_a_package_that_would_shadow_an_imported_module_misses(confirmed_project):
     """A new ``helper/`` package beside ``helper.py`` wins the import: the record's module lookup sees it."""
-    project, cache = make_project(tmp_path / "proj"), tmp_path / "cache"
-    normal = confirmed(project, cache)
+    project, cache, normal = confirmed_project
     (project / "helper").mkdir()
     (project / "helper" / "__init__.py").write_text("OFFSET = 0.25\n")
     manifest, pte, _ = lower(project, cache)
