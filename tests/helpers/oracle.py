@@ -2,8 +2,8 @@
 
 Stock lowerings are the suite's largest shared cost, and xdist workers cannot share an in-memory cache, so results
 are kept on disk. The key is everything stock's bytes depend on: the installed torch, ExecuTorch, torchao,
-tosa-tools and Vela, this file, the exported program in torch's own serialized form (graph, metadata and weights),
-the inputs and the options. An entry carries its own digest and is rebuilt if it does not match.
+tosa-tools and Vela, this file, the exported program in torch's own serialized form (graph, metadata and weights;
+stack traces name files from the checkout's root), the inputs and the options. An entry carries its own digest and is rebuilt if it does not match.
 ``LOWERCACHE_TEST_ORACLE`` sets the directory; ``off`` turns the disk cache off.
 """
 
@@ -61,11 +61,34 @@ def _tensors(digest, samples) -> None:
         digest.update(b"|")
 
 
+# Where this checkout is: the stack traces a program carries name its files.
+CHECKOUT = str(Path(__file__).resolve().parents[2])
+
+
+def _saved(program: torch.export.ExportedProgram) -> bytes:
+    """The program as ``torch.export.save`` writes it, its stack traces naming this checkout's files from its root.
+
+    Stack traces never reach stock's bytes; without this, every other checkout of the project (a worktree, a CI
+    runner in another directory) would lower every reference again. The program is left as it was.
+    """
+    traces = {}
+    for node in program.graph.nodes:
+        trace = node.meta.get("stack_trace")
+        if trace and CHECKOUT in trace:
+            traces[node] = trace
+            node.meta["stack_trace"] = trace.replace(CHECKOUT, "<checkout>")
+    try:
+        saved = io.BytesIO()
+        torch.export.save(program, saved)
+        return saved.getvalue()
+    finally:
+        for node, trace in traces.items():
+            node.meta["stack_trace"] = trace
+
+
 def key(program: torch.export.ExportedProgram, example_inputs, target: str, calibration, options: dict) -> str:
     digest = hashlib.sha256(_toolchain())
-    saved = io.BytesIO()
-    torch.export.save(program, saved)
-    digest.update(saved.getvalue())
+    digest.update(_saved(program))
     _tensors(digest, [example_inputs])
     _tensors(digest, calibration or [])
     # A multi-partition lowering's order follows the string-hash seed: a seed set for the process is part of the key.

@@ -42,3 +42,23 @@ def test_a_damaged_entry_is_not_served(tmp_path, monkeypatch):
     (tmp_path / "k").write_bytes(bytes(data))
     assert oracle._load("k") is None
     assert oracle._load("missing") is None
+
+
+def test_the_key_is_the_same_in_another_checkout(monkeypatch):
+    """Stack traces name the checkout's files, and they never reach stock's bytes: a program exported in a checkout
+    elsewhere keys the same, and the program's own stack traces are left as they were."""
+    module, example = models.tiny_cnn()
+    program = torch.export.export(module, example)
+    traces = [n.meta.get("stack_trace") for n in program.graph.nodes]
+    assert any(oracle.CHECKOUT in (t or "") for t in traces)
+    here = oracle.key(program, example, "tosa-int", None, {})
+    assert [n.meta.get("stack_trace") for n in program.graph.nodes] == traces
+    elsewhere = "/somewhere/else/lowercache-checkout"
+    for node in program.graph.nodes:
+        if node.meta.get("stack_trace"):
+            node.meta["stack_trace"] = node.meta["stack_trace"].replace(oracle.CHECKOUT, elsewhere)
+    monkeypatch.setattr(oracle, "CHECKOUT", elsewhere)
+    assert oracle.key(program, example, "tosa-int", None, {}) == here
+    first = next(n for n in program.graph.nodes if n.meta.get("stack_trace"))
+    first.meta["stack_trace"] += "\n  one more frame"
+    assert oracle.key(program, example, "tosa-int", None, {}) != here
