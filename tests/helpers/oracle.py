@@ -3,7 +3,8 @@
 Stock lowerings are the suite's largest shared cost, and xdist workers cannot share an in-memory cache, so results
 are kept on disk. The key is everything stock's bytes depend on: the installed torch, ExecuTorch, torchao,
 tosa-tools and Vela, this file, the exported program in torch's own serialized form (graph, metadata and weights;
-stack traces name files from the checkout's root), the inputs and the options. An entry carries its own digest and is rebuilt if it does not match.
+stack traces name files from the checkout's root), the inputs and the options. An entry carries its own digest and is
+rebuilt if it does not match.
 ``LOWERCACHE_TEST_ORACLE`` sets the directory; ``off`` turns the disk cache off.
 """
 
@@ -20,6 +21,8 @@ from pathlib import Path
 import torch
 
 from lowercache.bench import models
+
+from . import ROOT
 
 _DISTRIBUTIONS = ("torch", "executorch", "torchao", "tosa-tools", "ethos-u-vela")
 
@@ -62,7 +65,7 @@ def _tensors(digest, samples) -> None:
 
 
 # Where this checkout is: the stack traces a program carries name its files.
-CHECKOUT = str(Path(__file__).resolve().parents[2])
+CHECKOUT = str(ROOT)
 
 
 def _saved(program: torch.export.ExportedProgram) -> bytes:

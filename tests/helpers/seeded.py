@@ -25,9 +25,19 @@ def cold_cache(model: str, target: str, factory: pytest.TempPathFactory, into: P
     return artifacts
 
 
-def restore(pristine: Path, at: Path) -> Path:
-    """``at`` replaced by a copy of ``pristine``, timestamps and modes kept: a record made at ``at`` (before it was
-    copied aside as ``pristine``) applies to the copy, and nothing a test does to the copy reaches ``pristine``."""
-    shutil.rmtree(at, ignore_errors=True)
-    shutil.copytree(pristine, at, symlinks=True)
-    return at
+def set_aside(base: Path, *names: str) -> None:
+    """Copy each ``base / name`` aside, timestamps and modes kept, for :func:`restored` to hand out."""
+    for name in names:
+        shutil.copytree(base / name, base / f"pristine-{name}", symlinks=True)
+
+
+def restored(base: Path, *names: str) -> list[Path]:
+    """Each ``base / name`` replaced by a copy of what :func:`set_aside` kept: a record made at that path applies to
+    the copy, and nothing a test does to the copy reaches what was kept."""
+    paths = []
+    for name in names:
+        at = base / name
+        shutil.rmtree(at, ignore_errors=True)
+        shutil.copytree(base / f"pristine-{name}", at, symlinks=True)
+        paths.append(at)
+    return paths

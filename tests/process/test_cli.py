@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,7 +18,7 @@ from lowercache.cache.store import Store
 from tests.helpers.cli import ROOT, TINY, cli, error_lines, stock_tiny
 from tests.helpers.isolation import isolate
 from tests.helpers.oracle import reference, stock_pte
-from tests.helpers.seeded import restore
+from tests.helpers.seeded import restored, set_aside
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +30,7 @@ def _lowered_once(tmp_path_factory):
         isolate(env, base)
         first = cli("lower", TINY, "--target", "ethos-u55-128", "--out", base / "out", cache_dir=base / "cache")
     assert first.returncode == 0, first.stderr
-    for name in ("out", "cache"):
-        shutil.copytree(base / name, base / f"pristine-{name}", symlinks=True)
+    set_aside(base, "out", "cache")
     return base, first
 
 
@@ -40,7 +38,7 @@ def _lowered_once(tmp_path_factory):
 def lowered_once(_lowered_once):
     """That lowering's result, output directory and cache, restored for this test at the paths it wrote them to."""
     base, first = _lowered_once
-    out, cache = (restore(base / f"pristine-{name}", base / name) for name in ("out", "cache"))
+    out, cache = restored(base, "out", "cache")
     return first, out, cache
 
 

@@ -14,7 +14,7 @@ from lowercache.cache.store import Store
 
 from tests.helpers.direct import MODEL, PORTABLE_MODEL, confirmed, explain, lower, make_project, served, stock, weights
 from tests.helpers.isolation import isolate
-from tests.helpers.seeded import restore
+from tests.helpers.seeded import restored, set_aside
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +25,7 @@ def _confirmed_once(tmp_path_factory) -> tuple[Path, bytes]:
     with pytest.MonkeyPatch.context() as env:
         isolate(env, base)
         normal = confirmed(make_project(base / "proj"), base / "cache")
-    for name in ("proj", "cache"):
-        shutil.copytree(base / name, base / f"pristine-{name}", symlinks=True)
+    set_aside(base, "proj", "cache")
     return base, normal
 
 
@@ -34,7 +33,7 @@ def _confirmed_once(tmp_path_factory) -> tuple[Path, bytes]:
 def confirmed_project(_confirmed_once) -> tuple[Path, Path, bytes]:
     """The confirmed project and its cache, restored for this test at the paths they were recorded at; their bytes."""
     base, normal = _confirmed_once
-    project, cache = (restore(base / f"pristine-{name}", base / name) for name in ("proj", "cache"))
+    project, cache = restored(base, "proj", "cache")
     return project, cache, normal
 
 
