@@ -211,16 +211,23 @@ def floor(seconds: dict[str, float], unchanged_share: float, block_share: float,
     ``if only the edited block re-ran``: the same floor if the blocks after the
     edited one, whose keys change only because calibration moved their scales,
     were served as well (``block_share``: the edited block's share of the nodes).
+    ``if the blocks after it re-ran from the TOSA pipeline on``: served up to the
+    pipeline with their new scales filled in (quantization and ``to_edge`` copy
+    scales through as literals; the pipeline's passes compute from them), and
+    the pipeline's prefix and the visitors run for every changed region.
     """
     dirty = 1.0 - unchanged_share
     whole = sum(seconds[k] for k in WHOLE)
     regionable = sum(seconds[k] for k in REGIONABLE)
+    in_pipeline = seconds["TOSA pipeline prefix"] + seconds["TOSA visitors and serialization"]
     edit = whole + dirty * regionable
     return {"whole-model pieces": round(whole, 3), "region-able pieces": round(regionable, 3),
             "dirty share": round(dirty, 3), "edit floor": round(edit, 3),
             "edit floor, suffix region-able too": round(edit - (1.0 - dirty) * seconds[WHOLE[1]], 3),
             "cold / edit floor": round(cold / edit, 2) if edit else 0.0,
-            "edit floor if only the edited block re-ran": round(whole + block_share * regionable, 3)}
+            "edit floor if only the edited block re-ran": round(whole + block_share * regionable, 3),
+            "edit floor if the blocks after it re-ran from the TOSA pipeline on": round(
+                whole + block_share * (regionable - in_pipeline) + dirty * in_pipeline, 3)}
 
 
 def measure(name: str, target: str, edit: str) -> dict[str, Any]:
