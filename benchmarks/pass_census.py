@@ -39,7 +39,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import functools
 import json
 import logging
 import time
