@@ -220,10 +220,11 @@ def floor(seconds: dict[str, float], unchanged_share: float, block_share: float,
     whole = sum(seconds[k] for k in WHOLE)
     regionable = sum(seconds[k] for k in REGIONABLE)
     in_pipeline = seconds["TOSA pipeline prefix"] + seconds["TOSA visitors and serialization"]
+    suffix = seconds["TOSA pipeline suffix (layout passes on)"]
     edit = whole + dirty * regionable
     return {"whole-model pieces": round(whole, 3), "region-able pieces": round(regionable, 3),
             "dirty share": round(dirty, 3), "edit floor": round(edit, 3),
-            "edit floor, suffix region-able too": round(edit - (1.0 - dirty) * seconds[WHOLE[1]], 3),
+            "edit floor, suffix region-able too": round(edit - (1.0 - dirty) * suffix, 3),
             "cold / edit floor": round(cold / edit, 2) if edit else 0.0,
             "edit floor if only the edited block re-ran": round(whole + block_share * regionable, 3),
             "edit floor if the blocks after it re-ran from the TOSA pipeline on": round(

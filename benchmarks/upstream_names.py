@@ -49,18 +49,17 @@ def _fresh(rng: random.Random, taken: set[str]) -> str:
             return name
 
 
-def rename(program: Any, seed: int, user_inputs: bool = True) -> dict[str, str]:
+def rename(program: Any, seed: int) -> dict[str, str]:
     """Rename every call_function node and placeholder of ``program`` at random, consistently; old name -> new."""
     from torch.export.graph_signature import ExportGraphSignature, InputKind, OutputKind
 
     rng = random.Random(seed)
     graph = program.graph_module.graph
     signature = program.graph_signature
-    users = set(signature.user_inputs)
     taken = {n.name for n in graph.nodes}
     mapping: dict[str, str] = {}
     for node in graph.nodes:
-        if node.op == "call_function" or (node.op == "placeholder" and (user_inputs or node.name not in users)):
+        if node.op in ("call_function", "placeholder"):
             old = node.name
             node._rename(_fresh(rng, taken))
             if node.op == "placeholder":
@@ -73,7 +72,7 @@ def rename(program: Any, seed: int, user_inputs: bool = True) -> dict[str, str]:
 
     inputs = [dataclasses.replace(s, arg=arg(s.arg)) for s in signature.input_specs]
     for s in inputs:
-        assert s.kind != InputKind.USER_INPUT or not user_inputs or s.arg.name in mapping.values()
+        assert s.kind != InputKind.USER_INPUT or s.arg.name in mapping.values()
     outputs = []
     for s in signature.output_specs:
         s = dataclasses.replace(s, arg=arg(s.arg))
@@ -122,11 +121,12 @@ def at_pipeline_input(change: Callable[[Any, int], None], tosa: list[bytes] | No
     from executorch.backends.arm.tosa.backend import TOSABackend
 
     original = TOSABackend.__dict__["_preprocess"]
-    count = [0]
+    count = 0
 
     def preprocess(edge_program: Any, compile_spec: Any) -> Any:
-        change(edge_program, count[0])
-        count[0] += 1
+        nonlocal count
+        change(edge_program, count)
+        count += 1
         result = original.__func__(edge_program, compile_spec)
         if tosa is not None:
             tosa.append(result.processed_bytes)
@@ -134,7 +134,7 @@ def at_pipeline_input(change: Callable[[Any, int], None], tosa: list[bytes] | No
 
     TOSABackend._preprocess = staticmethod(preprocess)
     try:
-        yield count
+        yield
     finally:
         TOSABackend._preprocess = original
 
