@@ -38,7 +38,7 @@ FORMAT = "region-state:v1"
 # Metadata left out: bookkeeping that no pass after the split and no TOSA byte reads.
 DROPPED_META = frozenset({"from_node", "desc", "eager_input_vals", "source_fn_stack", "fwd_source_fn_stack"})
 
-_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+_NAME = re.compile(r"_?[A-Za-z][A-Za-z0-9_]*")  # an identifier; at most one leading underscore (`_clone_dim_order`), never a dunder
 _PYTHON_TARGETS = {"getitem": operator.getitem}
 
 
@@ -118,8 +118,9 @@ def _kinds() -> _Kinds:
 class _Encoder:
     """Values to tagged JSON; node references as indices into the graph's node list."""
 
-    def __init__(self, nodes: dict[torch.fx.Node, int] | None = None) -> None:
+    def __init__(self, nodes: dict[torch.fx.Node, int] | None = None, dropped: frozenset[str] = DROPPED_META) -> None:
         self.nodes = nodes or {}
+        self.dropped = dropped
 
     def value(self, v: Any) -> Any:
         QuantArgs, ArmAnnotationInfo, TosaSpecialDtype, FakeTensor, TensorMetadata, immutable_dict, immutable_list = _kinds()
@@ -170,7 +171,7 @@ class _Encoder:
         raise FormatError(f"unsupported value {type(v).__qualname__}")
 
     def meta(self, meta: dict[str, Any]) -> dict[str, Any]:
-        return {k: self.value(v) for k, v in meta.items() if k not in DROPPED_META}
+        return {k: self.value(v) for k, v in meta.items() if k not in self.dropped}
 
 
 class _Decoder:
@@ -281,16 +282,7 @@ def encode(program: Any, extra: dict[str, Any] | None = None) -> Entry:
     """
     from torch.export.graph_signature import OutputKind, TensorArgument
 
-    gm = program.graph_module
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    encoder = _Encoder(index)
-    nodes = []
-    for n in gm.graph.nodes:
-        if n.op not in ("placeholder", "call_function", "output"):
-            raise FormatError(f"unsupported node kind {n.op}")
-        target = n.target if n.op == "placeholder" else (encode_target(n.target) if n.op == "call_function" else "output")
-        nodes.append({"op": n.op, "name": n.name, "target": target, "args": encoder.value(n.args),
-                      "kwargs": encoder.value(dict(n.kwargs)), "meta": encoder.meta(n.meta)})
+    nodes = encode_nodes(program.graph_module.graph)
     inputs = []
     for spec in program.graph_signature.input_specs:
         if not isinstance(spec.arg, TensorArgument):
@@ -310,6 +302,33 @@ def encode(program: Any, extra: dict[str, Any] | None = None) -> Entry:
     doc = {"nodes": nodes, "inputs": inputs, "extra": extra or {}}
     graph = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
     return Entry(meta={"format": FORMAT, "tensors": tensors}, blobs={"program.json": graph, "tensors": b"".join(chunks)})
+
+
+def encode_nodes(graph: torch.fx.Graph, dropped: frozenset[str] = DROPPED_META) -> list[dict[str, Any]]:
+    """A graph's nodes in this form (metadata keys in ``dropped`` left out); FormatError for what it does not carry."""
+    encoder = _Encoder({n: i for i, n in enumerate(graph.nodes)}, dropped)
+    nodes = []
+    for n in graph.nodes:
+        if n.op not in ("placeholder", "call_function", "output"):
+            raise FormatError(f"unsupported node kind {n.op}")
+        target = n.target if n.op == "placeholder" else (encode_target(n.target) if n.op == "call_function" else "output")
+        nodes.append({"op": n.op, "name": n.name, "target": target, "args": encoder.value(n.args),
+                      "kwargs": encoder.value(dict(n.kwargs)), "meta": encoder.meta(n.meta)})
+    return nodes
+
+
+def decode_nodes(stored: Any, fake_mode: Any) -> torch.fx.Graph:
+    """The graph ``encode_nodes`` stored, fake values made in ``fake_mode``; FormatError for anything it did not write."""
+    if not isinstance(stored, list):
+        raise FormatError("bad stored nodes")
+    graph = torch.fx.Graph()
+    built: list[torch.fx.Node] = []
+    decoder = _Decoder(fake_mode, built)
+    for node in stored:
+        built.append(_node(graph, decoder, node))
+    if not built or built[-1].op != "output":
+        raise FormatError("a stored graph without an output")
+    return graph
 
 
 def decode(entry: Entry, like: Any) -> tuple[Any, dict[str, Any]]:
@@ -335,13 +354,8 @@ def decode(entry: Entry, like: Any) -> tuple[Any, dict[str, Any]]:
             groups[group][key] = tensor_from_record(record, packed)
         except (KeyError, TypeError, ValueError, RuntimeError) as err:
             raise FormatError(f"bad stored tensor {name}: {err}") from None
-    graph = torch.fx.Graph()
-    built: list[torch.fx.Node] = []
-    decoder = _Decoder(fake_mode(like), built)
-    for stored in doc["nodes"]:
-        built.append(_node(graph, decoder, stored))
-    if not built or built[-1].op != "output":
-        raise FormatError("a region state without an output")
+    graph = decode_nodes(doc["nodes"], fake_mode(like))
+    built = list(graph.nodes)
     input_specs = []
     for item in doc["inputs"]:
         if not (isinstance(item, list) and len(item) == 4 and item[0] in InputKind.__members__ and isinstance(item[1], str)):
