@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/weights_edit.py --models mobilenet_v2,convnext --edits retrained,block,head
     OMP_NUM_THREADS=1 PYTHONPATH=. LOWERCACHE_SPEEDUPS=all,rebind python benchmarks/weights_edit.py ...
+    ... --profile DIR    # and a cProfile file per edit, for shares under load
 
 For each model: a warm-up lowering of ``tiny_cnn`` (as the warm server does),
 the base model into an empty cache (``cold``), then each weights-only edit
@@ -29,6 +30,7 @@ import argparse
 import collections
 import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -135,12 +137,21 @@ def stock_pte(module: Any, example: Any, target: str) -> bytes | None:
     return bytes(pte) if all(partitionorder.is_discovery_order(o) for o in orders) else None
 
 
-def lower(module: Any, example: Any, target: str, cache: str) -> tuple[Any, dict[str, float]]:
+def lower(module: Any, example: Any, target: str, cache: str, profile: str | None = None) -> tuple[Any, dict[str, float]]:
+    """One lowering and its phases; with ``profile``, its cProfile statistics written to that file."""
+    import cProfile
+
     from lowercache import api
 
     _timers.clear()
+    profiler = cProfile.Profile() if profile else None
     start = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     artifacts = api.lower(module, example, target=target, cache_dir=cache)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(profile)
     return artifacts, phases(artifacts, time.perf_counter() - start)
 
 
@@ -151,10 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--edits", default="retrained,block,head")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--no-stock", action="store_true", help="do not compare with stock (faster)")
+    parser.add_argument("--profile", default=None, help="directory for a cProfile file per edit (MODEL-KIND.prof)")
     args = parser.parse_args(argv)
     from lowercache.bench import models, weights
 
     rows = []
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     with timing(), contextlib.redirect_stdout(sys.stderr):
         warm, example = models.tiny_cnn()
         cache = tempfile.mkdtemp(prefix="weights-edit-")
@@ -165,12 +179,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"model": name, "lowering": "cold", **cold})
             for kind in args.edits.split(","):
                 edited, example = weights.edited(name, kind, args.seed)
-                artifacts, edit = lower(edited, example, args.target, cache)
+                profile = os.path.join(args.profile, f"{name}-{kind}.prof") if args.profile else None
+                artifacts, edit = lower(edited, example, args.target, cache, profile)
                 same = None
                 if not args.no_stock:
                     reference = stock_pte(edited, example, args.target)
                     same = None if reference is None else artifacts.pte == reference
-                served = [r for r in artifacts.records if r["kind"] == "rebind"]
+                served = [r for r in artifacts.records if r["kind"] == "edge"]
                 rows.append({"model": name, "lowering": kind, **edit, "equal to stock": same,
                              "rebind": served[-1]["outcome"] if served else ""})
     columns = [k for k in rows[0] if k not in ("model", "lowering")]

@@ -22,9 +22,6 @@ from . import models
 
 KINDS: tuple[str, ...] = ("retrained", "block", "head")
 
-# BatchNorm running-variance ranges the builders use (models._build's ``bn_var``).
-_BN_VAR = {"residual_cnn": (1.0, 3.0), "resnet": (1.0, 3.0)}
-
 CONVNEXT_BLOCK = "model.convnext.encoder.stages.2.layers.1"
 
 
@@ -37,10 +34,10 @@ def convnext(seed: int = 0, edit: str | None = None) -> tuple[nn.Module, models.
     from transformers import ConvNextConfig, ConvNextForImageClassification
 
     config = ConvNextConfig(num_channels=3, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 2, 1], image_size=64, num_labels=10)
-    model = models._build(
-        lambda: models.LogitsOnly(ConvNextForImageClassification(config)), seed, edit, CONVNEXT_BLOCK, models._gelu_to_relu
+    model = models.build(
+        lambda: models.LogitsOnly(ConvNextForImageClassification(config)), seed, edit, CONVNEXT_BLOCK, models.gelu_to_relu
     )
-    return model, (models._randn((1, 3, 64, 64), seed, "convnext"),)
+    return model, (models.seeded_inputs((1, 3, 64, 64), seed, "convnext"),)
 
 
 MODELS: dict[str, models.Builder] = {**models.MODELS, "convnext": convnext}
@@ -63,9 +60,9 @@ def edited(name: str, kind: str, seed: int = 1) -> tuple[nn.Module, models.Examp
     if kind == "retrained":
         scope = ""
     elif kind == "block":
-        scope = BLOCKS[name] if name != "deit_tiny" else models._vit_layer_path(module, 6)
+        scope = BLOCKS[name] if name != "deit_tiny" else models.vit_layer_path(module, 6)
     else:
         scope = head_path(module)
     target = module.get_submodule(scope) if scope else module
-    models._init_params(target, seed, prefix=scope, salt=f"{kind}-edit", bn_var=_BN_VAR.get(name, (0.5, 1.5)))
+    models.init_params(target, seed, prefix=scope, salt=f"{kind}-edit", bn_var=models.BN_VARIANCES.get(name, (0.5, 1.5)))
     return module.eval(), example

@@ -427,8 +427,8 @@ def _served(session: Session, parts: dict[str, str], original: Callable[..., Any
     entry = session.run(KIND, "edge program", parts, compute)
     record = session.records[-1]
     if made:
-        if "reason" in entry.meta:
-            record.note = f"not served next time: {entry.meta['reason']}"
+        reason = entry.meta.get("reason")
+        record.note = f"not served next time: {reason}" if reason else "template recorded"
         return made[0]
     try:
         edge, preserved = fill(entry, program, config)
