@@ -304,6 +304,22 @@ def same_state(path: str, recorded: dict[str, Any], recorded_ns: int, listing: b
     return now == recorded.get("digest")
 
 
+def relinked(path: str, recorded: dict[str, Any]) -> str:
+    """`` (a link to X, was Y)`` when the links ``path`` resolves through differ from the record's, else nothing."""
+    try:
+        now = link_chain(path, os.lstat(path))
+    except OSError:
+        now = []
+    was = recorded.get("link", [])
+    if now == was:
+        return ""
+    return f" ({_said(now)}, was {_said(was) if isinstance(was, list) else 'unreadable'})"
+
+
+def _said(chain: list[str]) -> str:
+    return f"a link to {' -> '.join(map(str, chain))}" if chain else "no link"
+
+
 def entries(directory: str) -> list[str] | None:
     """The directory's entries, None when it cannot be listed."""
     try:

@@ -591,9 +591,10 @@ def _fd_path(fd: int) -> str | None:
 _readlink = os.readlink  # before it is watched: lowercache's own look at a descriptor is no read of the code's
 
 # Callers of ``os.stat`` in the standard library by what they observe: only what a path is (missing, file, directory,
-# link; the link's text is kept for every path), or one field. linecache's checks only decide whether to read a source again.
+# link; the link's text is kept for every path), or one field. linecache's checks and importlib.metadata's
+# ``FastPath.mtime`` only decide whether to read a source or a search-path directory again (what they read is recorded).
 _KIND_ONLY = frozenset({"exists", "lexists", "isfile", "isdir", "islink", "is_file", "is_dir", "is_symlink", "realpath",
-                        "resolve", "getatime", "checkcache", "updatecache"})
+                        "resolve", "getatime", "checkcache", "updatecache", "mtime"})
 _ONE_FIELD = {"getsize": "size", "getmtime": "mtime", "getctime": "ctime", "samefile": "ident", "sameopenfile": "ident"}
 
 
