@@ -39,7 +39,7 @@ import torch
 
 from . import regionstore, reexport
 from .programstore import FormatError, tensor_record
-from ..cache.hashing import IGNORED_META, Unhashable, canon, digest_json, node_form, signature_digest
+from ..cache.hashing import Unhashable, canon, digest_json, node_form, signature_digest
 from ..cache.steps import Session, current_session
 from ..cache.store import Entry
 from ..cache.toolchain import toolchain_parts
@@ -159,6 +159,11 @@ def _desc(form: Any) -> Any:
     return cls(**form[1])
 
 
+def _stored_position(meta: dict[str, Any], key: str) -> int:
+    """Where ``key`` sits among the metadata keys a template stores with the node."""
+    return [k for k in meta if k not in _PROVENANCE].index(key)
+
+
 def _treespec(spec: Any) -> Any:
     from torch.utils._pytree import treespec_dumps
 
@@ -217,8 +222,6 @@ def _ops(forms: Any) -> list[Any]:
 
 def _encode(edge: Any, program: Any, preserved: list[Any]) -> Entry:
     """The template of ``edge`` (made from ``program``); FormatError when it cannot be one."""
-    from torch.export.graph_signature import OutputKind, TensorArgument
-
     gm = edge.graph_module
     if dict(gm.named_children()) or list(gm.named_parameters()) or list(gm.named_buffers()) or gm.meta:
         raise FormatError("the edge graph module holds state")
@@ -234,19 +237,11 @@ def _encode(edge: Any, program: Any, preserved: list[Any]) -> Entry:
             constants.append([group, name, *sources[id(t)], tensor_record(t)])
     if any("desc" in n.meta and n.op != "placeholder" for n in nodes):
         raise FormatError("a descriptor outside the placeholders")
-    inputs = []
-    for spec in edge.graph_signature.input_specs:
-        if not isinstance(spec.arg, TensorArgument):
-            raise FormatError("a non-tensor input")
-        inputs.append([spec.kind.name, spec.arg.name, spec.target, spec.persistent])
-    if any(s.kind != OutputKind.USER_OUTPUT or not isinstance(s.arg, TensorArgument) for s in edge.graph_signature.output_specs):
-        raise FormatError("an output other than a user tensor")
     namespace = graph._graph_namespace
     doc = {
         "nodes": regionstore.encode_nodes(graph, _APART),
-        "descs": [[i, _desc_form(n.meta["desc"])] for i, n in enumerate(nodes) if "desc" in n.meta],
-        "inputs": inputs,
-        "outputs": [s.arg.name for s in edge.graph_signature.output_specs],
+        "descs": [[i, _stored_position(n.meta, "desc"), _desc_form(n.meta["desc"])] for i, n in enumerate(nodes) if "desc" in n.meta],
+        "inputs": regionstore.encode_signature(edge.graph_signature),
         "codegen": _codegen_form(graph),
         "names": {"used": sorted(namespace._used_names), "base_count": sorted(namespace._base_count.items())},
         "preserved": sorted(regionstore.encode_target(op) for op in preserved),
@@ -286,7 +281,6 @@ def fill(template: Entry, program: Any, config: Any) -> tuple[Any, list[Any]]:
     """
     from executorch.exir.verification.verifier import EXIREdgeDialectVerifier
     from torch.export import ExportedProgram
-    from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputKind, OutputSpec, TensorArgument
 
     if template.meta.get("format") != VERSION:
         raise FormatError(template.meta.get("reason", "not an edge template"))
@@ -306,8 +300,13 @@ def fill(template: Entry, program: Any, config: Any) -> tuple[Any, list[Any]]:
     for node, k in zip(filled, sources):
         scale, zero_point = pairs[k]
         node.args = (node.args[0], scale, zero_point, *node.args[3:])
-    for index, form in _list(doc.get("descs")):
-        nodes[_index(index, nodes)].meta["desc"] = _desc(form)
+    for item in _list(doc.get("descs")):
+        if not (isinstance(item, list) and len(item) == 3 and type(item[1]) is int):
+            raise FormatError("bad stored descriptor")
+        node = nodes[_index(item[0], nodes)]
+        items = list(node.meta.items())
+        items.insert(item[1], ("desc", _desc(item[2])))  # where stock has it: key order is kept
+        node.meta = dict(items)
     names = doc.get("names")
     if not (isinstance(names, dict) and isinstance(names.get("used"), list) and isinstance(names.get("base_count"), list)):
         raise FormatError("bad stored name table")
@@ -323,15 +322,7 @@ def fill(template: Entry, program: Any, config: Any) -> tuple[Any, list[Any]]:
         if not isinstance(held, torch.Tensor) or tensor_record(held) != record:
             raise FormatError(f"tensor {source} does not match the template")
         groups[group][name] = held
-    specs = []
-    for item in _list(doc.get("inputs")):
-        if not (isinstance(item, list) and len(item) == 4 and item[0] in InputKind.__members__ and isinstance(item[1], str)):
-            raise FormatError("bad input spec")
-        kind, name, target, persistent = item
-        specs.append(InputSpec(kind=InputKind[kind], arg=TensorArgument(name=name), target=target, persistent=persistent))
-    outputs = [OutputSpec(kind=OutputKind.USER_OUTPUT, arg=TensorArgument(name=str(o)), target=None) for o in _list(doc.get("outputs"))]
-    if [s.arg.name for s in specs] != [n.name for n in nodes if n.op == "placeholder"]:
-        raise FormatError("input specs do not match the placeholders")
+    signature = regionstore.decode_signature(doc.get("inputs"), graph)
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     verifier = doc.get("verifier")
     preserved = _ops(doc.get("preserved"))
@@ -340,7 +331,7 @@ def fill(template: Entry, program: Any, config: Any) -> tuple[Any, list[Any]]:
     edge = ExportedProgram(
         root=gm,
         graph=gm.graph,
-        graph_signature=ExportGraphSignature(input_specs=specs, output_specs=outputs),
+        graph_signature=signature,
         state_dict=groups["state_dict"],
         range_constraints=program.range_constraints,
         module_call_graph=copy.deepcopy(program.module_call_graph),
@@ -367,7 +358,8 @@ def _index(value: Any, nodes: list[torch.fx.Node]) -> int:
 
 
 def _meta_form(meta: dict[str, Any]) -> Any:
-    return canon({k: v for k, v in meta.items() if k not in _NOT_COMPARED})
+    """A node's metadata in its key order (a consumer may walk it in order), provenance left out."""
+    return [[k, canon(v)] for k, v in meta.items() if k not in _NOT_COMPARED]
 
 
 def _program_form(edge: Any) -> list[Any]:
@@ -430,21 +422,22 @@ def _served(session: Session, parts: dict[str, str], original: Callable[..., Any
         reason = entry.meta.get("reason")
         record.note = f"not served next time: {reason}" if reason else "template recorded"
         return made[0]
+    if entry.meta.get("format") != VERSION:  # the structure has no template, only the note why: stock runs
+        record.outcome = "bypass"
+        record.note = f"not served: {entry.meta.get('reason', 'not an edge template')}"
+        compute()
+        return made[0]
+    exceptions = config._core_aten_ops_exception_list
     try:
         edge, preserved = fill(entry, program, config)
-    except FormatError as err:
-        usable = entry.meta.get("format") == VERSION
-        if usable:
-            log.warning("cached edge template unusable (%s); running to_edge", err)
-        else:  # the structure has no template, only the note why: stock runs, as for a step that cannot be keyed
-            record.outcome = "bypass"
+        config._core_aten_ops_exception_list = list(set(exceptions) | set(preserved))  # as stock's call does
+        manager = EdgeProgramManager({_METHOD: edge}, constant_methods, config, preserved)
+    except Exception as err:  # noqa: BLE001 - a template that does not serve is a stock run, never a failed lowering
+        config._core_aten_ops_exception_list = exceptions
+        log.warning("cached edge template unusable (%s); running to_edge", err)
         record.note = f"not served: {err}"
-        fresh = compute()
-        if usable:
-            session.replace(KIND, parts, fresh)
+        session.replace(KIND, parts, compute())
         return made[0]
-    config._core_aten_ops_exception_list = list(set(config._core_aten_ops_exception_list) | set(preserved))
-    manager = EdgeProgramManager({_METHOD: edge}, constant_methods, config, preserved)
     record.note = f"re-bound {len(entry.meta['literals'])} literal pairs and {len(entry.meta['constants'])} tensors"
     return manager
 
