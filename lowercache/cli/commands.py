@@ -793,12 +793,24 @@ def _options(
 
 def _fresh_consoles() -> None:
     """Consoles made for this command: rich decides at creation whether a stream is interactive and its colours, and
-    a server's child must decide by its client's terminal, not by the server's (which has none)."""
+    a server's child must decide by its client's terminal, not by the server's (which has none).
+
+    Each reads a copy of the environment taken now: what rich looks up while a
+    factory runs (``TERM``, ``COLUMNS``, ...) is lowercache's presentation,
+    never an input of the record made meanwhile.
+    """
     global err, out
-    err, out = Console(stderr=True), Console()
-    for console in (err, out):
-        if not console.is_terminal and "COLUMNS" not in os.environ:
-            console.width = 200  # a CI log has no width to fit: lines are not wrapped at 80, nor table cells cut
+    err, out = _console(stderr=True), _console(stderr=False)
+
+
+def _console(stderr: bool) -> Console:
+    from .. import terminal
+
+    size = terminal.size(sys.stderr if stderr else sys.stdout)  # a server's child: its client's terminal
+    console = Console(stderr=stderr, _environ=dict(os.environ), **({"width": size[0], "height": size[1]} if size else {}))
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = 200  # a CI log has no width to fit: lines are not wrapped at 80, nor table cells cut
+    return console
 
 
 def run_in_process(args: List[str]) -> object:
