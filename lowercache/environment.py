@@ -27,9 +27,10 @@ TERMINAL_PREFIXES = ("TERM_PROGRAM", "TERM_SESSION_ID", "TMUX", "VTE_", "ITERM_"
 SESSION = ("PWD", "OLDPWD", "SHLVL", "_", "HOSTNAME", "DISPLAY", "WAYLAND_DISPLAY", "XAUTHORITY", "DBUS_SESSION_BUS_ADDRESS",
            "SESSION_MANAGER", "XDG_RUNTIME_DIR", "XDG_SEAT", "XDG_VTNR", "INVOCATION_ID", "JOURNAL_STREAM")
 SESSION_PREFIXES = ("SSH_", "XDG_SESSION_")
-# A CI run's identity: which run, job, commit and runner, its tokens and its step files; new in every run.
-CI = ("CI", "BUILD_ID", "BUILD_NUMBER", "BUILD_TAG", "BUILD_URL", "EXECUTOR_NUMBER")
-CI_PREFIXES = ("GITHUB_", "RUNNER_", "ACTIONS_", "CI_", "GITLAB_", "BUILDKITE", "CIRCLE", "TRAVIS", "JENKINS_")
+# A CI run's identity: which run, job, commit and runner, its tokens and its step files; new in every run. And a
+# test runner's: the test that runs, the worker it runs in.
+CI = ("CI", "BUILD_ID", "BUILD_NUMBER", "BUILD_TAG", "BUILD_URL", "EXECUTOR_NUMBER", "PYTEST_CURRENT_TEST")
+CI_PREFIXES = ("GITHUB_", "RUNNER_", "ACTIONS_", "CI_", "GITLAB_", "BUILDKITE", "CIRCLE", "TRAVIS", "JENKINS_", "PYTEST_XDIST_")
 # lowercache's own settings: those that shape a result are parts of every key and identity by their value.
 OWN_PREFIXES = ("LOWERCACHE_",)
 
