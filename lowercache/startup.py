@@ -121,10 +121,11 @@ def changed(old: dict[str, Any] | Any, new: dict[str, Any], whose: str) -> str |
         return None
     if not isinstance(old, dict):
         return "the interpreter's start-up state is unknown"
-    for part, label in (("interpreter", "the Python interpreter"), ("flags", "the interpreter's flags (-O, -B, ...)"),
-                        ("options", "the interpreter's -W or -X options"), ("site", "site-packages' .pth files or import finders")):
+    for part, label in (("interpreter", "the Python interpreter differs"), ("flags", "the interpreter's flags (-O, -B, ...) differ"),
+                        ("options", "the interpreter's -W or -X options differ"),
+                        ("site", "site-packages' .pth files or import finders differ")):
         if old.get(part) != new.get(part):
-            return f"{label} differ from {whose}"
+            return f"{label} from {whose}"
     ours, theirs = old.get("variables") or {}, new.get("variables") or {}
     names = sorted(n for n in set(ours) | set(theirs) if ours.get(n) != theirs.get(n))
     return f"environment variable {names[0]} differs from {whose}" if names else f"the start-up state differs from {whose}"
