@@ -26,7 +26,13 @@ _RUN_FLAGS = {"--no-server": "no_server"}
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    sys.exit(dispatch(list(sys.argv[1:] if argv is None else argv)))
+    try:
+        code = dispatch(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # in a light path (direct mode, the client): one line, as the typer commands say it
+        from ..errors import interrupted
+
+        code = interrupted()
+    sys.exit(code)
 
 
 def dispatch(args: List[str]) -> object:

@@ -19,16 +19,25 @@ import os
 import re
 import sys
 import threading
+import traceback
 from pathlib import Path
 from typing import Any, Iterator, List, Optional
 
 import typer
+from typer.core import TyperCommand
 from rich.console import Console
 from rich.table import Table
 
 from .. import delegation
-from ..errors import LowercacheError
+from ..errors import INTERRUPTED, LowercacheError, by_ctrl_c, interrupted, user_line
 from ..output import counted
+
+class _Command(TyperCommand):
+    """Usage lines as users read them (``lower [OPTIONS] MODEL``): typer braces a required argument (``{MODEL}``)."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [re.sub(r"^\{(.*)\}(\.\.\.)?$", r"\1\2", piece) for piece in super().collect_usage_pieces(ctx)]
+
 
 app = typer.Typer(
     help="Incremental, caching lowering of PyTorch models to Arm targets (TOSA, Ethos-U).",
@@ -79,8 +88,6 @@ def _setup_logging() -> None:
 
 _EXECUTING = re.compile(r"While executing %(\w+)")
 _EXECUTING_LINE = re.compile(r"^\s*While executing %\w+.*$", re.M)
-_FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _no_traceback(record: logging.LogRecord) -> bool:
@@ -119,6 +126,14 @@ def _fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
+def _fail_input(e: LowercacheError) -> None:
+    """The one line of an error in the user's input; under ``LOWERCACHE_DEBUG`` first the traceback of what caused it
+    (a factory that raised, a model file that failed to import)."""
+    if os.environ.get("LOWERCACHE_DEBUG") and e.__cause__ is not None:
+        traceback.print_exception(e.__cause__, file=sys.stderr)
+    _fail(str(e), 2)
+
+
 def _fail_lowering(e: BaseException) -> None:
     """One line naming the innermost cause: ExecuTorch's pass manager wraps it in a message listing every pass run."""
     if os.environ.get("LOWERCACHE_DEBUG"):
@@ -136,39 +151,10 @@ def _fail_lowering(e: BaseException) -> None:
         message = message[:499] + "…"
     if node is not None:
         message += f" (while executing node {node.group(1)})"
-    where = _user_line(root, text)
+    where = user_line(root, text)
     if where is not None:
         message += f" (at {where})"
     _fail(f"lowering failed: {message}", 1)
-
-
-def _user_line(error: BaseException, text: str) -> str | None:
-    """``file:line`` of the innermost frame of the user's own code in the error's traceback, else the last one the
-    message names (a graph node's stack trace); None when neither is the user's (or the message already says it)."""
-    import sysconfig
-
-    installed = tuple(os.path.join(os.path.normpath(p), "") for p in {*sysconfig.get_paths().values(), os.path.dirname(_PACKAGE)})
-
-    def own(path: str) -> bool:
-        return os.path.isabs(path) and not os.path.abspath(path).startswith(installed) and not path.startswith("<")
-
-    found = None
-    tb = error.__traceback__
-    while tb is not None:
-        if own(tb.tb_frame.f_code.co_filename):
-            found = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
-        tb = tb.tb_next
-    named = [(f, int(n)) for f, n in _FILE_LINE.findall(text) if own(f)]
-    if found is None and named:
-        found = named[-1]
-    if found is None or named and found == named[-1]:
-        return None
-    path, line = found
-    try:
-        shown = os.path.relpath(path)
-    except ValueError:
-        shown = path
-    return f"{path if shown.startswith('..') else shown}:{line}"
 
 
 @contextlib.contextmanager
@@ -192,10 +178,10 @@ def _settings(cache_dir: Optional[Path], **flags):
     return load_settings(cache_dir=cache_dir, **flags)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_logged_tracebacks_hidden()
 def lower(
-    model: str = typer.Argument(..., help="path/to/file.py:factory (returns (nn.Module, example_inputs)) or a saved .pt2."),
+    model: str = typer.Argument(..., metavar="MODEL", help="path/to/file.py:factory (returns (nn.Module, example_inputs)) or a saved .pt2."),
     target: str = TargetOption,
     out_dir: Path = typer.Option(..., "--out", "-o", help="Directory that receives model.pte, TOSA, Vela output, manifest.json."),
     cache_dir: Optional[Path] = CacheDir,
@@ -251,7 +237,7 @@ def lower(
         direct.finish(recorder, artifacts.records, artifacts.manifest)
         written = api.write_artifacts(artifacts, out_dir)
     except LowercacheError as e:
-        _fail(str(e), 2)
+        _fail_input(e)
     except Exception as e:  # a failure inside torch.export or ExecuTorch
         _fail_lowering(e)
     _print_summary(artifacts.records, artifacts.stages)
@@ -349,10 +335,10 @@ def _vela_args(system_config: Optional[str], memory_mode: Optional[str]) -> list
     return [*(["--system-config", system_config] if system_config else []), *(["--memory-mode", memory_mode] if memory_mode else [])]
 
 
-@app.command()
+@app.command(cls=_Command)
 @_logged_tracebacks_hidden()
 def verify(
-    model: str = typer.Argument(..., help="path/to/file.py:factory or a saved .pt2."),
+    model: str = typer.Argument(..., metavar="MODEL", help="path/to/file.py:factory or a saved .pt2."),
     target: str = TargetOption,
     cache_dir: Optional[Path] = CacheDir,
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration file, as for lower (.pt or .npz)."),
@@ -364,7 +350,7 @@ def verify(
     """Lower with and without the cache (and in a fresh cache); fail on any byte difference."""
     from ..lowering import loading
     from ..lowering.targets import resolve
-    from ..verify import expected, served_now
+    from ..verify import Progress, expected, served_now
     from ..verify import verify as run_verify
 
     environ = dict(os.environ)  # as the command started: torch sets variables of its own once it lowers
@@ -378,11 +364,13 @@ def verify(
         resolve(target, **vela)
         loaded = loading.load_model(model)
         samples = loading.load_calibration(str(calibration)) if calibration is not None else None
-        mismatches, stock = run_verify(loaded, target, settings, calibration=samples, **vela)
-        more, checked = served_now(model, target, settings, stock, str(calibration) if calibration else None, args, environ, **vela)
+        progress = Progress(settings, lambda line: print(f"lowercache: {line}", file=sys.stderr, flush=True))
+        mismatches, stock = run_verify(loaded, target, settings, progress, calibration=samples, **vela)
+        more, checked = served_now(model, target, settings, stock, str(calibration) if calibration else None, args, environ,
+                                   progress=progress, **vela)
         mismatches += more
     except LowercacheError as e:
-        _fail(str(e), 2)
+        _fail_input(e)
     except Exception as e:  # a failure inside torch.export or ExecuTorch
         _fail_lowering(e)
     mismatches, notes = expected(mismatches, target)
@@ -392,14 +380,17 @@ def verify(
     for m in mismatches:
         print(f"lowercache: mismatch: {m}", file=sys.stderr)
     if mismatches:
-        raise typer.Exit(1)
-    out.print("verified: the cached and fresh-cache lowerings are byte-identical to stock (no cache, every speed-up off), "
-              f"and so is what lower serves now; checked: {', '.join(checked)}", markup=False, highlight=False, soft_wrap=True)
+        differ = "differs" if len(mismatches) == 1 else "differ"
+        _fail(f"not verified: {counted(len(mismatches), 'file')} {differ} from stock ExecuTorch's lowering (above)", 1)
+    out.print(f"verified: what lowercache serves for {model} on {target} is byte-identical to stock ExecuTorch's lowering",
+              markup=False, highlight=False, soft_wrap=True)
+    out.print(f"checked: the cached lowering; a lowering in an empty cache; {'; '.join(checked)}", markup=False, highlight=False,
+              soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=_Command)
 def watch(
-    model: str = typer.Argument(..., help="path/to/file.py:factory or a saved .pt2, as for lower."),
+    model: str = typer.Argument(..., metavar="MODEL", help="path/to/file.py:factory or a saved .pt2, as for lower."),
     targets: List[str] = typer.Option(..., "--target", "-t", help="A target, as for lower; repeat -t for several.", autocompletion=_complete_target),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Output directory; with several -t, each target's output goes to DIR/<target>/."),
     cache_dir: Optional[Path] = CacheDir,
@@ -443,9 +434,9 @@ def watch(
     raise typer.Exit(watching.run(plan, dispatch, settings, emit))
 
 
-@app.command()
+@app.command(cls=_Command)
 def build(
-    names: Optional[List[str]] = typer.Argument(None, help="Models to build, by their names in the build file (default: all)."),
+    names: Optional[List[str]] = typer.Argument(None, metavar="NAME", help="Models to build, by their names in the build file (default: all)."),
     build_file: Optional[Path] = typer.Option(None, "--file", "-f", help=r"Build file (default: lowercache.toml, else \[tool.lowercache] in pyproject.toml, in the working directory)."),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Pairs lowered at once (default: the core count, bounded by memory; with ray: every pair)."),
     keep_going: bool = typer.Option(False, "--keep-going", "-k", metavar="", help="Build the other pairs after a failure; report failures at the end (exit 1)."),
@@ -520,9 +511,9 @@ def stats(
         out.print(table)
 
 
-@app.command()
+@app.command(cls=_Command)
 def explain(
-    model: str = typer.Argument(..., help="The MODEL as given to `lowercache lower`."),
+    model: str = typer.Argument(..., metavar="MODEL", help="The MODEL as given to `lowercache lower`."),
     target: str = TargetOption,
     passes: bool = typer.Option(False, "--passes", metavar="", help="List every Arm pass of the latest run that ran passes."),
     cache_dir: Optional[Path] = CacheDir,
@@ -624,9 +615,9 @@ def run(
     raise typer.Exit(code)
 
 
-@app.command(name="export")
+@app.command(name="export", cls=_Command)
 def export_cmd(
-    archive: Path = typer.Argument(..., help="Tar file to write."),
+    archive: Path = typer.Argument(..., metavar="FILE", help="Tar file to write."),
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Pack every local cache entry into one archive (for CI caches that store one file)."""
@@ -640,9 +631,9 @@ def export_cmd(
     out.print(f"exported {actions} steps and {blobs} blobs to {archive}")
 
 
-@app.command(name="import")
+@app.command(name="import", cls=_Command)
 def import_cmd(
-    archive: Path = typer.Argument(..., help="Tar file made by `lowercache export`."),
+    archive: Path = typer.Argument(..., metavar="FILE", help="Tar file made by `lowercache export`."),
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Load an archive made by `lowercache export`, checking every entry."""
@@ -813,6 +804,18 @@ def _console(stderr: bool) -> Console:
     return console
 
 
+def _settings_problem() -> Optional[str]:
+    """A bad setting (``LOWERCACHE_SPEEDUPS=bogus``, a bad size), found before torch is imported, in its one line."""
+    from ..client import check_speedups
+    from ..config import load_settings
+
+    try:
+        check_speedups(load_settings())
+    except LowercacheError as e:
+        return str(e)
+    return None
+
+
 def run_in_process(args: List[str]) -> object:
     """Run the command line in this process and return its exit code; a server's child runs this too."""
     from .. import quiet
@@ -820,11 +823,19 @@ def run_in_process(args: List[str]) -> object:
     _fresh_consoles()
     _setup_logging()
     command = next((a for a in args if not a.startswith("-")), None)
+    options = args[: args.index("--")] if "--" in args else args
+    if command in _TORCH_COMMANDS and "--help" not in options:
+        problem = _settings_problem()
+        if problem is not None:
+            print(f"lowercache: error: {problem}", file=sys.stderr)
+            if command == "lower" and "--json" in options:
+                print(json.dumps({"error": problem, "exit": 2}, sort_keys=True))
+            return 2
     code: object = 0
     with quiet.captured(import_torch=command in _TORCH_COMMANDS) as noise:
         try:
             app(args=args, prog_name="lowercache")
-        except SystemExit as e:
-            code = e.code
+        except SystemExit as e:  # typer turns Ctrl-C into a silent exit 130
+            code = interrupted() if e.code == INTERRUPTED and by_ctrl_c(e) else e.code
     quiet.print_held_back(noise, _verbose)
     return code

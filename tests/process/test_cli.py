@@ -135,6 +135,8 @@ def test_bad_input_gives_one_line_and_leaves_nothing(case, expected, tmp_path, c
     assert result.returncode != 0
     lines = error_lines(result)
     assert len(lines) == 1 and expected in lines[0], result.stderr
+    if case == "raises":  # the user's own line, where the error was raised
+        assert lines[0].endswith(f"(at {tmp_path}/bad.py:2)"), lines[0]
     assert not out.exists()
     assert not list(tmp_path.glob(".out.tmp-*"))
     assert not list(tmp_path.rglob(".lowercache-probe-*"))
@@ -362,16 +364,31 @@ def test_version_and_explain_of_a_missing_model(tmp_path, cache_dir):
     assert missing.returncode == 2 and error_lines(missing) == ["lowercache: error: model file nothere.py does not exist"]
 
 
+# The CLI as a new process, then whether it imported torch and ExecuTorch, and its exit code, on the last line of stderr.
+_IMPORTS_TORCH = ("import runpy, sys\nsys.argv = ['lowercache', *sys.argv[1:]]\ntry:\n    runpy.run_module('lowercache.cli', run_name='__main__')\n"
+                  "except SystemExit as e:\n    code = e.code\nprint('torch' in sys.modules, 'executorch' in sys.modules, code, file=sys.stderr)\n")
+
+
 @pytest.mark.quick
 @pytest.mark.parametrize("command", [["stats"], ["explain", "model.py:model", "-t", "tosa-fp"], ["gc"], ["config"], ["server", "status"]])
 def test_housekeeping_commands_import_no_torch(command, tmp_path, cache_dir):
     """docs/server.md: the cheap commands stay in the client and never pay torch's import (1.2 s or more)."""
     (tmp_path / "model.py").write_text("")
-    code = ("import runpy, sys\nsys.argv = ['lowercache', *sys.argv[1:]]\ntry:\n    runpy.run_module('lowercache.cli', run_name='__main__')\n"
-            "except SystemExit as e:\n    code = e.code\nprint('torch' in sys.modules, 'executorch' in sys.modules, code, file=sys.stderr)\n")
-    result = subprocess.run([sys.executable, "-c", code, *command], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    result = subprocess.run([sys.executable, "-c", _IMPORTS_TORCH, *command], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "LOWERCACHE_DIR": str(cache_dir)})
     assert result.stderr.strip().splitlines()[-1].startswith("False False "), result.stderr[-2000:]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("command", [["lower", TINY, "-t", "tosa-int", "-o", "out"], ["verify", TINY, "-t", "tosa-int"]])
+def test_a_bad_setting_is_refused_before_torch_is_imported(command, tmp_path, cache_dir):
+    """``LOWERCACHE_SPEEDUPS=bogus``: one line, exit 2, without paying torch's import (8-13 s under load)."""
+    result = subprocess.run([sys.executable, "-c", _IMPORTS_TORCH, *command], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "LOWERCACHE_DIR": str(cache_dir), "LOWERCACHE_SPEEDUPS": "bogus"})
+    assert result.stderr.strip().splitlines()[-1] == "False False 2", result.stderr[-2000:]
+    assert error_lines(result) == [line for line in result.stderr.splitlines() if line.startswith("lowercache:")]
+    assert len(error_lines(result)) == 1 and "unknown speed-up 'bogus'" in error_lines(result)[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_stats_json_and_zero_and_a_json_error(tmp_path, cache_dir):

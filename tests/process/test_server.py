@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import TINY, error_lines, stock_tiny, warnings_of
-from tests.helpers.server import TARGET, WAIT, alive, base_env, lc, steady, wait_until
+from tests.helpers.server import MODEL, TARGET, WAIT, alive, base_env, lc, steady, wait_until
 
 
 # the shared server
@@ -84,7 +84,7 @@ def test_verify_through_the_server(shared, tmp_path):
     served = shared("verify", TINY, "-t", "tosa-int")
     here = shared("verify", TINY, "-t", "tosa-int", "--no-server")
     assert served.returncode == here.returncode == 0, served.stderr[-2000:] + here.stderr[-2000:]
-    assert "byte-identical" in served.stdout and served.stdout.split("; checked:")[0] == here.stdout.split("; checked:")[0]
+    assert "byte-identical" in served.stdout and served.stdout.split("checked:")[0] == here.stdout.split("checked:")[0]
     # each checked what lower would serve from where it ran: the server's child is the server's answer itself
     assert served.stdout.rstrip().endswith("the server's answer (this process)")
     assert "the server's answer" not in here.stdout  # --no-server: no server to ask
@@ -141,10 +141,17 @@ def test_a_factory_that_raises(shared, tmp_path):
     with shared.switched(behaviour="raise"):
         served = shared("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "a")
         here = shared("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "b", "--no-server")
+    line = next(n for n, text in enumerate(MODEL.splitlines(), 1) if "boom" in text)
     assert served.returncode == here.returncode == 2
-    assert error_lines(served) == error_lines(here) == ["lowercache: error: factory model.py:model raised ValueError: boom"]
+    assert error_lines(served) == error_lines(here) == [f"lowercache: error: factory model.py:model raised ValueError: boom (at model.py:{line})"]
     assert served.stdout == "" and "Traceback" not in served.stderr
     assert not (tmp_path / "a").exists()
+    with shared.switched(behaviour="raise"):  # LOWERCACHE_DEBUG shows the traceback, through the server and without it
+        debugged = [shared("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "c", *flags, LOWERCACHE_DEBUG="1")
+                    for flags in ((), ("--no-server",))]
+    for result in debugged:
+        assert result.returncode == 2 and "Traceback" in result.stderr and f'model.py", line {line}, in model' in result.stderr
+        assert error_lines(result) == error_lines(here)
     assert shared.status()["pid"] == str(shared.pid)
 
 

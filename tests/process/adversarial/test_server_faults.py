@@ -240,6 +240,7 @@ def test_ctrl_c_through_the_server_exits_130_and_leaves_nothing(shared, tmp_path
             stdout, stderr = client.communicate(timeout=120)
         codes[how] = client.returncode
         assert "Aborted!" not in stderr and "Traceback" not in stderr, stderr[-2000:]
+        assert stderr.splitlines()[-1:] == ["lowercache: interrupted"], stderr[-2000:]  # as ccache and Bazel say it
         assert not (tmp_path / how).exists()
         assert wait_until(lambda: not alive(child), 10)
     assert codes == {"served": 130, "here": 130}
