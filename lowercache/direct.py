@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from . import delegation
+from . import estimates
 from .cache.digests import digest, digest_json
 from .cache.store import Entry
 from .config import Settings, check_with_min_snr, load_settings
@@ -450,10 +450,8 @@ def _count(store: Any, request: Request, record: dict[str, Any], flow: Entry, se
 
 def _report(request: Request, manifest: dict[str, Any], written: list[Path], seconds: float, short: str | None = None) -> None:
     print(f"lowercache: direct mode: served from the record, no factory run ({seconds:.2f}s)", file=sys.stderr)
-    said = delegation.line(manifest.get("delegation"))
-    if said is not None:
-        print(f"lowercache: {said}", file=sys.stderr)
-    for line in numerics_report.lines(manifest.get("numerics")):
+    said, summarized = estimates.outcome(manifest.get("delegation"), Path(request.out_dir), request.target)
+    for line in said + numerics_report.lines(manifest.get("numerics")):
         print(f"lowercache: {line}", file=sys.stderr)
     if request.as_json:
         summary = {
@@ -466,7 +464,7 @@ def _report(request: Request, manifest: dict[str, Any], written: list[Path], sec
             "seconds": round(seconds, 4),
             "saved_seconds": manifest["steps"][0]["saved"],
             "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
-            **delegation.json_part(manifest.get("delegation")),
+            **summarized,
             **numerics_report.json_part(manifest.get("numerics"), short),
         }
         print(json.dumps(summary, indent=2, sort_keys=True))

@@ -28,7 +28,7 @@ from typer.core import TyperCommand
 from rich.console import Console
 from rich.table import Table
 
-from .. import delegation
+from .. import estimates
 from ..errors import INTERRUPTED, LowercacheError, by_ctrl_c, interrupted, user_line
 from ..output import counted
 
@@ -241,12 +241,13 @@ def lower(
     except Exception as e:  # a failure inside torch.export or ExecuTorch
         _fail_lowering(e)
     _print_summary(artifacts.records, artifacts.stages)
-    _print_delegation(artifacts.delegation)
-    short = numerics_report.below(artifacts.numerics, min_snr)
-    for line in numerics_report.lines(artifacts.numerics):
+    said, summarized = estimates.outcome(artifacts.delegation, out_dir, target)
+    for line in said + numerics_report.lines(artifacts.numerics):
         err.print(f"lowercache: {line}", markup=False, highlight=False, soft_wrap=True)
+    short = numerics_report.below(artifacts.numerics, min_snr)
     if as_json:
-        print(json.dumps({**_run_summary(artifacts, written, out_dir), **numerics_report.json_part(artifacts.numerics, short)}, indent=2, sort_keys=True))
+        print(json.dumps({**_run_summary(artifacts, written, out_dir), **summarized, **numerics_report.json_part(artifacts.numerics, short)},
+                         indent=2, sort_keys=True))
     else:
         out.print(f"wrote {counted(len(written), 'file')} to {out_dir}")
     if short is not None:
@@ -297,14 +298,7 @@ def _run_summary(artifacts: Any, written: list[Path], out_dir: Path) -> dict[str
         "seconds": round(sum(artifacts.stages.values()), 4),
         "saved_seconds": round(sum(r["saved"] for r in artifacts.records if r["outcome"] == "hit"), 4),
         "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
-        **delegation.json_part(artifacts.delegation),
     }
-
-
-def _print_delegation(section: Optional[dict[str, Any]]) -> None:
-    said = delegation.line(section)
-    if said is not None:
-        err.print(f"lowercache: {said}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _print_summary(records: list[dict], stages: dict[str, float]) -> None:
