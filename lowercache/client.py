@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from . import startup
+from .process_state import capture as capture_process_state
 from .config import Settings, load_settings
 from .errors import LowercacheError, interrupted
 
@@ -399,7 +400,7 @@ def exec_through_server(argv: list[str], env: dict[str, str], executable: str, f
     if not settings.server or not hasattr(socket, "SO_PEERCRED"):
         return None, "the server is off"
     request = {"op": "exec", "argv": argv, "cwd": os.getcwd(), "env": env, "executable": executable,
-               "umask": _umask(), "timeout": None}
+               "process": capture_process_state(), "timeout": None}
     sock = _connected(settings, request, "running the command as a new process")
     if sock is None:
         return None, "no server"
@@ -469,12 +470,6 @@ def _connected(settings: Settings, request: dict[str, Any], fallback: str) -> so
         return None
 
 
-def _umask() -> int:
-    mask = os.umask(0o22)
-    os.umask(mask)
-    return mask
-
-
 def check_speedups(settings: Settings) -> None:
     """LowercacheError unless the speedups setting names only known speed-ups (a server given another fails its start)."""
     if settings.speedups != "all":  # the default, without importing the registry
@@ -510,6 +505,7 @@ def run_through_server(args: list[str]) -> int | None:
         "cwd": cwd,
         "env": dict(os.environ),
         "path": list(sys.path),
+        "process": capture_process_state(),
         "timeout": settings.server_timeout,
         **_terminal(),
     }

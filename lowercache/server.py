@@ -39,7 +39,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import client, environment, startup, terminal
+from . import client, environment, process_state, startup, terminal
 from .cache.digests import stat_key
 from .config import MAX_SECONDS, load_settings
 from .run import pyexec
@@ -63,7 +63,7 @@ class _Request:
         self.close_when_sent = False
         self.gone = False
         self.fds: list[int] = []  # an exec request's descriptors 0-2, passed by the client (SCM_RIGHTS)
-        self.started = -1  # an exec request's child writes S here once the command starts, or E and why it could not
+        self.started = -1  # the child writes S here once the command starts, or E and why it could not
 
     @property
     def execs(self) -> bool:
@@ -181,16 +181,17 @@ def _identity(value: Any) -> str | None:
     return None if isinstance(value, dict) else "an object"
 
 
-_COMMON = {"argv": _texts(), "cwd": _absolute, "env": _environment, "timeout": _timeout, "identity": _identity}
+_COMMON = {"argv": _texts(), "cwd": _absolute, "env": _environment, "timeout": _timeout, "identity": _identity,
+           "process": process_state.check}
 _FIELDS: dict[str, dict[str, Any]] = {
     "hello": {},
     "status": {},
     "stop": {},
     "run": {**_COMMON, "path": _texts(), "tty": _flags, "columns": _whole(0, _MAX_COLUMNS), "lines": _whole(0, _MAX_COLUMNS),
             "encoding": _codecs(codecs.lookup), "errors": _codecs(codecs.lookup_error)},
-    "exec": {**_COMMON, "executable": _absolute, "umask": _whole(0, 0o777)},
+    "exec": {**_COMMON, "executable": _absolute},
 }
-_REQUIRED = {"run": ("argv", "cwd", "env", "path"), "exec": ("argv", "cwd", "env", "executable")}
+_REQUIRED = {"run": ("argv", "cwd", "env", "path", "process"), "exec": ("argv", "cwd", "env", "executable", "process")}
 
 
 def request_error(message: Any) -> str | None:
@@ -522,7 +523,7 @@ class Server:
         writing straight to the client's own descriptors."""
         out_r, out_w = os.pipe() if not request.execs else (-1, -1)
         err_r, err_w = os.pipe() if not request.execs else (-1, -1)
-        started_r, started_w = os.pipe() if request.execs else (-1, -1)
+        started_r, started_w = os.pipe()
         parent = os.getpid()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
@@ -538,7 +539,7 @@ class Server:
                 if request.execs:
                     code = _exec_child(request.message or {}, parent, request.fds, inherited, self.warm, started_w)
                 else:
-                    code = _child(request.message or {}, parent, out_w, err_w, inherited, self.warm.threads)
+                    code = _child(request.message or {}, parent, out_w, err_w, inherited, self.warm, started_w)
             finally:
                 os._exit(code)
         try:
@@ -547,9 +548,8 @@ class Server:
             pass
         request.close_fds()  # the child has them: the client sees end of file once the command and what it started are gone
         request.pid = pid
-        if request.execs:
-            os.close(started_w)
-            request.started = started_r
+        os.close(started_w)
+        request.started = started_r
         if not request.execs:
             os.close(out_w)
             os.close(err_w)
@@ -625,8 +625,11 @@ class Server:
         self.served += 1
         self.last_active = time.monotonic()
         code = os.waitstatus_to_exitcode(status)
-        if request.execs:
-            reply = self._exec_reply(request, code)
+        said = self._started(request)
+        if said is not None and not said.startswith(b"S"):
+            reply = {"declined": said[1:].decode("utf-8", "replace") if said else f"the server's child could not start the command (status {code})"}
+        elif request.execs:
+            reply = {"exit": code}
         elif request.timed_out:
             reply = {"exit": 1, "error": f"the lowering took longer than the request timeout ({request.message.get('timeout')} s, LOWERCACHE_SERVER_TIMEOUT) and was stopped"}
         elif code < 0:
@@ -639,18 +642,16 @@ class Server:
         self._start_queued()
 
 
-    def _exec_reply(self, request: _Request, code: int) -> dict[str, Any]:
-        """The command's status (negative for a signal, as a new process's); declined if the child died before the command started."""
+    def _started(self, request: _Request) -> bytes | None:
+        """What the child said before the command's own code ran: ``S`` (it started), ``E`` and why not, or ``b""``
+        (it died first). None for a ``lower`` child killed before it said anything: its failure is the lowering's."""
         try:
             said = os.read(request.started, 4096)
         except OSError:
             said = b""
         os.close(request.started)
         request.started = -1
-        if said.startswith(b"S"):
-            return {"exit": code}
-        why = said[1:].decode("utf-8", "replace") if said.startswith(b"E") else f"status {code}"
-        return {"declined": f"the server's child could not start the command ({why})"}
+        return said if said or request.execs else None
 
 
 def _detach(parent: int, inherited: list[int]) -> None:
@@ -667,8 +668,13 @@ def _detach(parent: int, inherited: list[int]) -> None:
             pass
 
 
-def _child(message: dict[str, Any], parent: int, out_w: int, err_w: int, inherited: list[int], threads: int) -> int:
-    """In the forked child: become the client's process, run the CLI, return its exit code. Never returns into the server."""
+def _child(message: dict[str, Any], parent: int, out_w: int, err_w: int, inherited: list[int], warm: Warm, started: int) -> int:
+    """In the forked child: become the client's process, run the CLI, return its exit code. Never returns into the server.
+
+    ``started`` gets ``S`` once the child has taken the client's place, or ``E``
+    and why it could not (a process state it cannot take): the server then
+    declines, and the client lowers in its own process.
+    """
     _detach(parent, inherited)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -683,7 +689,13 @@ def _child(message: dict[str, Any], parent: int, out_w: int, err_w: int, inherit
     sys.stdout = terminal.Relayed(1, ttys[0], size, encodings[0], errors[0], line_buffering=ttys[0])
     sys.stderr = terminal.Relayed(2, ttys[1], size, encodings[1], errors[1], line_buffering=True)
     try:
-        _become_client(message, threads)
+        _become_client(message, warm)
+    except BaseException as e:  # noqa: BLE001
+        os.write(started, b"E" + _why_not_started(e, "the lowering").encode()[:4000])
+        return 1
+    os.write(started, b"S")
+    os.close(started)
+    try:
         from . import cli
         from .errors import new_command
 
@@ -722,11 +734,9 @@ def _exec_child(message: dict[str, Any], parent: int, fds: list[int], inherited:
         invocation = pyexec.parse([str(a) for a in message["argv"]])
         assert invocation is not None and warm.base_path is not None  # checked by _cannot_exec before the fork
         pyexec.streams(invocation.unbuffered)
-        _become_client(message, warm.threads)
-        if isinstance(message.get("umask"), int):
-            os.umask(message["umask"] & 0o777)
+        _become_client(message, warm)
     except BaseException as e:  # noqa: BLE001
-        os.write(started, b"E" + f"{type(e).__name__}: {e}".encode()[:4000])
+        os.write(started, b"E" + _why_not_started(e, "the command").encode()[:4000])
         return 1
     dump = None
     try:  # what lowercache/run/_site/sitecustomize.py does in a new process, with the server's imports' reads added to the record
@@ -748,8 +758,20 @@ def _exec_child(message: dict[str, Any], parent: int, fds: list[int], inherited:
                       warm.installed, dump, now_started)
 
 
-def _become_client(message: dict[str, Any], threads: int) -> None:
-    """The client's working directory, environment, import path and thread count."""
+def _why_not_started(error: BaseException, what: str) -> str:
+    """Why a child could not start ``what``, in the words the client's warning (or ``run --explain``) shows."""
+    if isinstance(error, process_state.Unadoptable):
+        return f"the server's child cannot take the client's {error}"
+    return f"the server's child could not start {what} ({type(error).__name__}: {error})"
+
+
+def _become_client(message: dict[str, Any], warm: Warm) -> None:
+    """The client's working directory, environment, import path, process state and thread count (its terminal is in the
+    child's streams: ``terminal.py``).
+
+    Raises :class:`process_state.Unadoptable` for a part of the client's
+    process state this child cannot take (the request is then declined).
+    """
     import torch
 
     os.chdir(message["cwd"])
@@ -759,7 +781,9 @@ def _become_client(message: dict[str, Any], threads: int) -> None:
     if message.get("op") != "exec":  # a wrapped command's path and arguments are pyexec's
         sys.path[:] = [str(p) for p in message.get("path") or sys.path]
         sys.argv = ["lowercache", *map(str, message.get("argv") or [])]
-    torch.set_num_threads(_thread_count(threads))
+    wanted = message["process"]
+    process_state.adopt(wanted)
+    torch.set_num_threads(_thread_count(process_state.thread_default(warm.threads, warm.cpus, len(wanted["cpus"]))))
     try:
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("500")  # under memory pressure the kernel takes a request, not the server
@@ -784,6 +808,7 @@ class Warm:
     """What the warm-up left that a child standing in for a new ``python`` process needs (``run/pyexec.py``)."""
 
     threads: int  # torch's default thread count, before the server set one
+    cpus: int  # how many CPUs the server may run on (torch's default follows it)
     start_env: dict[str, str]  # the environment as the server started
     base_path: list[str] | None  # sys.path as the interpreter started, without sys.path[0] (None: unknown)
     read_env: list[str] = field(default_factory=list)  # variables the imports and the warm-up read
@@ -920,7 +945,7 @@ def main() -> None:
     """``python -m lowercache.server``: warm up, then serve until stopped or idle."""
     # sys.path as ``python -c`` started it, '' first, with this lowercache put in front by client._spawn's code
     base_path = sys.path[2:] if sys.path[1:2] == [""] else None
-    warm = Warm(threads=1, start_env=dict(os.environ), base_path=base_path)
+    warm = Warm(threads=1, cpus=len(os.sched_getaffinity(0)), start_env=dict(os.environ), base_path=base_path)
     settings = load_settings()
     identity = client.identity(settings)  # before the imports: a source edited meanwhile makes this server stale
     directory = client.private_dir()

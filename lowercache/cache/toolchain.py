@@ -27,12 +27,21 @@ import xxhash
 
 from .digests import stat_key
 
-# lowercache's modules whose code decides the bytes a step stores, relative to the package: whole rooms (a
-# trailing "/") and single modules. Nothing else is hashed: a module added elsewhere shapes no key until named here.
-BYTE_SHAPING = ("lowering/", "speedups/", "cache/digests.py", "cache/hashing.py", "cache/records.py", "cache/steps.py")
-# Modules inside those rooms that make no stored lowering: the numerics check reads a lowering, and its own key holds
-# its code, so an edit to it re-runs checks, not lowerings.
-NOT_BYTE_SHAPING = ("lowering/numerics.py", "lowering/numerics_layers.py", "lowering/numerics_report.py")
+# lowercache's modules whose code decides the bytes a step stores, or the keys it is stored under, relative to the
+# package: whole rooms (a trailing "/") and single modules. Nothing else is hashed: a module added elsewhere shapes no
+# key until named here. tests/unit/test_toolchain.py checks that whatever these import from lowercache is named here
+# or below.
+BYTE_SHAPING = ("lowering/", "speedups/", "delegation.py", "cache/digests.py", "cache/hashing.py", "cache/records.py",
+                "cache/steps.py", "cache/toolchain.py")
+# lowercache modules that byte-shaping code imports but that make no stored lowering, each with the reason.
+NOT_BYTE_SHAPING = {
+    "lowering/numerics.py": "the numerics check reads a lowering; its own key holds its code, so an edit re-runs checks",
+    "lowering/numerics_layers.py": "part of the numerics check (as lowering/numerics.py)",
+    "lowering/numerics_report.py": "part of the numerics check (as lowering/numerics.py)",
+    "cache/store.py": "moves and checks bytes other code made: every entry is read back against its digest",
+    "errors.py": "exception types: a step that raises stores nothing",
+    "config.py": "reads settings; those that shape bytes (target, speed-ups, options) are key parts of their own",
+}
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MEMO_VERSION = 1
 

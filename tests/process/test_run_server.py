@@ -208,7 +208,7 @@ def test_a_child_that_fails_before_the_command_starts_is_declined(server, tmp_pa
     import json
     import socket
 
-    from lowercache import client
+    from lowercache import client, process_state
 
     project = project_with(tmp_path, {"marker.py": "open('ran', 'w').close()\n"})
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(server.run))
@@ -216,7 +216,7 @@ def test_a_child_that_fails_before_the_command_starts_is_declined(server, tmp_pa
     directory = os.open(project, os.O_RDONLY)  # as standard input: the child cannot make a stream of it
     read_end, write_end = os.pipe()
     request = {"op": "exec", "argv": [PY, "marker.py"], "cwd": str(project), "env": dict(server.env), "executable": PY,
-               "umask": 0o022, "timeout": None, "identity": identity}
+               "process": process_state.capture(), "timeout": None, "identity": identity}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(str(client.private_dir() / client.SOCKET_NAME))
         socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], [directory, write_end, write_end])

@@ -47,6 +47,23 @@ def test_links_between_docs_resolve():
     assert broken == []
 
 
+def _anchors(page: str) -> set[str]:
+    """The anchors GitHub makes of a page's headings, fenced code left out."""
+    prose = re.sub(r"^```.*?^```", "", page, flags=re.S | re.M)
+    headings = re.findall(r"^#{1,6} (.+)$", prose, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_links_to_a_section_name_one():
+    broken = []
+    for page in [ROOT / "README.md", *DOCS.glob("*.md")]:
+        for target, anchor in re.findall(r"\]\(([^)#:]*)#([^)]+)\)", page.read_text()):
+            linked = page.parent / target if target else page
+            if linked.exists() and anchor not in _anchors(linked.read_text()):
+                broken.append(f"{page.name} -> {target}#{anchor}")
+    assert broken == []
+
+
 def test_readme_is_a_front_door():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.encode()) < 8 * 1024

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,73 @@ def test_the_design_doc_draws_the_layers_of_the_contract():
     design = (ROOT / "docs" / "design.md").read_text()
     drawn = design.split("## Layout", 1)[1].split("```", 2)[1].strip().splitlines()
     assert drawn == layers
+
+
+def _holds_code(path: Path) -> bool:
+    """Whether a module holds more than a docstring (an ``__init__`` that only names its room does not)."""
+    body = ast.parse(path.read_text()).body
+    return any(not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)) for n in body)
+
+
+def tree_rooms(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Every folder of the package holding modules (``lowercache/cache/remote/``) and its modules' names; a dunder
+    module (``__init__``, ``__main__``) only when it holds code."""
+    rooms: dict[str, set[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        modules = rooms.setdefault(path.parent.relative_to(package.parent).as_posix() + "/", set())
+        if not path.stem.startswith("__") or _holds_code(path):
+            modules.add(path.stem)
+    return rooms
+
+
+def table_rooms(design: str) -> dict[str, set[str]]:
+    """The rooms of docs/design.md's layout table and the modules each row names (every backticked name)."""
+    rooms: dict[str, set[str]] = {}
+    for line in design.split("## Layout", 1)[1].splitlines():
+        if line.startswith("| `lowercache"):
+            room, modules = (cell.strip() for cell in line.split("|")[1:3])
+            rooms[room.strip("`")] = set(re.findall(r"`([^`]+)`", modules))
+    return rooms
+
+
+def layout_mismatches(table: dict[str, set[str]], tree: dict[str, set[str]]) -> list[str]:
+    """What the table and the tree disagree on, one line each."""
+    found = [f"{room}: a room of the tree with no row" for room in sorted(tree.keys() - table.keys())]
+    found += [f"{room}: a row for a room the tree does not have" for room in sorted(table.keys() - tree.keys())]
+    for room in sorted(table.keys() & tree.keys()):
+        found += [f"{room}{m}: in the tree, not in its row" for m in sorted(tree[room] - table[room])]
+        found += [f"{room}{m}: in its row, not in the tree" for m in sorted(table[room] - tree[room])]
+    return found
+
+
+def test_the_design_docs_layout_table_lists_every_room_and_module():
+    """docs/design.md's Layout table has one row per room and names every module in it, and nothing else: a module
+    or room added, removed or renamed changes the table in the same commit."""
+    mismatches = layout_mismatches(table_rooms((ROOT / "docs" / "design.md").read_text()), tree_rooms())
+    assert not mismatches, "docs/design.md's layout table is out of step with lowercache/:\n" + "\n".join(mismatches)
+
+
+def test_the_layout_check_finds_a_room_or_module_out_of_step(tmp_path):
+    """The check itself can fail: a module the table lacks, a renamed one and a new room are each reported."""
+    package = tmp_path / "lowercache"
+    for module in ("__init__.py", "api.py", "cache/store.py", "cache/planted.py", "lowering/regions.py", "newroom/thing.py"):
+        (package / module).parent.mkdir(parents=True, exist_ok=True)
+        (package / module).write_text('"""A module."""\nx = 1\n')
+    (package / "cache" / "__init__.py").write_text('"""Only a docstring: not listed."""\n')
+    design = """## Layout
+
+| room | modules | concern |
+|---|---|---|
+| `lowercache/` | `__init__`, `api` | the face |
+| `lowercache/cache/` | `store` | the store |
+| `lowercache/lowering/` | `region` | the flow |
+"""
+    assert layout_mismatches(table_rooms(design), tree_rooms(package)) == [
+        "lowercache/newroom/: a room of the tree with no row",
+        "lowercache/cache/planted: in the tree, not in its row",
+        "lowercache/lowering/regions: in the tree, not in its row",
+        "lowercache/lowering/region: in its row, not in the tree",
+    ]
 
 
 def test_the_fast_path_is_kept_from_torch_by_contract():

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from lowercache import process_state
 from tests.helpers import ROOT
 from tests.helpers.disks import tmpfs
 from tests.helpers.runserver import explain
@@ -51,7 +52,7 @@ def request(server, **fields) -> bytes:
     """A ``run`` request as the client sends it, with the server's identity, then ``fields`` over it."""
     identity = raw(server, b'{"op":"hello"}\n')["identity"]
     message = {"op": "run", "argv": ["--version"], "cwd": str(server.project), "env": dict(server.env), "path": list(sys.path),
-               "timeout": 60, "identity": identity}
+               "timeout": 60, "identity": identity, "process": process_state.capture()}
     message.update(fields)
     return json.dumps(message).encode() + b"\n"
 
@@ -103,6 +104,9 @@ def test_requests_that_ended_the_server_get_an_error_reply(shared, tmp_path):
         ({"timeout": "60"}, "field 'timeout' must be null or a number of seconds from 0 to 1000000000"),
         ({"identity": []}, "field 'identity' must be an object"),
         ({"umask": 18}, "unknown field 'umask'"),
+        ({"process": {"umask": 18}}, "field 'process' must be an object with the client's process state"),
+        ({"process": {**process_state.capture(), "nice": 40}},
+         "field 'process' must be an object with the client's process state (bad 'nice')"),
         ({"argv": None}, "field 'argv' must be a list of at most 65536 strings"),
     ],
 )
@@ -115,9 +119,9 @@ def test_other_malformed_requests(shared, tmp_path):
     for line, why in (
         (b'{"op":"frobnicate"}\n', "unknown request 'frobnicate'"),
         (b'{"op":5}\n', "unknown request '5'"),
-        (b'{"op":"exec","argv":["python","s.py"],"cwd":"/","env":{},"executable":"/bin/python","umask":512}\n',
-         "exec request: field 'umask' must be a whole number from 0 to 511"),
-        (b'{"op":"run","argv":[]}\n', "run request: missing field(s) cwd, env, path"),
+        (b'{"op":"exec","argv":["python","s.py"],"cwd":"/","env":{},"executable":"/bin/python","umask":18}\n',
+         "exec request: unknown field 'umask'"),
+        (b'{"op":"run","argv":[]}\n', "run request: missing field(s) cwd, env, path, process"),
         (b'"just a string"\n', "a request that is not a JSON object"),
         (b"\xff\xfe\n", "a request that is not JSON"),
         (b'{"op":"status","x":1}\n', "status request: unknown field 'x'"),
@@ -357,7 +361,7 @@ def broken_fork(self, request):
 
 server.Server._fork = broken_fork  # the fault: any exception while one request is handled
 listener = server._listen(sys.argv[1])
-warm = server.Warm(threads=1, start_env={}, base_path=None)
+warm = server.Warm(threads=1, cpus=1, start_env={}, base_path=None)
 server.Server(listener, {"id": 1}, warm, idle_timeout=60, jobs=1).serve()
 """
 
@@ -371,7 +375,8 @@ def test_an_unforeseen_fault_ends_only_its_request(tmp_path):
     process = subprocess.Popen([sys.executable, "-c", HARNESS, str(path)], env=env, stderr=subprocess.PIPE, text=True)
     try:
         assert wait_until(path.exists, 60)
-        line = json.dumps({"op": "run", "argv": ["lower"], "cwd": "/", "env": {}, "path": [], "identity": {"id": 1}}).encode()
+        line = json.dumps({"op": "run", "argv": ["lower"], "cwd": "/", "env": {}, "path": [], "identity": {"id": 1},
+                           "process": process_state.capture()}).encode()
         for _ in range(2):
             assert raw(at, line + b"\n") == {"error": "the server failed on this request (ZeroDivisionError)"}
         assert raw(at, b'{"op":"status"}\n')["failed"] == 2

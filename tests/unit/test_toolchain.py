@@ -1,0 +1,69 @@
+"""The key's own-code part covers what byte-shaping code imports (docs/design.md, Keys cover lowercache itself)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lowercache.cache import toolchain
+
+pytestmark = pytest.mark.quick
+
+
+def _module_file(package: str, dotted: str) -> str | None:
+    """``lowercache.a.b`` as a path relative to ``package`` (``a/b.py`` or ``a/b/__init__.py``); None if neither."""
+    parts = dotted.split(".")[1:]
+    for candidate in ("/".join(parts) + ".py", "/".join([*parts, "__init__.py"])):
+        if parts and os.path.isfile(os.path.join(package, candidate)):
+            return candidate
+    return None
+
+
+def _imported(package: str, module: str) -> set[str]:
+    """The lowercache modules ``module`` (a path relative to ``package``) imports, anywhere in its code."""
+    dotted = "lowercache." + module.removesuffix(".py").replace("/", ".")
+    here = dotted.removesuffix(".__init__") if module.endswith("__init__.py") else dotted.rsplit(".", 1)[0]
+    tree = ast.parse(Path(package, module).read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = here.split(".")[: len(here.split(".")) - node.level + 1] if node.level else []
+            source = ".".join([*base, *([node.module] if node.module else [])])
+            names |= {source, *(f"{source}.{a.name}" for a in node.names)}
+    found = {_module_file(package, n) for n in names if n.split(".")[0] == "lowercache"}
+    return {f for f in found if f is not None}
+
+
+def unlisted(package: str) -> dict[str, list[str]]:
+    """Modules imported by byte-shaping code that are neither hashed nor excluded with a reason: module -> importers."""
+    hashed = set(toolchain.byte_shaping_modules(package))
+    missing: dict[str, list[str]] = {}
+    for module in sorted(hashed):
+        for imported in sorted(_imported(package, module)):
+            if imported not in hashed and imported not in toolchain.NOT_BYTE_SHAPING:
+                missing.setdefault(imported, []).append(module)
+    return missing
+
+
+def test_every_import_of_byte_shaping_code_is_hashed_or_excluded_with_a_reason():
+    assert unlisted(toolchain._PACKAGE) == {}
+    assert all(reason.strip() for reason in toolchain.NOT_BYTE_SHAPING.values())
+
+
+def test_a_new_import_of_unlisted_code_is_found(tmp_path):
+    package = tmp_path / "lowercache"
+    shutil.copytree(toolchain._PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__"))
+    flow = package / "lowering" / "flow.py"
+    flow.write_text(flow.read_text() + "\n\ndef _late():\n    from ..watch import watch  # noqa: F401\n")
+    assert unlisted(str(package)) == {"watch.py": ["lowering/flow.py"]}
+
+
+def test_delegation_is_in_the_key():
+    """Its section is stored with the flow entry, so an edit to it must change every key."""
+    assert "delegation.py" in toolchain.byte_shaping_modules()
