@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import select
 import struct
 import subprocess
@@ -13,6 +14,8 @@ import sys
 import termios
 import time
 from pathlib import Path
+
+import pytest
 
 from tests.helpers.cli import TINY
 from tests.helpers.server import TARGET, Server
@@ -96,7 +99,7 @@ def test_terminal_pipe_and_ci_log_runs_share_one_record_and_the_third_run_on_is_
             assert int(server.status()["served"]) == i + 1
         else:
             assert manifest["direct"].get("outcome") == "hit", (i, how.__name__, extra, shown[-2000:])
-            assert "served from the record" in shown
+            assert re.search(r"served from the record, no factory run \(\d+\.\d\d s\)", shown), shown[-2000:]
     assert int(server.status()["served"]) == 2
 
 
@@ -147,3 +150,11 @@ def test_a_variable_only_native_code_reads_is_an_input_of_the_record_and_of_the_
     assert int(server.status(NATIVE_WIDTH="16")["pid"]) != pid
     explained = server("explain", "model.py:model", "-t", TARGET, NATIVE_WIDTH="16").stdout
     assert "environment variable NATIVE_WIDTH differs from the record's" in explained, explained
+
+
+@pytest.mark.quick
+def test_a_hit_says_the_commands_own_time_from_its_start():
+    """Not the time since the record was looked up, which leaves out the interpreter's start and the imports."""
+    code = "import time; time.sleep(0.5); from lowercache.direct import command_seconds; print(command_seconds())"
+    took = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout)
+    assert took >= 0.5
