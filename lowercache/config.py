@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,6 +138,8 @@ def default_cache_dir() -> Path:
 def _read_config_file(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
+    import tomllib  # only when there is a file: its import compiles regular expressions a direct-mode hit need not pay
+
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
