@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import sys
-import threading
 import traceback
 from pathlib import Path
 from typing import Any, Iterator, List, Optional
@@ -29,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import estimates
+from . import phases
 from ..errors import INTERRUPTED, LowercacheError, by_ctrl_c, interrupted, user_line
 from ..output import counted
 
@@ -215,12 +215,13 @@ def lower(
         if not settings.disable:
             api.open_store(settings).close()  # fail early on an unusable cache directory
         recorder = direct.start(model, target, out_dir, per_tensor, calibration, settings, system_config, memory_mode)  # what the factory reads
-        loaded = direct.recorded(recorder, loading.load_model, model)
-        samples = None
-        if calibration is not None:
-            samples = loading.load_calibration(str(calibration))
-            loading.check_calibration(samples, loaded.example_inputs, str(calibration))
-        with _progress() as listener:
+        with phases.progress(err, phases.planned(resolve(target).quantized, settings.check)) as timed:
+            timed.begin("load")
+            loaded = direct.recorded(recorder, loading.load_model, model)
+            samples = None
+            if calibration is not None:
+                samples = loading.load_calibration(str(calibration))
+                loading.check_calibration(samples, loaded.example_inputs, str(calibration))
             artifacts = api.lower(
                 loaded.program if loaded.program is not None else loaded.module,
                 loaded.example_inputs,
@@ -228,7 +229,7 @@ def lower(
                 calibration=samples,
                 per_channel=not per_tensor,
                 name=loaded.name,
-                listener=direct.listening(recorder, listener),
+                listener=direct.listening(recorder, timed.listener),
                 settings=settings,
                 system_config=system_config,
                 memory_mode=memory_mode,
@@ -240,7 +241,9 @@ def lower(
         _fail_input(e)
     except Exception as e:  # a failure inside torch.export or ExecuTorch
         _fail_lowering(e)
-    _print_summary(artifacts.records, artifacts.stages)
+    grid, total = phases.table(timed, artifacts.records, _verbose)
+    err.print(grid)
+    err.print(total, markup=False, highlight=False)
     said, summarized = estimates.outcome(artifacts.delegation, out_dir, target)
     for line in said + numerics_report.lines(artifacts.numerics):
         err.print(f"lowercache: {line}", markup=False, highlight=False, soft_wrap=True)
@@ -253,34 +256,6 @@ def lower(
     if short is not None:
         print(f"lowercache: error: {short}", file=sys.stderr)
         raise typer.Exit(1)
-
-
-@contextlib.contextmanager
-def _progress() -> Iterator[Any]:
-    """A listener showing the running stage: a spinner on a terminal, plain lines in a CI log."""
-    if not err.is_terminal:
-        def plain(phase: str, record: Any, label: str) -> None:
-            if phase == "stage":
-                print(f"lowercache: {label}", file=sys.stderr, flush=True)
-
-        yield plain
-        return
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from ..record.recorder import own_thread
-
-    before = set(threading.enumerate())
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True) as progress:
-        for thread in set(threading.enumerate()) - before:  # rich's redraw thread, started by entering: ours, not the factory's
-            thread.name = "lowercache-progress"
-            own_thread(thread)
-        task = progress.add_task("loading", total=None)
-
-        def live(phase: str, record: Any, label: str) -> None:
-            if phase in ("stage", "start"):
-                progress.update(task, description=label)
-
-        yield live
 
 
 def _run_summary(artifacts: Any, written: list[Path], out_dir: Path) -> dict[str, Any]:
@@ -299,29 +274,6 @@ def _run_summary(artifacts: Any, written: list[Path], out_dir: Path) -> dict[str
         "saved_seconds": round(sum(r["saved"] for r in artifacts.records if r["outcome"] == "hit"), 4),
         "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
     }
-
-
-def _print_summary(records: list[dict], stages: dict[str, float]) -> None:
-    table = Table(title="lowercache steps")
-    for column in ("step", "outcome", "seconds", "saved"):
-        table.add_column(column)
-    from ..cache.steps import BULK_KINDS, listed, outcome_counts
-
-    for r in listed(records):
-        table.add_row(f"{r['kind']}: {r['name']}", r["outcome"], f"{r['seconds']:.2f}", f"{r['saved']:.2f}")
-    for kind in sorted(BULK_KINDS) if _verbose else ():  # passes, observers, decompositions: internals, shown with -v
-        bulk = [r for r in records if r["kind"] == kind]
-        if bulk:
-            counts = ", ".join(f"{n} {o}" for o, n in sorted(outcome_counts(bulk)[kind].items()))
-            seconds = sum(r["seconds"] for r in bulk)
-            table.add_row(f"{kind}: {counted(len(bulk), 'step')}", counts, f"{seconds:.2f}", f"{sum(r['saved'] for r in bulk):.2f}")
-    err.print(table)
-    saved = sum(r["saved"] for r in records if r["outcome"] == "hit")
-    total = sum(stages.values())
-    if any(r["outcome"] == "hit" for r in listed(records)):
-        err.print(f"total {total:.2f}s; served from cache: {saved:.2f}s of work saved")
-    else:  # a cold run: the few internal steps another model left are not what the user asked about
-        err.print(f"total {total:.2f}s")
 
 
 def _vela_args(system_config: Optional[str], memory_mode: Optional[str]) -> list[str]:

@@ -75,14 +75,33 @@ def test_the_first_lower_says_it_starts_the_server_and_shows_progress_from_it(ow
     code, shown = at_a_terminal(server, "lower", TINY, "-t", "ethos-u55-128", "-o", str(tmp_path / "out"))
     assert code == 0, shown[-3000:]
     starting = shown.find("starting the lowering server")
-    table = shown.find("lowercache steps")
+    table = shown.find("where the time went")
     assert 0 <= starting < table, shown[:2000]
-    # the spinner, drawn by the server's child on the client's terminal, names the stages as they run (a stage shorter
-    # than one refresh may be skipped: any of them shows it drew)
+    # the spinner, drawn by the server's child on the client's terminal, counts the phases as they run, by the names the
+    # table ends with (a phase shorter than one refresh may be skipped: any of them shows it drew)
     between = shown[starting:table]
-    assert any(stage in between for stage in ("export", "quantize:", "to_edge", "tosa: partition", "vela: partition")), between[:2000]
+    counted = set(re.findall(r"\[\d/7\] ([a-z_ ]+?)(?::|\s\s|\x1b|$)", between))
+    assert counted & {"export", "quantize", "to_edge", "cache lookup", "to_executorch"}, between[:2000]
+    rows = {name for name in ("load the model", "export", "import the Arm backend", "cache lookup", "quantize", "to_edge", "to_executorch")
+            if re.search(rf"│ {name} +│", shown[table:])}
+    assert counted <= rows, (counted, shown[table:])
     assert "\x1b[" in between  # drawn as on a terminal
     assert server.status()  # it went through the server
+
+
+def test_a_log_gets_a_line_per_phase_with_its_time_and_the_table_adds_them_up(tmp_path):
+    """From a pipe: ``lowercache: [3/7] import the Arm backend: 0.00 s`` as each phase ends; the table's rows are those
+    phases with those seconds, and its total is their sum."""
+    result = subprocess.run([sys.executable, "-m", "lowercache.cli", "lower", TINY, "-t", TARGET, "-o", str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "LOWERCACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "120"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = re.findall(r"^lowercache: \[(\d)/(\d)\] ([a-zA-Z_ ]+): (\d+\.\d\d) s$", result.stderr, re.M)
+    assert [int(i) for i, _, _, _ in lines] == list(range(1, 8)) and {n for _, n, _, _ in lines} == {"7"}, result.stderr
+    rows = re.findall(r"^│ ([a-zA-Z_ ]+?) +│ +(\d+\.\d\d) │", result.stderr, re.M)
+    assert [(name, seconds) for _, _, name, seconds in lines] == rows, result.stderr
+    total = re.search(r"^total (\d+\.\d\d) s", result.stderr, re.M)
+    assert total is not None and abs(float(total.group(1)) - sum(float(s) for _, s in rows)) < 0.011 * len(rows)
 
 
 def test_terminal_pipe_and_ci_log_runs_share_one_record_and_the_third_run_on_is_a_direct_hit(own, tmp_path):
