@@ -20,17 +20,15 @@ from typing import Any, Callable
 from rich.console import Console
 from rich.table import Table
 
-from ..output import counted
+from ..output import STEP_WORDS, counted, served
 
 # Stage names as the flow gives them, and as a user reads them (ExecuTorch's own API names where it has one).
 NAMES = {"load": "load the model", "export": "export", "backend": "import the Arm backend", "hash": "cache lookup",
          "quantize": "quantize", "to_edge": "to_edge",
          "to_executorch": "to_executorch", "check": "numerics check", "layers": "per-layer check"}
-# The phase each kind of cached step runs in, and what the step is in a user's words.
+# The phase each kind of cached step runs in.
 PHASE_OF = {"reexport": "export", "flow": "hash", "quantize": "quantize", "tosa": "to_edge", "vela": "to_edge", "regions": "to_edge",
             "check": "check", "reference": "check", "layers": "layers"}
-WORDS = {"reexport": "re-export", "flow": "whole lowering", "quantize": "quantized model", "tosa": "TOSA", "vela": "Vela",
-         "regions": "TOSA regions", "check": "numerics", "reference": "reference", "layers": "per-layer numerics"}
 
 
 def planned(quantized: bool, check: str) -> list[str]:
@@ -77,7 +75,7 @@ class Phases:
             self.begin(label)
         elif phase == "start" and self.show is not None and self.running:
             kind, _, name = label.partition(": ")
-            self.show(f"{self.counter(self.running)}: {WORDS.get(kind, kind)}, {name}")
+            self.show(f"{self.counter(self.running)}: {STEP_WORDS.get(kind, kind)}, {name}")
 
 
 def table(phases: Phases, records: list[dict[str, Any]], verbose: bool) -> tuple[Table, str]:
@@ -108,13 +106,11 @@ def table(phases: Phases, records: list[dict[str, Any]], verbose: bool) -> tuple
 
 def _outcomes(records: list[dict[str, Any]]) -> str:
     """``TOSA: 2 hits, 1 miss; Vela: 1 miss`` for a phase's cached steps (a lone step: ``re-export: hit``)."""
-    said = []
-    for kind in dict.fromkeys(r["kind"] for r in records):
-        mine = [r["outcome"] for r in records if r["kind"] == kind]
-        counts = {o: mine.count(o) for o in dict.fromkeys(mine)}
-        words = ", ".join(o if len(mine) == 1 else f"{n} {o if n == 1 else o + ('es' if o.endswith('s') else 's')}" for o, n in counts.items())
-        said.append(f"{WORDS.get(kind, kind)}: {words}")
-    return "; ".join(said)
+    counts: dict[str, dict[str, int]] = {}
+    for r in records:
+        counts.setdefault(r["kind"], {}).setdefault(r["outcome"], 0)
+        counts[r["kind"]][r["outcome"]] += 1
+    return served(counts)
 
 
 def progress(console: Console, plan: list[str]) -> Any:
