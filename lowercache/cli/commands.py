@@ -126,6 +126,23 @@ def _fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
+def _counted_failure(settings: Any, why: str) -> None:
+    """A failed ``lower`` counts in ``stats`` (``input``: the user's to fix; ``lowering``: inside torch or ExecuTorch), as
+    ccache counts failed compilations; nothing when there is no cache to count in."""
+    if settings is None or settings.disable or settings.read_only:
+        return
+    from ..cache.tiers import open_store
+
+    try:
+        store = open_store(dataclasses.replace(settings, remote=""))
+    except LowercacheError:
+        return
+    try:
+        store.add_counts({"failed": {why: 1}})
+    finally:
+        store.close()
+
+
 def _fail_input(e: LowercacheError) -> None:
     """The one line of an error in the user's input; under ``LOWERCACHE_DEBUG`` first the traceback of what caused it
     (a factory that raised, a model file that failed to import)."""
@@ -206,6 +223,7 @@ def lower(
 
     _json_errors = as_json
 
+    settings = None
     try:
         settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote, direct=False if no_direct else None,
                              check=parse_check(check, "--check") if check is not None else None)
@@ -238,8 +256,10 @@ def lower(
         direct.finish(recorder, artifacts.records, artifacts.manifest)
         written = api.write_artifacts(artifacts, out_dir)
     except LowercacheError as e:
+        _counted_failure(settings, "input")
         _fail_input(e)
     except Exception as e:  # a failure inside torch.export or ExecuTorch
+        _counted_failure(settings, "lowering")
         _fail_lowering(e)
     grid, total = phases.table(timed, artifacts.records, _verbose)
     err.print(grid)
@@ -426,35 +446,21 @@ def stats(
     as_json: bool = typer.Option(False, "--json", metavar="", help="Print the figures as one JSON object on stdout."),
     zero: bool = typer.Option(False, "--zero", "-z", metavar="", help="Set the counters (hits, misses, time saved) back to zero; entries stay."),
 ) -> None:
-    """Entries, size and hit rate by step kind."""
+    """Size against the limit, when counters were zeroed, lowerings served and lowered, errors, hit rate by step (as ccache -s)."""
+    from . import stats as report
+
     with _local_store(cache_dir) as store:
         if zero:
             store.zero_counters()
             out.print(f"counters of {store.directory} set to zero", markup=False, highlight=False)
             return
-        counters = store.counters()
-        entries = store.entry_count()
-        outcomes = ("hit", "remote_hit", "miss", "skip", "bypass", "noop", "ran")
-        kinds = sorted({k.split("/")[1] for k in counters if k.startswith("count/")})
-        if as_json:
-            by_kind = {kind: {o: counters.get(f"count/{kind}/{o}", 0) for o in outcomes} for kind in kinds}
-            print(json.dumps({"cache_dir": str(store.directory), "steps": entries["actions"], "blobs": entries["blobs"],
-                              "bytes": store.volume(), "saved_seconds": counters.get("saved_ms", 0) / 1000, "outcomes": by_kind},
-                             indent=2, sort_keys=True))
-            return
-        out.print(f"cache directory  {store.directory}")
-        out.print(f"entries          {entries['actions']} steps, {entries['blobs']} blobs")
-        out.print(f"size             {store.volume() / 2**20:.1f} MiB")
-        out.print(f"time saved       {counters.get('saved_ms', 0) / 1000:.1f} s")
-        table = Table(title="outcomes by step kind")
-        for column in ("kind", "hits (local+remote)", "of which remote", "miss", "skip", "bypass", "noop", "ran", "hit rate"):
-            table.add_column(column)
-        for kind in kinds:
-            n = {o: counters.get(f"count/{kind}/{o}", 0) for o in outcomes}
-            looked = n["hit"] + n["miss"]
-            rate = f"{100 * n['hit'] / looked:.0f}%" if looked else "-"
-            table.add_row(kind, *(str(n[o]) for o in outcomes), rate)
-        out.print(table)
+        found = report.figures(store, _settings(cache_dir).max_size)
+    if as_json:
+        print(json.dumps(found, indent=2, sort_keys=True))
+        return
+    for line in report.summary(found):
+        out.print(line, markup=False, highlight=False, soft_wrap=True)
+    out.print(report.table(found, _verbose))
 
 
 @app.command(cls=_Command)

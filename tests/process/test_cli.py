@@ -60,7 +60,7 @@ def test_lower_twice_writes_identical_outputs_and_explains(tmp_path, lowered_onc
     assert (out / "model.pte").read_bytes() == files["model.pte"]
 
     stats = cli("stats", cache_dir=cache_dir)
-    assert stats.returncode == 0 and "flow" in stats.stdout
+    assert stats.returncode == 0 and re.search(r"│ whole lowering +│ +1 │ +1 │ +50% │", stats.stdout), stats.stdout
 
     # An edit: explain names the part that changed.
     edited = tmp_path / "edited.py"
@@ -403,3 +403,9 @@ def test_stats_json_and_zero_and_a_json_error(tmp_path, cache_dir):
     failed = cli("lower", "nothere.py:model", "-t", "tosa-fp", "-o", tmp_path / "x", "--json", cache_dir=cache_dir, cwd=tmp_path)
     assert failed.returncode == 2
     assert json.loads(failed.stdout) == {"error": "model file not found: nothere.py", "exit": 2}
+    # as ccache -s: the limit, when the counters were zeroed, what failed; no line past 80 columns but the directory's
+    after = json.loads(cli("stats", "--json", cache_dir=cache_dir).stdout)
+    assert after["failed"] == {"input": 1, "lowering": 0} and after["zeroed"] is not None and after["max_bytes"] > after["bytes"]
+    shown = cli("stats", cache_dir=cache_dir, env={"COLUMNS": "80"}).stdout
+    assert "errors           1 (1 in the input, 0 inside torch or ExecuTorch)" in shown and "counters zeroed  20" in shown, shown
+    assert all(len(line) <= 80 for line in shown.splitlines() if not line.startswith("cache directory")), shown
