@@ -258,6 +258,21 @@ def test_help_names_the_environment_variables():
     assert checked >= 10
 
 
+@pytest.mark.quick
+def test_usage_lines_name_arguments_as_users_write_them():
+    """``lower [OPTIONS] MODEL``, not typer's ``{MODEL}`` (nor ``{model}``)."""
+    from typer.testing import CliRunner
+
+    from lowercache.cli.commands import app
+
+    usage = {}
+    for name in ("lower", "verify", "watch", "explain", "build", "export", "import"):
+        result = CliRunner().invoke(app, [name, "--help"], prog_name="lowercache", env={"COLUMNS": "200", "TERM": "dumb"})
+        usage[name] = next(line.strip() for line in result.output.splitlines() if "Usage:" in line)
+    assert usage["lower"] == "Usage: lowercache lower [OPTIONS] MODEL" and usage["build"] == "Usage: lowercache build [OPTIONS] [NAME]..."
+    assert usage["export"].endswith(" FILE") and not any("{" in line for line in usage.values()), usage
+
+
 def test_a_model_stock_cannot_lower_gives_the_root_cause(tmp_path, cache_dir):
     """ExecuTorch wraps the failure in a line listing every pass; the error names the cause and the node instead."""
     model = f"{ROOT}/tests/helpers/op_zoo.py:unlowerable"
