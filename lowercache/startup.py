@@ -21,6 +21,7 @@ import os
 import site
 import stat
 import sys
+import sysconfig
 from typing import Any, Iterable
 
 from . import environment
@@ -97,6 +98,108 @@ def site_files() -> list[list[Any]]:
     return found
 
 
+CUSTOMIZE = ("sitecustomize", "usercustomize")
+
+
+def _pth_paths(directory: str, text: str) -> list[str]:
+    """The directories a ``.pth`` file's path lines add to the search path, as ``site.addpackage`` adds them."""
+    found = []
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip() or line.startswith(("import ", "import\t")):
+            continue
+        path = os.path.abspath(os.path.join(directory, line.rstrip()))
+        if os.path.exists(path):
+            found.append(path)
+    return found
+
+
+def _module_file(directory: str, name: str) -> str | None:
+    """The file ``name`` is imported from in ``directory``, in the order the import system's file finder tries them."""
+    package = os.path.join(directory, name, "__init__.py")
+    if os.path.isfile(package):
+        return package
+    for suffix in (*importlib.machinery.EXTENSION_SUFFIXES, *importlib.machinery.SOURCE_SUFFIXES,
+                   *importlib.machinery.BYTECODE_SUFFIXES):
+        path = os.path.join(directory, name + suffix)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _content(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return digest(f.read())
+    except OSError:
+        return None
+
+
+def _stdlib_path() -> list[str]:
+    """The standard library's entries of the search path (its zip, its directory, lib-dynload), as the interpreter set them."""
+    bases = tuple(os.path.join(os.path.normpath(b), "") for b in {sys.base_prefix, sys.base_exec_prefix})
+    sites = {os.path.normpath(d) for d in _site_dirs()}
+    return [p for p in sys.path if p and os.path.isabs(p) and p.startswith(bases) and os.path.normpath(p) not in sites]
+
+
+def start_code(environ: dict[str, str] | Any) -> list[list[Any]]:
+    """The code a new interpreter under ``environ`` runs before the user's first line, with its content digests.
+
+    ``site`` runs every ``import`` line of each ``.pth`` file, then imports
+    ``sitecustomize`` and ``usercustomize`` from the first directory of the
+    start-up search path that has them (``PYTHONPATH`` first; not the script's
+    directory, which is added later). That happens before any audit hook can
+    listen, so it is enumerated: each ``.pth`` file's content, the file each
+    customize module resolves to (or none), and every module outside the
+    standard library that the start-up had imported when lowercache first ran
+    (what that code imported; site-packages' by stat, the rest by content).
+    """
+    if sys.flags.no_site:
+        return []
+    found: list[list[Any]] = []
+    tail: list[str] = []
+    for directory in _site_dirs():
+        tail.append(directory)
+        try:
+            names = sorted(n for n in os.listdir(directory) if n.endswith(".pth"))
+        except OSError:
+            continue
+        for name in names:
+            try:
+                with open(os.path.join(directory, name), "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            found.append(["pth", directory, name, digest(data)])
+            tail += _pth_paths(directory, data.decode("utf-8", "replace"))
+    pythonpath = None if sys.flags.ignore_environment else without_dir(environ.get("PYTHONPATH"), HOOK_DIR)
+    search = [*(os.path.abspath(p) for p in (pythonpath.split(os.pathsep) if pythonpath else [])), *_stdlib_path(), *tail]
+    for name in CUSTOMIZE if site.ENABLE_USER_SITE else CUSTOMIZE[:1]:
+        origin = next((f for f in (_module_file(d, name) for d in search) if f is not None), None)
+        found.append(["customize", name, origin, _content(origin) if origin else None])
+    return found + _started_with()
+
+
+def _started_with() -> list[list[Any]]:
+    """The modules outside the standard library that were imported before lowercache first ran (``lowercache.STARTED_WITH``)."""
+    started_with = getattr(sys.modules.get(__name__.partition(".")[0]), "STARTED_WITH", ())  # the package's own snapshot
+
+    stdlib = tuple(os.path.join(os.path.normpath(sysconfig.get_paths()[k]), "") for k in ("stdlib", "platstdlib"))
+    sites = tuple(os.path.join(os.path.normpath(d), "") for d in _site_dirs())
+    found = []
+    for name in sorted(started_with):
+        origin = getattr(sys.modules.get(name), "__file__", None)
+        if name == "__main__" or name.split(".")[0] == "lowercache" or not isinstance(origin, str) or not os.path.isabs(origin):
+            continue  # the program being run, and lowercache's own sources (in every identity by their digest)
+        if origin.startswith(sites):  # first: a venv's site-packages is inside its platstdlib
+            try:
+                found.append(["module", name, origin, *stat_key(os.stat(origin))])
+            except OSError:
+                found.append(["module", name, origin, None])
+        elif not origin.startswith(stdlib):
+            found.append(["module", name, origin, _content(origin)])
+    return found
+
+
 def state(environ: dict[str, str] | Any = None) -> dict[str, Any]:
     """The interpreter's start-up state: what two processes must share to run the same code to the same result.
 
@@ -112,6 +215,7 @@ def state(environ: dict[str, str] | Any = None) -> dict[str, Any]:
         "options": [list(sys.warnoptions), sorted(f"{k}={v}" for k, v in sys._xoptions.items())],
         "variables": {name: digest(value.encode("utf-8", "surrogateescape")) for name, value in sorted(variables(environ).items())},
         "site": digest_json(site_files()),
+        "code": digest_json(start_code(environ)),
     }
 
 
@@ -123,7 +227,8 @@ def changed(old: dict[str, Any] | Any, new: dict[str, Any], whose: str) -> str |
         return "the interpreter's start-up state is unknown"
     for part, label in (("interpreter", "the Python interpreter differs"), ("flags", "the interpreter's flags (-O, -B, ...) differ"),
                         ("options", "the interpreter's -W or -X options differ"),
-                        ("site", "site-packages' .pth files or import finders differ")):
+                        ("site", "site-packages' .pth files or import finders differ"),
+                        ("code", "the code the interpreter runs at start (.pth lines, sitecustomize, usercustomize) differs")):
         if old.get(part) != new.get(part):
             return f"{label} from {whose}"
     ours, theirs = old.get("variables") or {}, new.get("variables") or {}
