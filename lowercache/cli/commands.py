@@ -784,7 +784,7 @@ def run_in_process(args: List[str]) -> object:
                 print(json.dumps({"error": problem, "exit": 2}, sort_keys=True))
             return 2
     code: object = 0
-    with quiet.captured(import_torch=command in _TORCH_COMMANDS) as noise:
+    with quiet.captured(import_torch=command in _TORCH_COMMANDS and "--help" not in options) as noise:  # help needs no torch
         try:
             app(args=args, prog_name="lowercache")
         except SystemExit as e:  # typer turns Ctrl-C into a silent exit 130

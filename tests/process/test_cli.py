@@ -386,7 +386,8 @@ _IMPORTS_TORCH = ("import runpy, sys\nsys.argv = ['lowercache', *sys.argv[1:]]\n
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("command", [["stats"], ["explain", "model.py:model", "-t", "tosa-fp"], ["gc"], ["config"], ["server", "status"]])
+@pytest.mark.parametrize("command", [["stats"], ["explain", "model.py:model", "-t", "tosa-fp"], ["gc"], ["config"], ["server", "status"],
+                                     ["lower", "--help"], ["verify", "--help"]])
 def test_housekeeping_commands_import_no_torch(command, tmp_path, cache_dir):
     """docs/server.md: the cheap commands stay in the client and never pay torch's import (1.2 s or more)."""
     (tmp_path / "model.py").write_text("")
