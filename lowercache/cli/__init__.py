@@ -41,6 +41,9 @@ def dispatch(args: List[str]) -> object:
     from ..shadowing import own_imports
 
     new_command()
+    if args == ["--version"]:  # as the typer option says it, without importing typer
+        print(version_line())
+        return 0
     command = next((a for a in args if not a.startswith("-")), None)
     if command == "lower":  # direct mode: an unchanged lowering answered from its record, without torch (docs/direct-mode.md)
         args = check_spelled(args)
@@ -63,6 +66,15 @@ def dispatch(args: List[str]) -> object:
         if served is not None:
             return served
     return run_in_process(args)
+
+
+def version_line() -> str:
+    """``lowercache 0.1.0 (torch ..., executorch ..., tosa-tools ..., ethos-u-vela ...)``."""
+    from ..cache.toolchain import versions
+
+    found = versions(("lowercache", "torch", "executorch", "tosa-tools", "ethos-u-vela"))
+    return (f"lowercache {found['lowercache']} (torch {found['torch']}, executorch {found['executorch']}, "
+            f"tosa-tools {found['tosa-tools']}, ethos-u-vela {found['ethos-u-vela']})")
 
 
 def check_spelled(args: List[str]) -> List[str]:

@@ -717,10 +717,9 @@ _TORCH_COMMANDS = {"lower", "verify", "bench", "speedups"}
 
 def _print_version(asked: bool) -> None:
     if asked:
-        from ..cache.toolchain import version
+        from . import version_line
 
-        out.print(f"lowercache {version('lowercache')} (torch {version('torch')}, executorch {version('executorch')}, "
-                  f"tosa-tools {version('tosa-tools')}, ethos-u-vela {version('ethos-u-vela')})", markup=False, highlight=False)
+        out.print(version_line(), markup=False, highlight=False)
         raise typer.Exit(0)
 
 
