@@ -80,7 +80,7 @@ def test_the_first_lower_says_it_starts_the_server_and_shows_progress_from_it(ow
     # the spinner, drawn by the server's child on the client's terminal, counts the phases as they run, by the names the
     # table ends with (a phase shorter than one refresh may be skipped: any of them shows it drew)
     between = shown[starting:table]
-    counted = set(re.findall(r"\[\d/7\] ([a-z_ ]+?)(?::|\s\s|\x1b|$)", between))
+    counted = {name.strip() for name in re.findall(r"\[\d/7\] ([a-zA-Z_ ]+?)(?::|\s\s|\x1b|$)", between)}
     assert counted & {"export", "quantize", "to_edge", "cache lookup", "to_executorch"}, between[:2000]
     rows = {name for name in ("load the model", "export", "import the Arm backend", "cache lookup", "quantize", "to_edge", "to_executorch")
             if re.search(rf"│ {name} +│", shown[table:])}
