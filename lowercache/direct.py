@@ -38,7 +38,8 @@ from .lowering.targets import resolve
 from .output import check_output_dir, counted, write_files
 from .record.places import Places, hop_dirs, project_root
 from .record.recorder import Recorder, initial_environ, keep_initial_environ, listen
-from .record.trust import UNSEEN, Words, check_inputs, identity, identity_changed, inputs_changed, put_status, status_lines, verdict
+from .record.trust import (UNSEEN, Words, check_inputs, elsewhere, identity, identity_changed, inputs_changed, put_status, status_lines,
+                           verdict)
 
 KIND = "direct"
 T = TypeVar("T")
@@ -48,6 +49,7 @@ WORDS = Words(
     who="the factory",
     same="gives the same flow key",
     gave_same="gave the same flow key",
+    elsewhere="lowered differently in another directory",
     differed="identical inputs lowered differently (another flow key): the factory reads something direct mode "
              "cannot see, such as an unseeded random generator or the time",
 )
@@ -259,6 +261,7 @@ def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], man
         recorder.unrecordable,
         lambda previous: previous.get("flow", {}).get("key") == record["flow"]["key"],
         WORDS,
+        request.root,
     )
     found.stamp(record)
     store.put(KIND, key, Entry(meta=record))
@@ -305,6 +308,12 @@ def _changed(
         return "the module search path changed"
     return inputs_changed(inputs, Places(request.root), record["recorded_ns"], request.cwd, environ)
 
+
+
+def _elsewhere(record: dict[str, Any], request: Request, settings: Settings) -> str | None:
+    """Why the record cannot answer in this project's directory (``record/trust.py``'s rule), or None."""
+    _check_shape(record)
+    return elsewhere(record["inputs"]["location"], request.root, settings.portable_records, WORDS)
 
 
 def _check_shape(record: dict[str, Any]) -> None:
@@ -367,6 +376,8 @@ def lookup(request: Request, settings: Settings, store: Any, environ: dict[str, 
     try:
         if record.get("status") != "confirmed":
             why = f"the record is {record.get('status')}: {record.get('reason')}"
+        elif (why := _elsewhere(record, request, settings)) is not None:
+            pass
         else:
             syspath = [Places(request.root).ref(os.path.abspath(p or ".")) for p in sys.path]
             why = _changed(record, request, settings, syspath, environ if environ is not None else initial_environ())
