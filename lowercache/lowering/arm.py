@@ -284,7 +284,7 @@ def _undo() -> None:
 
 def import_backend() -> None:
     """Import the Arm backend's modules the hooks wrap, and the speed-ups' patches: seconds in a new process, nothing in
-    the warm server's child. A stage of its own, so that the cache lookup after it is not said to take that long."""
+    the warm server's child. Only on a miss: a hit needs none of it."""
     import importlib
 
     for name in HOOK_MODULES:

@@ -19,7 +19,7 @@ from typing import Any, Callable, ClassVar, Iterator
 
 from .. import sweep
 from ..cache.digests import digest_json
-from ..cache.toolchain import lowercache_digest
+from ..cache.toolchain import lowercache_digest, memo_prefixes
 from ..config import Settings
 from .places import (RACY_NS, STAT_FIELDS, Places, bytecode_matches, dir_listing, entries, named, path_state, size, stdlib_dirs,
                      work_tree)
@@ -175,6 +175,7 @@ class Recorder:
         self.places = Places(root)
         self.covered = tuple(d + os.sep for d in (*stdlib_dirs(), *self.places.anchors.values()) if d != self.places.anchors["root"])
         self.covered += tuple(os.path.join(_PACKAGE, room) + os.sep for room in ("cache", "lowering", "speedups"))
+        self.covered += memo_prefixes()
         self.paused = True
         self.paths: set[str] = set()
         self.listings: set[str] = set()
@@ -248,7 +249,8 @@ class Recorder:
                 self.paths.add(path)
 
     def opened_fd(self, fd: int) -> None:
-        """``open(fd)``: importlib writes bytecode so (``_write_atomic``: ``os.open``, then ``FileIO(fd)``), a scratch write.
+        """``open(fd)``: importlib writes bytecode so (``_write_atomic``: ``os.open``, then ``FileIO(fd)``), a scratch write,
+        and lowercache its toolchain memos (``mkstemp``, then ``fdopen``).
 
         Any other descriptor (a pipe, a socket, a file of the user's) says nothing of what it reads: refused.
         """
@@ -256,7 +258,7 @@ class Recorder:
             target = _readlink(f"/proc/self/fd/{fd}")
         except OSError:
             target = ""
-        if os.path.isabs(target) and _PYCACHE in target:
+        if os.path.isabs(target) and (_PYCACHE in target or target.startswith(memo_prefixes())):
             self.wrote(target)
         else:
             self.refuse("opened a file descriptor")
@@ -293,7 +295,7 @@ class Recorder:
     def wrote(self, path: str) -> None:
         """A file the window changed is no input; outside scratch space (temporary files, bytecode) it is a side effect a hit would skip."""
         self.written.add(path)
-        scratch = path.startswith(self.scratch) or "__pycache__" in path or path == os.devnull
+        scratch = path.startswith((*self.scratch, *memo_prefixes())) or "__pycache__" in path or path == os.devnull
         if not scratch:
             self.refuse(f"wrote {path}")
 

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from ..cache.digests import digest, digest_json
 from ..cache.store import Entry
+from ..cache.toolchain import memo_prefixes
 from ..client import exec_through_server
 from ..config import Settings, load_settings
 from ..errors import LowercacheError
@@ -146,7 +147,7 @@ class CommandRecorder(Recorder):
 
     def wrote(self, path: str) -> None:
         self.written.add(path)
-        if "__pycache__" in path or path == os.devnull or (path + os.sep).startswith(self.cache):
+        if "__pycache__" in path or path == os.devnull or (path + os.sep).startswith(self.cache) or path.startswith(memo_prefixes()):
             return
         if (path + os.sep).startswith(self.allowed):
             self.outputs.add(path)
