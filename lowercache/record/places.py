@@ -82,6 +82,27 @@ def stat_meta(st: os.stat_result, fields: Any) -> dict[str, int]:
     return {f: (stat.S_IMODE(st.st_mode) if f == "mode" else getattr(st, f"st_{f}")) for f in sorted(fields)}
 
 
+def is_system(st: os.stat_result) -> bool:
+    """A device node (``/dev/null``, ``/dev/urandom``) or a file of a kernel file system (``/proc``, ``/sys``)."""
+    return stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or os.major(st.st_dev) == 0 and _kernel_fs(st.st_dev)
+
+
+def _kernel_fs(dev: int) -> bool:
+    """Whether device ``dev`` holds one of the kernel's own file systems (``/proc/self/mountinfo``)."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            for line in f:
+                fields, _, rest = line.partition(b" - ")
+                parts = fields.split()
+                major, _, minor = parts[2].partition(b":")
+                if os.makedev(int(major), int(minor)) == dev:
+                    return rest.split(b" ", 1)[0] in (b"proc", b"sysfs", b"cgroup", b"cgroup2", b"devpts", b"debugfs",
+                                                       b"tracefs", b"securityfs", b"bpf", b"mqueue", b"nsfs")
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def _file_digest(path: str) -> str:
     with open(path, "rb") as f:
         return digest(f.read())

@@ -183,5 +183,5 @@ def status_lines(store: Any, name: Callable[[str], str], prefix: str = "") -> li
 
 
 # What no record sees, said by ``explain`` (docs/direct-mode.md, Limits).
-UNSEEN = ("cannot see: files native code reads outside the project tree, or inside it away from the model with a suffix "
-          "the sweep does not know; variables C code reads itself; a directory's mode or mtime")
+UNSEEN = ("cannot see: what another process reads for the code, a file read through a descriptor opened before the "
+          "recording began; variables C code reads itself; a directory's mode or mtime")
