@@ -85,7 +85,9 @@ def key_parts(c: torch.fx.Node, table: str, toolchain: str) -> dict[str, str] | 
         sigs = [_tensor_sig(i.meta.get("val")) for i in inputs]
     except Refused:
         return None
-    copied = [k for k in c.meta if k in _COPY_META_FIELDS and k not in ("original_aten", "from_node")]
+    # The trace copies these fields in torch's own order, whatever order the candidate holds them in (a program
+    # served from a stored form holds them as written, a fresh export as traced): the key names them in that order.
+    copied = [k for k in _COPY_META_FIELDS if k in c.meta and k not in ("original_aten", "from_node")]
     return {
         "toolchain": toolchain,
         "table": table,

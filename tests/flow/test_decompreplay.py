@@ -118,6 +118,43 @@ def test_a_different_input_shape_is_another_key():
     assert differ[0] and not all(differ)  # the first batch norm reads the image; the pooled tail does not
 
 
+def _reordered(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """A copy whose operator nodes hold the same metadata in another insertion order (traced fields reversed).
+
+    A program served from a stored form (a re-export template) holds its nodes' fields in the order they were
+    written, a fresh export in the order the tracer set them: the same values either way.
+    """
+    from torch.fx.proxy import _COPY_META_FIELDS
+
+    copy = decompositions._copied(program)
+    for node in copy.graph.nodes:
+        traced = [k for k in node.meta if k in _COPY_META_FIELDS]
+        if node.op == "call_function" and len(traced) > 1:
+            node.meta = {**{k: node.meta[k] for k in reversed(traced)}, **node.meta}
+    return copy
+
+
+def test_a_candidates_key_is_the_same_whatever_order_its_metadata_was_set_in(cache_dir):
+    """The trace copies a candidate's fields in torch's own order, so the key names them in that order too:
+    a program whose fields were set in another order replays what the first one stored (a miss under
+    ``lowercache run`` between a new process and a server child, ExecuTorch's test_max_pool2d_tosa_INT)."""
+    module, example = models.residual_cnn()
+    program = torch.export.export(module, example)
+    reordered = _reordered(program)
+    candidates = decompositions._candidates(reordered, {})[0]
+    assert any(list(c.meta) != list(o.meta) for c, o in zip(candidates, decompositions._candidates(program, {})[0]))
+    store = Store(cache_dir)
+    with activate(Session(store)):
+        decompositions.localize_functionalization(program, RUN_DECOMPOSITIONS)
+    decompositions.reset_stats()
+    with activate(Session(store)):
+        replayed = decompositions.localize_functionalization(reordered, RUN_DECOMPOSITIONS)
+    assert decompositions.stats()["replayed"] == 1
+    traced = decompositions.localize_functionalization(_reordered(program), RUN_DECOMPOSITIONS)  # no session: a trace
+    same_program(replayed, traced)
+    assert [list(n.meta) for n in replayed.graph.nodes] == [list(n.meta) for n in traced.graph.nodes]
+
+
 def test_tables_with_functions_from_elsewhere_are_not_keyed():
     def mine(x):
         return x
