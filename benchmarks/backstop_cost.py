@@ -89,9 +89,14 @@ def main() -> None:
     parser.add_argument("--target", default="ethos-u55-128")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--wall", action="store_true")
+    parser.add_argument("--price", action="store_true", help=argparse.SUPPRESS)  # step 1 alone, in a process of its own
     args = parser.parse_args()
-
-    plain, traced, tracer = price_per_call()
+    if args.price:
+        print(json.dumps(price_per_call()))
+        return
+    # In a process of its own: once traced, this process and every process it starts would stay traced.
+    plain, traced, tracer = json.loads(subprocess.run([sys.executable, __file__, "--price"], check=True, capture_output=True,
+                                                      text=True).stdout)
     price = traced - plain + tracer
     print(f"one call: {plain:.1f} us untraced, {traced:.1f} us traced, the tracer {tracer:.1f} us: {price:.1f} us of CPU added")
     env = dict(os.environ)

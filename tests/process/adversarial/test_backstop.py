@@ -179,3 +179,25 @@ def test_a_record_no_tracer_could_watch_is_not_trusted(own, tmp_path):
         assert "served from the record" not in result.stderr
     said = explain(server, root)
     assert "direct mode, latest record: untrusted: the factory could not be watched below Python (no tracer can attach" in said, said
+
+
+WRITER = MODEL.replace("def model():\n", """def model():
+    libc = ctypes.CDLL(None)
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    libc.fclose(ctypes.c_void_p(libc.fopen(os.path.join(HERE, "..", "conf", "native.trace").encode(), b"wb")))
+""")
+
+
+def test_a_write_only_native_code_made_makes_the_record_untrusted_naming_it(own, tmp_path):
+    """A hit would skip the write: the record is untrusted, and explain names the file."""
+    server = own()
+    server.env["LOWERCACHE_SERVER"] = "0"
+    (tmp_path / "scratch").mkdir()
+    server.env["TMPDIR"] = str(tmp_path / "scratch")  # the project is under /tmp, where writes would be scratch
+    root = project(tmp_path / "p")
+    (root / "models" / "m.py").write_text(WRITER)
+    lower(server, root, tmp_path / "a")
+    assert (root / "conf" / "native.trace").exists()
+    said = explain(server, root)
+    assert f"direct mode, latest record: untrusted: the factory wrote {root / 'conf' / 'native.trace'}" in said, said
