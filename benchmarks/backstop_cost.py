@@ -51,20 +51,31 @@ def _stats(count: int) -> float:
     return _cpu() - started
 
 
-def price_per_call(count: int = 20000, blocks: int = 5) -> tuple[float, float, float]:
-    """(untraced, traced) CPU microseconds per call in this process, and the tracer's per traced call."""
+def _process_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def price_per_call(count: int = 20000, blocks: int = 5) -> tuple[float, float, float, float]:
+    """(untraced, traced) CPU microseconds per call in this process, the tracer's per traced call, and the CPU
+    seconds of starting the backstop (this process's and the tracer's)."""
     from lowercache.record import backstop
 
     plain = [_stats(count) for _ in range(blocks)]  # before the filter: once it is in, every call of the process stops
+    started = _cpu()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     below = backstop.start()
     if isinstance(below, str):
         raise SystemExit(f"no backstop here: {below}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = _cpu() - started + (after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime) + _process_cpu(below.pid)
     below.on()
     traced = [_stats(count) for _ in range(blocks)]
     below.off()
     report = below.report() or {}
     tracer = float(report.get("cpu", 0.0)) / max(1, report.get("stops", [1])[0])  # its start-up included: an upper bound
-    return statistics.median(plain) / count * 1e6, statistics.median(traced) / count * 1e6, tracer * 1e6
+    return statistics.median(plain) / count * 1e6, statistics.median(traced) / count * 1e6, tracer * 1e6, start
 
 
 def cold(model: str, target: str, flags: list[str], env: dict[str, str], off: bool = False) -> tuple[float, float, dict]:
@@ -95,10 +106,11 @@ def main() -> None:
         print(json.dumps(price_per_call()))
         return
     # In a process of its own: once traced, this process and every process it starts would stay traced.
-    plain, traced, tracer = json.loads(subprocess.run([sys.executable, __file__, "--price"], check=True, capture_output=True,
-                                                      text=True).stdout)
+    plain, traced, tracer, start = json.loads(subprocess.run([sys.executable, __file__, "--price"], check=True,
+                                                             capture_output=True, text=True).stdout)
     price = traced - plain + tracer
     print(f"one call: {plain:.1f} us untraced, {traced:.1f} us traced, the tracer {tracer:.1f} us: {price:.1f} us of CPU added")
+    print(f"starting the backstop: {start:.3f} s of CPU (the tracer's interpreter, its attach, the filter)")
     env = dict(os.environ)
     run = tempfile.mkdtemp(prefix="lcbs")
     env["XDG_RUNTIME_DIR"] = run  # a server of this measurement's own

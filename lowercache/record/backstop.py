@@ -45,8 +45,9 @@ class _Program(ctypes.Structure):
 class Backstop:
     """A tracer attached to this process: :meth:`on`, :meth:`off` and :meth:`report` steer it."""
 
-    def __init__(self, token: str, directory: str):
+    def __init__(self, token: str, directory: str, pid: int):
         self.token = token
+        self.pid = pid  # the tracer's
         self.directory = directory
         self.report_path = os.path.join(directory, "report.json")
 
@@ -96,7 +97,8 @@ def start() -> Backstop | str:
             os.kill(attached, 9)  # a tracer without a filter to serve: gone, and the process is let go
         shutil.rmtree(directory, ignore_errors=True)
         return why
-    return Backstop(token, directory)
+    assert isinstance(attached, int)
+    return Backstop(token, directory, attached)
 
 
 def _attach(token: str, directory: str) -> int | str:

@@ -169,7 +169,11 @@ class Tracer:
         self.processes: list[int] = []  # processes the traced one started (forks)
         self.stops = [0, 0]  # seccomp stops served: in all, and while recording
         self.info = ctypes.create_string_buffer(_INFO.size + 16)
+        self.info_size = ctypes.c_void_p(len(self.info))
         self.page = ctypes.create_string_buffer(4096)
+        self.local = _Iovec(ctypes.cast(self.page, ctypes.c_void_p), 0)  # reused on every read: one per call costs
+        self.remote = _Iovec(0, 0)
+        self.local_ref, self.remote_ref = ctypes.byref(self.local), ctypes.byref(self.remote)
 
     # attaching
 
@@ -251,7 +255,7 @@ class Tracer:
 
     def stopped(self, tid: int) -> None:
         """A seccomp stop: note the paths the call names (unless it is a marker), then it goes on."""
-        got = self.libc.ptrace(_PTRACE_GET_SYSCALL_INFO, tid, ctypes.c_void_p(len(self.info)), self.info)
+        got = self.libc.ptrace(_PTRACE_GET_SYSCALL_INFO, tid, self.info_size, self.info)
         if got < _INFO.size:
             self.odd.append("a system call the tracer could not read")
             return
@@ -343,9 +347,9 @@ class Tracer:
         data = b""
         while len(data) < 4096:
             chunk = 4096 - (address + len(data)) % 4096
-            local = _Iovec(ctypes.cast(self.page, ctypes.c_void_p), chunk)
-            remote = _Iovec(address + len(data), chunk)
-            got = self.libc.process_vm_readv(tid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+            self.local.len = self.remote.len = chunk
+            self.remote.base = address + len(data)
+            got = self.libc.process_vm_readv(tid, self.local_ref, 1, self.remote_ref, 1, 0)
             if got <= 0:
                 return None
             part = self.page.raw[:got]
@@ -356,9 +360,9 @@ class Tracer:
         return None
 
     def open_how(self, tid: int, address: int) -> int:
-        local = _Iovec(ctypes.cast(self.page, ctypes.c_void_p), 8)
-        remote = _Iovec(address, 8)
-        if self.libc.process_vm_readv(tid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != 8:
+        self.local.len = self.remote.len = 8
+        self.remote.base = address
+        if self.libc.process_vm_readv(tid, self.local_ref, 1, self.remote_ref, 1, 0) != 8:
             return O_ACCMODE  # unreadable: counted as a write
         return int.from_bytes(self.page.raw[:8], sys.byteorder)
 
@@ -397,6 +401,16 @@ def main() -> None:
     os.close(control)
     if why is None:
         tracer.serve()
+    directory = os.path.dirname(report)  # the process's own, made for this tracer: gone unless it never asked for a report
+    for name in (report, report + ".tmp"):
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":
