@@ -36,7 +36,7 @@ from .errors import LowercacheError
 from .lowering import numerics_report
 from .lowering.targets import resolve
 from .output import check_output_dir, counted, write_files
-from .record.places import Places, project_root
+from .record.places import Places, hop_dirs, project_root
 from .record.recorder import Recorder, initial_environ, keep_initial_environ, listen
 from .record.trust import UNSEEN, Words, check_inputs, identity, identity_changed, inputs_changed, put_status, status_lines, verdict
 
@@ -169,9 +169,9 @@ class LowerRecorder(Recorder):
         self.request = request
 
     def beside(self) -> list[str]:
-        """Directories whose every file native code may read: the model file's."""
+        """Directories whose every file native code may read: the model file's, and its link's target's when it is one."""
         path = self.request.model if self.request.model.endswith(".pt2") else self.request.model.rpartition(":")[0]
-        return [os.path.dirname(os.path.join(self.request.cwd, path))] if path else []
+        return hop_dirs(os.path.join(self.request.cwd, path)) if path else []
 
     def unswept(self) -> list[str]:
         """Directories the sweep leaves out: the output directory (lowercache writes it) and the cache."""

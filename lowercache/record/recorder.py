@@ -22,17 +22,21 @@ from ..cache.digests import digest_json
 from ..cache.toolchain import lowercache_digest
 from ..config import Settings
 from . import backstop
-from .places import RACY_NS, Places, bytecode_matches, entries, is_system, named, path_state, size, stdlib_dirs, work_tree
+from .places import (RACY_NS, STAT_FIELDS, Places, bytecode_matches, dir_listing, entries, is_system, named, path_state, size,
+                     stdlib_dirs, work_tree)
 from .trust import env_digest
 
-_SYSTEM_DIRS = ("/proc/", "/sys/", "/dev/")
 _PYCACHE = os.sep + "__pycache__" + os.sep
 # lowercache's own package: the rooms whose code the toolchain identity covers are not a record's inputs.
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# What a stat shows besides kind and content, by what the caller observed: ``os.access`` the mode bits and owner,
-# ``os.stat``/``os.path.getmtime`` also the mtime. Kept only for paths a caller observed so (``Recorder.looked_at``).
-_META = {"mode": ("mode", "uid", "gid"), "meta": ("mode", "uid", "gid", "mtime_ns")}
+# What a stat shows besides kind, content and links, by what the caller observed (``Recorder.looked_at``): which
+# result (``meta``: the stat through links, ``lmeta``: the link's own) and which of its fields. ``os.stat``,
+# ``os.lstat``, ``os.fstat`` and a listed entry's ``stat()`` hand the caller the whole result (but the access time,
+# which reading moves); ``os.access`` and the standard library's one-field helpers show less.
+_META = {"mode": ("meta", ("mode", "uid", "gid")), "size": ("meta", ("size",)), "mtime": ("meta", ("mtime_ns",)),
+         "ctime": ("meta", ("ctime_ns",)), "ident": ("meta", ("dev", "ino")), "stat": ("meta", STAT_FIELDS),
+         "lstat": ("lmeta", STAT_FIELDS)}
 
 
 # Audit events after which no record can say what the factory read. Network use on a remote tier's
@@ -191,7 +195,8 @@ class Recorder:
         self.syspath = [self.places.ref(os.path.abspath(p or ".")) for p in sys.path]
         self.started_ns = time.time_ns()
         self._threads = set(threading.enumerate())
-        self.meta: dict[str, set[str]] = {}  # path -> stat fields a caller observed (``looked_at``)
+        self.meta: dict[str, dict[str, set[str]]] = {}  # path -> ``meta``/``lmeta`` -> stat fields a caller observed
+        self.scanned: set[str] = set()  # directories the user's code itself called ``os.scandir`` on: entries' stat() is its
         self.located: list[str] = []  # how the code observed where the project is (``observed_location``)
         self.package = _PACKAGE + os.sep
         self.bytecode: dict[str, str] = {}  # source -> the .pyc that ran for it (``ran_bytecode``)
@@ -220,7 +225,9 @@ class Recorder:
             started.on()
 
     def _user(self, path: str) -> bool:
-        return not path.startswith(self.covered) and not path.startswith(_SYSTEM_DIRS) and "__pycache__" not in path
+        """Not the toolchain's (the installed-code directories its identity covers) nor bytecode. Device nodes and kernel
+        files are known by what they are when recorded (``places.is_system``), not here by where they are."""
+        return not path.startswith(self.covered) and "__pycache__" not in path
 
     def refuse(self, why: str) -> None:
         if why not in self.unrecordable:
@@ -246,7 +253,7 @@ class Recorder:
             elif path.endswith(".pyc") and _PYCACHE in path and not path.startswith(self.covered):
                 self.ran_bytecode(path)
         elif event in ("os.listdir", "os.scandir"):
-            self.listed(args, sys._getframe(2))  # frames: event, _audit, the caller of os.listdir
+            self.listed(args, sys._getframe(2), event == "os.scandir")  # frames: event, _audit, the caller of os.listdir
         elif event == "import":
             self.lookups.add(args[0])
         elif event in _UNRECORDABLE:
@@ -273,7 +280,7 @@ class Recorder:
         Any other descriptor (a pipe, a socket, a file of the user's) says nothing of what it reads: refused.
         """
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            target = _readlink(f"/proc/self/fd/{fd}")
         except OSError:
             target = ""
         if os.path.isabs(target) and _PYCACHE in target:
@@ -294,8 +301,8 @@ class Recorder:
             self.paths.add(source)
             self.bytecode[source] = pyc
 
-    def listed(self, args: tuple[Any, ...], caller: Any) -> None:
-        """A directory listing made from frame ``caller``."""
+    def listed(self, args: tuple[Any, ...], caller: Any, scanned: bool = False) -> None:
+        """A directory listing made from frame ``caller`` (``scanned``: by ``os.scandir``)."""
         if caller.f_code.co_filename.startswith("<frozen importlib") or not self.by_user(caller):
             return  # the import system's scans (module lookups are recorded by name), installed libraries' own
         path = _abspath(args[0] if args and args[0] is not None else ".")
@@ -303,6 +310,8 @@ class Recorder:
             self.refuse("listed a directory by descriptor")
         elif self._user(path):
             self.listings.add(path)
+            if scanned and not caller.f_code.co_filename.startswith(("<frozen", *self.stdlib)):
+                self.scanned.add(path)  # the user's own code holds the entries: each one's stat() is there to read
 
     def remade(self, path: str) -> None:
         """``os.mkdir`` of a directory there already fails (EEXIST) and changes nothing: ``os.makedirs(exist_ok=True)``,
@@ -326,7 +335,8 @@ class Recorder:
         if found is not None and self._user(found):
             self.paths.add(found)
             if how != "kind":
-                self.meta.setdefault(found, set()).update(_META[how])
+                which, fields = _META[how]
+                self.meta.setdefault(found, {}).setdefault(which, set()).update(fields)
 
     def observed_location(self, how: str, frame: Any) -> None:
         """The code at ``frame`` learnt where the project is (``os.getcwd()``; ``how`` says how), unless it is
@@ -403,30 +413,56 @@ class Recorder:
             if not bytecode_matches(source, pyc):
                 self.refuse(f"ran bytecode that may be older than {source} (saved twice in one second)")
         root = self.places.anchors["root"]
+        listings = []
+        for path in sorted(self.listings):
+            state = path_state(path, listing=True)
+            if state["kind"] == "system":
+                continue  # a kernel file system's directory (``/proc/self/fd``): the machine's, not an input
+            listings.append([self.places.ref(path), state])
+            if state["kind"] == "dir":
+                files.update(self._listed_links(path))
+        for name, base in self.places.anchors.items():
+            if name != "root" and os.path.isdir(base):
+                listings.append([[name, "."], path_state(base, listing=True)])
+        for directory in sorted(self.scanned):
+            for name in entries(directory) or []:
+                entry = os.path.join(directory, name)
+                if not self._user(entry):
+                    continue
+                files.add(entry)
+                for how in ("stat", "lstat"):
+                    which, fields = _META[how]
+                    self.meta.setdefault(entry, {}).setdefault(which, set()).update(fields)
         swept, why = sweep.sweep(root, self.beside(), self.unswept(), self._user)
         if why is not None:
             self.refuse(why)
         native, native_listings = self.below_python(files | set(swept) | self.listings)
+        for path in sorted(native_listings - self.listings):
+            state = path_state(path, listing=True)
+            if state["kind"] != "system":
+                listings.append([self.places.ref(path), state])
+                if state["kind"] == "dir":
+                    native.update(self._listed_links(path))
+        for path in native - files:  # seen only below Python: native code may observe every stat field of a file
+            if not os.path.isdir(path):  # a directory by its kind (its listing when listed): its times move with any entry
+                self.meta[path] = {"meta": set(STAT_FIELDS), "lmeta": set(STAT_FIELDS)}
         files |= native
         hashed = 0
         states = []
         for path in sorted(files | (set(swept) - self.written)):
-            if path in native and path not in self.paths:  # seen only below Python: what native code may observe of it
-                state = path_state(path, meta=_META["meta"])
-            elif path in files:
-                state = path_state(path, meta=self.meta.get(path, ()))
+            if path in files:
+                meta = self.meta.get(path, {})
+                state = path_state(path, meta=meta.get("meta", ()), lmeta=meta.get("lmeta", ()))
             else:  # swept: hashed while the total stays small, else proven unchanged by its stat only
                 hashed += size(path)
                 state = path_state(path, hashed=hashed <= sweep.HASH_BYTES)
+            if state["kind"] == "system":
+                continue  # a device node or a kernel file (``/dev/null``, ``/proc/cpuinfo``): the machine's, not an input
             if state["kind"] == "other":
                 self.refuse(f"read {path}, which is not a regular file")
             elif state["kind"] == "file" and max(state["stat"][1:3]) >= self.started_ns - RACY_NS // 40:
                 self.refuse(f"read {path} while it was changing")
             states.append([self.places.ref(path), state])
-        listings = [[self.places.ref(p), path_state(p, listing=True)] for p in sorted(self.listings | native_listings)]
-        for name, base in self.places.anchors.items():
-            if name != "root" and os.path.isdir(base):
-                listings.append([[name, "."], path_state(base, listing=True)])
         env = dict(self.env)
         if self.env_listed:
             env.update({name: env_digest(value) for name, value in self.initial_env.items()})
@@ -530,6 +566,13 @@ class Recorder:
     def beside(self) -> list[str]:
         """Directories whose every file native code may read (the code's own data); none unless a kind of record says."""
         return []
+
+    def _listed_links(self, directory: str) -> list[str]:
+        """The links in a listed directory: what each points at can change while the directory stays as it was."""
+        try:
+            return [link for link in dir_listing(directory)[1] if self._user(link)]
+        except OSError:
+            return []
 
     def unswept(self) -> list[str]:
         """Directories the sweep leaves out: the cache (lowercache writes it)."""
@@ -642,12 +685,14 @@ def _install() -> None:
     def wrap(fn: Callable[..., Any], how: str) -> Callable[..., Any]:
         def watched(path: Any, *args: Any, **kwargs: Any) -> Any:
             if (recorder := _current()) is not None:
-                recorder.looked_at(path, _observed(sys._getframe(1), how))
+                seen = "lstat" if how == "stat" and not kwargs.get("follow_symlinks", True) else how
+                recorder.looked_at(_named(path, kwargs.get("dir_fd")), _observed(sys._getframe(1), seen))
             return fn(path, *args, **kwargs)
 
         return watched
 
-    for name, how in (("stat", "meta"), ("lstat", "meta"), ("access", "mode")):
+    # ``os.readlink`` shows a link's text, as ``os.path.realpath`` does through ``os.lstat``: the path's state keeps it.
+    for name, how in (("stat", "stat"), ("lstat", "lstat"), ("fstat", "stat"), ("access", "mode"), ("readlink", "kind")):
         setattr(os, name, wrap(getattr(os, name), how))
 
     def located(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -662,17 +707,48 @@ def _install() -> None:
     _watch_posix_environ()
 
 
-# Callers of ``os.stat`` that observe only what a path is (missing, file, directory), not its mode or mtime;
-# linecache's checks only decide whether to read a source again.
+def _named(path: Any, dir_fd: Any = None) -> Any:
+    """The path a stat-family call names: a descriptor's file (``os.fstat``, ``os.stat(fd)``), a path relative to ``dir_fd``."""
+    if isinstance(path, int):
+        return _fd_path(path)
+    if dir_fd is None:
+        return path
+    try:
+        text = os.fsdecode(os.fspath(path))
+    except TypeError:
+        return None
+    base = _fd_path(dir_fd) if isinstance(dir_fd, int) and not os.path.isabs(text) else None
+    return text if os.path.isabs(text) else os.path.join(base, text) if base is not None else None
+
+
+def _fd_path(fd: int) -> str | None:
+    """The file a descriptor is open on, None when it is no file's (a pipe, a socket) or the system cannot say."""
+    try:
+        target = _readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return target if os.path.isabs(target) else None
+
+
+_readlink = os.readlink  # before it is watched: lowercache's own look at a descriptor is no read of the code's
+
+# Callers of ``os.stat`` in the standard library by what they observe: only what a path is (missing, file, directory,
+# link; the link's text is kept for every path), or one field. linecache's checks and importlib.metadata's
+# ``FastPath.mtime`` only decide whether to read a source or a search-path directory again (what they read is recorded).
 _KIND_ONLY = frozenset({"exists", "lexists", "isfile", "isdir", "islink", "is_file", "is_dir", "is_symlink", "realpath",
-                        "checkcache", "updatecache"})
+                        "resolve", "getatime", "checkcache", "updatecache", "mtime"})
+_ONE_FIELD = {"getsize": "size", "getmtime": "mtime", "getctime": "ctime", "samefile": "ident", "sameopenfile": "ident"}
 
 
 def _observed(frame: Any, how: str) -> str:
-    """``kind`` when the standard-library function calling ``os.stat`` (or its caller) only tests what a path is, else ``how``."""
+    """``kind`` (or the one field it reads) when the standard-library function calling ``os.stat`` (or its caller) only
+    tests what a path is, else ``how``."""
     while frame is not None and frame.f_code.co_filename.startswith(("<frozen", *_stdlib_prefixes())):
-        if frame.f_code.co_name in _KIND_ONLY:
+        name = frame.f_code.co_name
+        if name in _KIND_ONLY:
             return "kind"
+        if name in _ONE_FIELD and how in ("stat", "lstat"):
+            return _ONE_FIELD[name]
         frame = frame.f_back
     return how
 

@@ -20,7 +20,7 @@ from .. import startup
 from ..cache.digests import digest, digest_json
 from ..cache.toolchain import toolchain_parts
 from ..config import Settings
-from .places import Places, entries, named, same_state
+from .places import Places, entries, named, relinked, same_state
 
 # Variables native code reads at start-up (threads, CPU kernels, hash seed): recorded for every factory.
 NATIVE_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "ATEN_CPU_CAPABILITY", "PYTHONHASHSEED")
@@ -86,7 +86,7 @@ def inputs_changed(inputs: dict[str, Any], places: Places, recorded_ns: int, cwd
     for ref, state in inputs["files"]:
         path = places.path(ref)
         if not same_state(path, state, recorded_ns):
-            return f"{os.path.relpath(path, cwd) if ref[0] == 'root' else path} changed"
+            return f"{os.path.relpath(path, cwd) if ref[0] == 'root' else path} changed{relinked(path, state)}"
     for ref, state in inputs["listings"]:
         if not same_state(places.path(ref), state, recorded_ns, listing=True):
             return f"directory {places.path(ref)} changed"
@@ -184,4 +184,4 @@ def status_lines(store: Any, name: Callable[[str], str], prefix: str = "") -> li
 
 # What no record sees, said by ``explain`` (docs/direct-mode.md, Limits).
 UNSEEN = ("cannot see: what another process reads for the code, a file read through a descriptor opened before the "
-          "recording began; variables C code reads itself; a directory's mode or mtime")
+          "recording began; variables C code reads itself; the stat of an entry only a library listed; access times")

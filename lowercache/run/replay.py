@@ -40,7 +40,7 @@ from ..cache.store import Entry
 from ..client import exec_through_server
 from ..config import Settings, load_settings
 from ..errors import LowercacheError
-from ..record.places import Places, path_state, project_root
+from ..record.places import Places, hop_dirs, path_state, project_root
 from ..record.recorder import Recorder, listen, opens_to_write
 from ..record.trust import UNSEEN, Words, check_inputs, identity, identity_changed, inputs_changed, put_status, status_lines, verdict
 from . import pyexec
@@ -122,7 +122,7 @@ class CommandRecorder(Recorder):
             return  # shutil.rmtree's walk, by names relative to directory descriptors: its own event names the tree
         if event in ("os.listdir", "os.scandir"):
             if caller is not None:
-                self.listed(args, caller)
+                self.listed(args, caller, event == "os.scandir")
             else:
                 self.refuse("listed a directory outside any Python frame")
             return
@@ -131,9 +131,9 @@ class CommandRecorder(Recorder):
         super().event(event, args)
 
     def beside(self) -> list[str]:
-        """The script's directory: data files beside it are what native code most likely reads."""
+        """The script's directory (and its link's target's): data files beside it are what native code most likely reads."""
         script = getattr(sys.modules.get("__main__"), "__file__", None)
-        return [os.path.dirname(os.path.abspath(script))] if isinstance(script, str) else []
+        return hop_dirs(os.path.abspath(script)) if isinstance(script, str) else []
 
     def unswept(self) -> list[str]:
         return [self.cache]
