@@ -102,14 +102,16 @@ def start() -> Backstop | str:
 
 
 def _attach(token: str, directory: str) -> int | str:
-    """Start the tracer (it forks away from this process at once) and let it attach; its pid, or why not."""
+    """Start the tracer (in a session of its own; it forks away from this process at once) and let it attach; its pid,
+    or why not. It leaves when the last process it traces has exited."""
     libc = ctypes.CDLL(None, use_errno=True)
     control_r, control_w = os.pipe()
     go_r, go_w = os.pipe()
     try:
         launcher = subprocess.Popen([sys.executable, "-I", "-S", tracer.__file__, str(os.getpid()), str(control_w), token,
                                      os.path.join(directory, "report.json")],
-                                    stdin=go_r, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=[control_w])
+                                    stdin=go_r, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=[control_w],
+                                    start_new_session=True)  # not of the process's job: a Ctrl-C or killpg of it is not the tracer's
     except OSError as e:
         for fd in (control_r, control_w, go_r, go_w):
             os.close(fd)
