@@ -36,11 +36,10 @@ from typing import Any, Callable, Iterator
 from . import startup
 from .process_state import capture as capture_process_state
 from .config import Settings, load_settings
-from .errors import LowercacheError
+from .errors import LowercacheError, interrupted
 
 # Commands that import torch, so a warm server pays; the rest are cheap and stay in the client.
 SERVED = ("lower", "verify")
-INTERRUPTED = 130  # the exit code of a command stopped by Ctrl-C, as typer and a shell give it
 SOCKET_NAME = "server.sock"
 MAX_LINE = 64 * 2**20  # a reply frame bigger than this is a broken server, not output
 START_TIMEOUT = 300.0  # imports and warm-up are slow on a loaded machine
@@ -533,7 +532,7 @@ def run_through_server(args: list[str]) -> int | None:
         try:
             sock = _connected(settings, request, "running in this process")
         except KeyboardInterrupt:
-            return INTERRUPTED
+            return interrupted()
         if sock is None:
             return None
         with sock:
@@ -551,7 +550,7 @@ def run_through_server(args: list[str]) -> int | None:
                 warn(f"the lowering server cannot stand in for this interpreter ({e}); running in this process")
                 return None
             except KeyboardInterrupt:  # a second Ctrl-C: the server kills the request's process when this connection closes
-                return INTERRUPTED
+                return interrupted()
             except ServerRefused as e:
                 warn(f"the lowering server refused the request ({e}); running in this process")
                 return None

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from . import delegation
+from . import estimates
 from .cache.digests import digest, digest_json
 from .cache.store import Entry
 from .config import Settings, check_with_min_snr, load_settings
@@ -38,7 +38,8 @@ from .lowering.targets import resolve
 from .output import check_output_dir, counted, write_files
 from .record.places import Places, hop_dirs, project_root
 from .record.recorder import Recorder, initial_environ, keep_initial_environ, listen
-from .record.trust import UNSEEN, Words, check_inputs, identity, identity_changed, inputs_changed, put_status, status_lines, verdict
+from .record.trust import (UNSEEN, Words, check_inputs, elsewhere, identity, identity_changed, inputs_changed, put_status, status_lines,
+                           verdict)
 
 KIND = "direct"
 T = TypeVar("T")
@@ -48,6 +49,7 @@ WORDS = Words(
     who="the factory",
     same="gives the same flow key",
     gave_same="gave the same flow key",
+    elsewhere="lowered differently in another directory",
     differed="identical inputs lowered differently (another flow key): the factory reads something direct mode "
              "cannot see, such as an unseeded random generator or the time",
 )
@@ -266,6 +268,7 @@ def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], man
         recorder.unrecordable,
         lambda previous: previous.get("flow", {}).get("key") == record["flow"]["key"],
         WORDS,
+        request.root,
     )
     found.stamp(record)
     store.put(KIND, key, Entry(meta=record))
@@ -314,6 +317,12 @@ def _changed(
         return "the module search path changed"
     return inputs_changed(inputs, Places(request.root), record["recorded_ns"], request.cwd, environ)
 
+
+
+def _elsewhere(record: dict[str, Any], request: Request, settings: Settings) -> str | None:
+    """Why the record cannot answer in this project's directory (``record/trust.py``'s rule), or None."""
+    _check_shape(record)
+    return elsewhere(record["inputs"]["location"], request.root, settings.portable_records, WORDS)
 
 
 def _check_shape(record: dict[str, Any]) -> None:
@@ -376,6 +385,8 @@ def lookup(request: Request, settings: Settings, store: Any, environ: dict[str, 
     try:
         if record.get("status") != "confirmed":
             why = f"the record is {record.get('status')}: {record.get('reason')}"
+        elif (why := _elsewhere(record, request, settings)) is not None:
+            pass
         else:
             syspath = [Places(request.root).ref(os.path.abspath(p or ".")) for p in sys.path]
             why = _changed(record, request, settings, syspath, environ if environ is not None else initial_environ())
@@ -457,12 +468,28 @@ def _count(store: Any, request: Request, record: dict[str, Any], flow: Entry, se
     history.record_run(store, request.history_name(), record["flow"]["name"], [step])
 
 
+def command_seconds() -> float | None:
+    """Seconds since this process started (``/proc/self/stat``), as a shell's ``time`` counts the command; None off Linux.
+
+    Said instead of the time since the record was looked up, which leaves out
+    the interpreter's start and lowercache's imports: most of a hit.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            started = int(f.read().rsplit(b") ", 1)[1].split()[19])  # field 22, starttime: clock ticks after boot
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])
+        return max(uptime - started / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _report(request: Request, manifest: dict[str, Any], written: list[Path], seconds: float, short: str | None = None) -> None:
-    print(f"lowercache: direct mode: served from the record, no factory run ({seconds:.2f}s)", file=sys.stderr)
-    said = delegation.line(manifest.get("delegation"))
-    if said is not None:
-        print(f"lowercache: {said}", file=sys.stderr)
-    for line in numerics_report.lines(manifest.get("numerics")):
+    took = command_seconds()
+    print(f"lowercache: direct mode: served from the record, no factory run{f' ({took:.2f} s)' if took is not None else ''}",
+          file=sys.stderr)
+    said, summarized = estimates.outcome(manifest.get("delegation"), Path(request.out_dir), request.target)
+    for line in said + numerics_report.lines(manifest.get("numerics")):
         print(f"lowercache: {line}", file=sys.stderr)
     if request.as_json:
         summary = {
@@ -475,7 +502,7 @@ def _report(request: Request, manifest: dict[str, Any], written: list[Path], sec
             "seconds": round(seconds, 4),
             "saved_seconds": manifest["steps"][0]["saved"],
             "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
-            **delegation.json_part(manifest.get("delegation")),
+            **summarized,
             **numerics_report.json_part(manifest.get("numerics"), short),
         }
         print(json.dumps(summary, indent=2, sort_keys=True))

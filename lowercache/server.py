@@ -39,7 +39,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import client, process_state, startup
+from . import client, environment, process_state, startup, terminal
 from .cache.digests import stat_key
 from .config import MAX_SECONDS, load_settings
 from .run import pyexec
@@ -421,20 +421,19 @@ class Server:
             return "the client's standard streams did not arrive"
         if self.warm.base_path is None:
             return "this server's module search path is not a new interpreter's"
-        return pyexec.why_not(invocation, message["cwd"], message["env"], self.warm.start_env,
-                              self.warm.read_env, self.warm.imported)
+        return pyexec.why_not(invocation, message["cwd"], message["env"], self.warm.start_env, self.warm.imported)
 
     def _cannot_run(self, request: _Request) -> str | None:
         """Why a child would run this ``lower`` or ``verify`` otherwise than the client's own interpreter, or None.
 
-        The rule is ``lowercache run``'s (``startup.why_not``): a variable read at
-        start or by the server's imports that differs, or a directory on the
+        The rule is ``lowercache run``'s (``startup.why_not``): a variable that
+        is an input and differs (the client's identity already holds them, so
+        it replaced a server started under others), or a directory on the
         client's module search path holding a file that would shadow a module
         the server imported or looked for.
         """
         message = request.message or {}  # checked against the schema (request_error) before it got here
-        return startup.why_not(message["env"], self.warm.start_env, self.warm.read_env, message["path"], message["cwd"],
-                               self.warm.imported)
+        return startup.why_not(message["env"], self.warm.start_env, message["path"], message["cwd"], self.warm.imported)
 
     def _signal(self, request: _Request) -> None:
         """A running request's client asks for SIGINT (its Ctrl-C) to reach the child, as it would a new process."""
@@ -686,8 +685,9 @@ def _child(message: dict[str, Any], parent: int, out_w: int, err_w: int, inherit
     ttys = message.get("tty") or [False, False]
     encodings = message.get("encoding") or ["utf-8", "utf-8"]
     errors = message.get("errors") or ["strict", "backslashreplace"]
-    sys.stdout = open(1, "w", encoding=encodings[0], errors=errors[0], buffering=1 if ttys[0] else -1, closefd=False)
-    sys.stderr = open(2, "w", encoding=encodings[1], errors=errors[1], buffering=1, closefd=False)
+    size = (int(message.get("columns") or 0), int(message.get("lines") or 0))
+    sys.stdout = terminal.Relayed(1, ttys[0], size, encodings[0], errors[0], line_buffering=ttys[0])
+    sys.stderr = terminal.Relayed(2, ttys[1], size, encodings[1], errors[1], line_buffering=True)
     try:
         _become_client(message, warm)
     except BaseException as e:  # noqa: BLE001
@@ -766,7 +766,8 @@ def _why_not_started(error: BaseException, what: str) -> str:
 
 
 def _become_client(message: dict[str, Any], warm: Warm) -> None:
-    """The client's working directory, environment, import path, terminal, process state and thread count.
+    """The client's working directory, environment, import path, process state and thread count (its terminal is in the
+    child's streams: ``terminal.py``).
 
     Raises :class:`process_state.Unadoptable` for a part of the client's
     process state this child cannot take (the request is then declined).
@@ -776,14 +777,7 @@ def _become_client(message: dict[str, Any], warm: Warm) -> None:
     os.chdir(message["cwd"])
     env = message.get("env") or {}
     os.environ.clear()
-    os.environ.update({str(k): str(v) for k, v in env.items()})
-    ttys = message.get("tty") or [False, False]
-    if message.get("columns") and "COLUMNS" not in env:
-        os.environ["COLUMNS"] = str(message["columns"])
-        os.environ["LINES"] = str(message.get("lines") or 24)
-    if all(ttys):  # rich asks isatty of its stream, a pipe here; these say what the client's streams are
-        os.environ.setdefault("TTY_COMPATIBLE", "1")
-        os.environ.setdefault("TTY_INTERACTIVE", "1")
+    os.environ.update({str(k): str(v) for k, v in env.items()})  # exactly the client's: its terminal is in its streams (terminal.py)
     if message.get("op") != "exec":  # a wrapped command's path and arguments are pyexec's
         sys.path[:] = [str(p) for p in message.get("path") or sys.path]
         sys.argv = ["lowercache", *map(str, message.get("argv") or [])]
@@ -868,7 +862,7 @@ def _warm_up(warm: Warm) -> None:
         _import_and_lower(warm)
     finally:
         recorder.close()
-    warm.read_env = sorted(recorder.env)
+    warm.read_env = sorted(name for name in recorder.env if not environment.shown_only(name))  # rich's and typer's: never inputs
     warm.lookups = sorted(recorder.lookups)
     warm.imported = startup.found_in(dict(sys.modules), recorder.lookups)
     warm.installed = _installed_dirs()

@@ -2,9 +2,10 @@
 
 A warm server's child runs the client's request in a process that started
 long ago, under the server's start-up: its flags (``-O`` sets ``__debug__``),
-its hash seed, the variables read before any Python code ran, the ``.pth``
-files ``site`` executed and the import finders they installed, the modules it
-imported. A child can stand in for the client's own interpreter only when all
+its hash seed, its environment (all of it but the variables that only say
+how output is shown: ``environment.py``; native code may have read any other
+while the process started or imported), the ``.pth`` files ``site`` executed
+and the import finders they installed, the modules it imported. A child can stand in for the client's own interpreter only when all
 of these are the client's too. This module says what they are (:func:`state`,
 cheap: no torch) and why a warm process would answer differently
 (:func:`why_not`), for ``lower`` and ``verify`` requests and for
@@ -23,14 +24,10 @@ import sys
 import sysconfig
 from typing import Any, Iterable
 
+from . import environment
 from .cache.digests import digest, digest_json, stat_key
 
-# Variables read before any Python code runs (the interpreter's start, torch's and the OpenMP,
-# MKL and C libraries' native code): a warm process keeps what it made of its own values.
-PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH", "ATEN_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_",
-            "MALLOC_", "GLIBC_", "LC_", "EXECUTORCH")
-NAMES = ("HOME", "LANG")
-# A server's child sets the thread count itself (server.py); lowercache's own settings are read fresh in the child.
+# A server's child sets the thread count itself (server.py): a client's own is an input of records (record/trust.py).
 SET_BY_CHILD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # ``lowercache run`` puts this directory (its ``sitecustomize``) on a command's PYTHONPATH: it says nothing of the user's.
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run", "_site")
@@ -58,16 +55,10 @@ def without_dir(pythonpath: str | None, directory: str) -> str | None:
     return os.pathsep.join(kept) or None
 
 
-def read_at_start(name: str) -> bool:
-    """Whether the variable is read before any Python code runs (and is not lowercache's own, nor set by a child)."""
-    if name.startswith("LOWERCACHE_") or name in SET_BY_CHILD:
-        return False
-    return name.startswith(PREFIXES) or name in NAMES
-
-
 def variables(environ: dict[str, str] | Any) -> dict[str, str]:
-    """The start-up variables of ``environ``, PYTHONPATH without the hook directory."""
-    found = {name: environ[name] for name in environ if read_at_start(name)}
+    """The variables of ``environ`` a process takes in: all but those that only say how output is shown
+    (``environment.py``) and the thread counts a server's child sets, PYTHONPATH without the hook directory."""
+    found = {name: value for name, value in environment.inputs(environ).items() if name not in SET_BY_CHILD}
     if "PYTHONPATH" in found:
         kept = without_dir(found.pop("PYTHONPATH"), HOOK_DIR)
         if kept is not None:
@@ -234,11 +225,12 @@ def changed(old: dict[str, Any] | Any, new: dict[str, Any], whose: str) -> str |
         return None
     if not isinstance(old, dict):
         return "the interpreter's start-up state is unknown"
-    for part, label in (("interpreter", "the Python interpreter"), ("flags", "the interpreter's flags (-O, -B, ...)"),
-                        ("options", "the interpreter's -W or -X options"), ("site", "site-packages' .pth files or import finders"),
-                        ("code", "the code the interpreter runs at start (.pth lines, sitecustomize, usercustomize)")):
+    for part, label in (("interpreter", "the Python interpreter differs"), ("flags", "the interpreter's flags (-O, -B, ...) differ"),
+                        ("options", "the interpreter's -W or -X options differ"),
+                        ("site", "site-packages' .pth files or import finders differ"),
+                        ("code", "the code the interpreter runs at start (.pth lines, sitecustomize, usercustomize) differs")):
         if old.get(part) != new.get(part):
-            return f"{label} differ from {whose}"
+            return f"{label} from {whose}"
     ours, theirs = old.get("variables") or {}, new.get("variables") or {}
     names = sorted(n for n in set(ours) | set(theirs) if ours.get(n) != theirs.get(n))
     return f"environment variable {names[0]} differs from {whose}" if names else f"the start-up state differs from {whose}"
@@ -287,24 +279,20 @@ def shadowed(directories: Iterable[str], cwd: str, imported: dict[str, list[str]
     return None
 
 
-def why_not(env: dict[str, str], start_env: dict[str, str], read: Iterable[str], path: Iterable[str], cwd: str,
+def why_not(env: dict[str, str], start_env: dict[str, str], path: Iterable[str], cwd: str,
             imported: dict[str, list[str]]) -> str | None:
     """Why a warm process that started with ``start_env`` would answer a request from ``env`` differently; None if it would not.
 
-    ``read``: the variables the warm process's imports and warm-up read;
-    ``path``: the directories the request's interpreter searches for modules,
-    in order; ``imported``: the top-level names the warm process imported or
-    looked for, with the directories each came from (:func:`found_in`).
+    Any variable that is an input (:func:`variables`: native code may have
+    read it while the warm process imported) must be the same; ``path``: the
+    directories the request's interpreter searches for modules, in order;
+    ``imported``: the top-level names the warm process imported or looked
+    for, with the directories each came from (:func:`found_in`).
     """
-    names = set(read) | {n for n in (*start_env, *env) if read_at_start(n)}
     ours, theirs = variables(env), variables(start_env)
-    for name in sorted(names):
-        if name.startswith("LOWERCACHE_") or name in SET_BY_CHILD:
-            continue
-        mine = ours.get(name) if read_at_start(name) else env.get(name)
-        warm = theirs.get(name) if read_at_start(name) else start_env.get(name)
-        if mine != warm:
-            return f"environment variable {name} differs from the server's"
+    differ = sorted(name for name in {*ours, *theirs} if ours.get(name) != theirs.get(name))
+    if differ:
+        return f"environment variable {differ[0]} differs from the server's"
     shadow = shadowed(path, cwd, imported)
     if shadow is not None:
         return f"{shadow} would shadow a module the server imported"

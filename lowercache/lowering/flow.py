@@ -211,6 +211,7 @@ def lower_program(
     calibration = list(calibration) if calibration is not None else [tuple(example_inputs)]
     programs: list[Any] = []
     quantized: list[Any] | None = [] if check == "layers" else None
+    stages.run("backend", arm.import_backend)  # in a new process: seconds the cache lookup would otherwise seem to take
     parts = stages.run("hash", lambda: flow_parts(program, target, example_inputs, calibration, session.store))
 
     def compute() -> Entry:

@@ -579,8 +579,10 @@ class Recorder:
         return [str(self.settings.cache_dir)]
 
     def location(self, root: str, files: set[str]) -> dict[str, Any]:
-        """Where the record was made, and whether it may answer elsewhere (``portable``): only in a git work
-        tree, and only when no code it ran can have seen its directory (see ``sweep.LOCATION_NAMES``)."""
+        """Where the record was made, and ``why`` its code may depend on that place (a name it uses, see
+        ``sweep.LOCATION_NAMES``; a root that is no git work tree). That is said by ``explain``, and an opt-in
+        (``portable_records``) vouches only for code without one; whether the record answers in another directory
+        is settled when it is confirmed (``trust.verdict``, ``trust.elsewhere``), not by these names."""
         why = "" if work_tree(root) == root else "the working directory is not in a git work tree"
         for path in sorted(files):
             if why or self.located:
@@ -594,7 +596,7 @@ class Recorder:
                 if found is not None:
                     why = f"{os.path.relpath(path, root)} names {found.group().decode()}"
         why = why or (self.located[0] if self.located else "")
-        return {"root": root, "portable": not why, "why": why}
+        return {"root": root, "roots": [root], "bound": False, "portable": False, "why": why}
 
     def _lookups(self) -> list[list[Any]]:
         """For each module name looked up: what the user's search directories hold under that name (a new file may shadow it)."""

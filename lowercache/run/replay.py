@@ -42,7 +42,8 @@ from ..config import Settings, load_settings
 from ..errors import LowercacheError
 from ..record.places import Places, hop_dirs, path_state, project_root
 from ..record.recorder import Recorder, listen, opens_to_write
-from ..record.trust import UNSEEN, Words, check_inputs, identity, identity_changed, inputs_changed, put_status, status_lines, verdict
+from ..record.trust import (UNSEEN, Words, check_inputs, elsewhere, identity, identity_changed, inputs_changed, put_status, status_lines,
+                            verdict)
 from . import pyexec
 
 KIND = "run"
@@ -58,6 +59,7 @@ WORDS = Words(
     who="the command",
     same="writes the same files",
     gave_same="wrote the same files",
+    elsewhere="wrote different files in another directory",
     differed="identical inputs wrote different files: the command reads something no record can see, "
              "such as the time or an unseeded random generator",
 )
@@ -300,7 +302,8 @@ def _why_not(entry: Entry, command: Command, settings: Settings, env: dict[str, 
     if why is not None:
         return why
     places = Places(command.root)
-    why = inputs_changed(record["inputs"], places, record["recorded_ns"], command.cwd, env)
+    why = elsewhere(record["inputs"]["location"], command.root, settings.portable_records, WORDS) or inputs_changed(
+        record["inputs"], places, record["recorded_ns"], command.cwd, env)
     if why is not None:
         return why
     for out in record["outputs"]:
@@ -590,7 +593,8 @@ def _store(store: Any, command: Command, settings: Settings, env: dict[str, str]
         return identity_changed(previous.get("identity"), record["identity"]) or inputs_changed(
             previous["inputs"], Places(command.root), previous["recorded_ns"], command.cwd, env)
 
-    verdict(old.meta if old is not None else None, changed, [], lambda previous: _written(previous) == _written(record), WORDS).stamp(record)
+    verdict(old.meta if old is not None else None, changed, [], lambda previous: _written(previous) == _written(record), WORDS,
+            command.root).stamp(record)
     store.put(KIND, command.key(), Entry(meta=record, blobs=blobs, cost=cost))
     store.add_counts({KIND: {"miss": 1}})
     _set_status(store, command, "record", record["status"], record["reason"])

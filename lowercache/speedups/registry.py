@@ -11,7 +11,7 @@ their own as well (a pass's gate, a call site).
 ``LOWERCACHE_SPEEDUPS``: ``all`` (default), ``none``, a list of names
 (``retrace,fastcopy``), or ``all`` minus some (``all,-fastcopy``). ``all``
 means every speed-up but the opt-in ones (``OPT_IN``), which are on only
-when named (``all,regions``).
+when named (``all,regions``, ``all,rebind``).
 """
 
 from __future__ import annotations
@@ -173,6 +173,18 @@ SPEEDUPS: tuple[Speedup, ...] = (
         "tests/flow/test_region_splice.py",
     ),
     Speedup(
+        "rebind",
+        ("executorch.exir.program._program:_gen_edge_manager_for_partitioners",
+         "executorch.exir.program._program:_generate_edge_program",
+         "executorch.exir.program._program:EdgeProgramManager.__init__",
+         "executorch.exir.verification.verifier:EXIREdgeDialectVerifier"),
+        "f9f03442ebc1ae2e53078b546bb097b0fe5bf6851d21cf46c50e4d1b07d70399",
+        "A weights-only change serves the edge program from a template keyed by the structure: to_edge carries the "
+        "quantized program's literals and tensors without reading them, and they are put back where they were. Opt-in "
+        "until the census of edits says it is exact.",
+        "tests/flow/test_rebind.py",
+    ),
+    Speedup(
         "gcfreeze",
         (),
         "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
@@ -184,7 +196,7 @@ SPEEDUPS: tuple[Speedup, ...] = (
 NAMES = tuple(s.name for s in SPEEDUPS)
 _BY_NAME = {s.name: s for s in SPEEDUPS}
 # On only when named: ``all`` leaves them off (``all,regions`` turns one on).
-OPT_IN = frozenset({"regions"})
+OPT_IN = frozenset({"regions", "rebind"})
 DEFAULT = frozenset(NAMES) - OPT_IN
 
 _lock = threading.Lock()
