@@ -181,14 +181,21 @@ class LowerRecorder(Recorder):
 
 
 def start(model: str, target: str, out_dir: Any, per_tensor: bool, calibration: Any, settings: Settings,
-          system_config: str | None = None, memory_mode: str | None = None) -> LowerRecorder | None:
-    """A (paused) recorder for this ``lower`` run, or None when direct mode is off or nothing could be stored."""
+          system_config: str | None = None, memory_mode: str | None = None,
+          before: Callable[[], None] = lambda: None) -> LowerRecorder | None:
+    """A (paused) recorder for this ``lower`` run, or None when direct mode is off or nothing could be stored.
+
+    ``before``: called first when there will be a record (the lowering's own imports, so that the backstop
+    below Python, started next, does not trace them).
+    """
     if not settings.direct or settings.disable or settings.read_only:
         return None
+    before()
     request = Request(model=model, target=target, out_dir=str(out_dir), per_tensor=per_tensor,
                       calibration=str(calibration) if calibration is not None else None,
                       system_config=system_config, memory_mode=memory_mode, check=settings.check)
     recorder = LowerRecorder(request, settings)
+    recorder.watch_below()
     listen(recorder)  # one lowering at a time; a failed run's recorder is dropped
     if calibration is not None:
         recorder.add_file(str(calibration))
@@ -266,6 +273,8 @@ def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], man
     found.stamp(record)
     store.put(KIND, key, Entry(meta=record))
     manifest["direct"] = {"record": record["status"], "reason": record["reason"]}
+    if recorder.below_counts:
+        manifest["backstop"] = recorder.below_counts
     _set_status(store, request, "record", record["status"], record["reason"])
 
 

@@ -891,14 +891,12 @@ def _import_and_lower(warm: Warm) -> None:
 
         warm.threads = torch.get_num_threads()
         torch.set_num_threads(1)  # a fork after the intra-op pool ran can hang the child
-        import executorch.backends.arm.ethosu  # noqa: F401
-        import executorch.backends.arm.quantizer  # noqa: F401
-        import executorch.backends.arm.tosa.partitioner  # noqa: F401
-        import executorch.exir  # noqa: F401
+        from .lowering.flow import import_stack
+
+        import_stack()
         import rich.console  # noqa: F401
         import rich.progress  # noqa: F401
         import rich.table  # noqa: F401
-        import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
         import typer  # noqa: F401
 
         from . import api, verify  # noqa: F401

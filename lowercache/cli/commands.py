@@ -219,6 +219,7 @@ def lower(
     from .. import api, direct
     from ..config import check_with_min_snr, parse_check
     from ..lowering import loading, numerics_report
+    from ..lowering.flow import import_stack
     from ..lowering.targets import resolve
 
     _json_errors = as_json
@@ -232,7 +233,8 @@ def lower(
         api.check_output_dir(out_dir)
         if not settings.disable:
             api.open_store(settings).close()  # fail early on an unusable cache directory
-        recorder = direct.start(model, target, out_dir, per_tensor, calibration, settings, system_config, memory_mode)  # what the factory reads
+        recorder = direct.start(model, target, out_dir, per_tensor, calibration, settings, system_config, memory_mode,
+                                before=import_stack)  # what the factory reads
         with phases.progress(err, phases.planned(resolve(target).quantized, settings.check)) as timed:
             timed.begin("load")
             loaded = direct.recorded(recorder, loading.load_model, model)

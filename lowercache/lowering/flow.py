@@ -12,6 +12,7 @@ unchanged model costs an export and a hash.
 
 from __future__ import annotations
 
+import importlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,17 @@ from ..cache.steps import Session, activate, listed, outcome_counts, step_key
 from ..cache.store import Entry, Store
 from .targets import Target
 from ..cache.toolchain import toolchain_parts
+
+# The Arm stack a lowering imports (thousands of modules): the warm server imports it once; an in-process ``lower``
+# that records (direct mode) imports it before the backstop below Python starts, which would trace each import.
+STACK = ("executorch.exir", "executorch.backends.arm.ethosu", "executorch.backends.arm.quantizer",
+         "executorch.backends.arm.tosa.partitioner", "torchao.quantization.pt2e.quantize_pt2e", "torch.export")
+
+
+def import_stack() -> None:
+    """Import :data:`STACK` now (as a lowering would later)."""
+    for name in STACK:
+        importlib.import_module(name)
 
 # Names the stock flow below; part of the flow key. v2: partitions lowered in
 # discovery order (partitionorder.py); v1 entries followed the hash seed.

@@ -141,6 +141,13 @@ class CommandRecorder(Recorder):
     def unswept(self) -> list[str]:
         return [self.cache]
 
+    def own_dirs(self) -> tuple[str, ...]:
+        return (self.cache,)
+
+    def read_written(self, path: str) -> None:
+        if path in self.outputs and os.path.isfile(path):
+            self.refuse(f"read {path}, which it also wrote")
+
     def remade(self, path: str) -> None:
         if (path + os.sep).startswith(self.allowed):
             self.wrote(path)  # an output directory either way, so that a record does not depend on whether it was there
@@ -221,6 +228,7 @@ def record_in_process(at_exit: bool = True, warm: dict[str, Any] | None = None) 
 
     if site.ENABLE_USER_SITE:
         recorder.looked_at(site.getusersitepackages())
+    recorder.watch_below()
     listen(recorder)
     if sys.stdin is not None:
         sys.stdin = _WatchedStdin(sys.stdin, recorder)
