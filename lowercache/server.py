@@ -770,6 +770,7 @@ def _child(message: dict[str, Any], parent: int, out_w: int, err_w: int, inherit
     sys.stderr = open(2, "w", encoding=encodings[1], errors=errors[1], buffering=1, closefd=False)
     try:
         _become_client(message, warm)
+        pyexec.reseed()  # as a new process: an unseeded factory draws afresh, so a confirmation can tell
     except BaseException as e:  # noqa: BLE001
         os.write(started, b"E" + _why_not_started(e, "the lowering").encode()[:4000])
         return 1
@@ -807,6 +808,7 @@ def _confirm_child(message: dict[str, Any], parent: int, inherited: list[int], w
     os.close(devnull)
     try:
         _become_client(message, warm)
+        pyexec.reseed()
         from .cli.commands import confirm_record
         from .errors import new_command
 

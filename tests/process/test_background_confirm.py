@@ -26,7 +26,7 @@ def latest_record(server: Server, target: str) -> str:
 def confirmed_in_background(server: Server, *targets: str) -> None:
     """Wait (no sleep taken as an assertion) until the server has confirmed each target's record."""
     for target in targets:
-        assert wait_until(lambda: "confirmed: " in latest_record(server, target), WAIT), latest_record(server, target)
+        assert wait_until(lambda: "latest record: confirmed: " in latest_record(server, target), WAIT), latest_record(server, target)
         assert "in the background, by the warm server" in latest_record(server, target)
 
 
@@ -65,7 +65,7 @@ def test_a_factory_that_lowers_differently_each_time_is_untrusted_by_the_backgro
     (server.project / "model.py").write_text(model.replace("    torch.manual_seed(0)\n", ""))
     first = server("lower", "model.py:model", "-t", "tosa-fp", "-o", "out")
     assert first.returncode == 0, first.stderr[-3000:]
-    assert wait_until(lambda: "untrusted: " in latest_record(server, "tosa-fp"), WAIT), latest_record(server, "tosa-fp")
+    assert wait_until(lambda: "latest record: untrusted: " in latest_record(server, "tosa-fp"), WAIT), latest_record(server, "tosa-fp")
     assert "identical inputs lowered differently" in latest_record(server, "tosa-fp")
     again = server("lower", "model.py:model", "-t", "tosa-fp", "-o", "out")
     assert again.returncode == 0 and "direct mode: served" not in again.stderr
