@@ -704,6 +704,7 @@ def server_status() -> None:
         ("state", f"stale: the next request replaces it ({'; '.join(differ)})" if differ else "current"),
         ("uptime", f"{reply['uptime']:.1f} s"),
         ("requests", f"{reply['requests']} served ({reply['failed']} failed), {reply['running']} running, {reply['queued']} queued, at most {reply['jobs']} at once"),
+        ("records", f"{reply.get('unconfirmed', 0)} to confirm when idle, {reply.get('confirmed', 0)} confirmation runs done"),
         ("memory", f"{reply['rss'] / 2**20:.1f} MiB resident (the server; each request's process adds its own)"),
         ("idle exit", f"after {reply['idle_timeout']} s without a request"),
         ("socket", reply["socket"]),
@@ -767,6 +768,27 @@ def _settings_problem() -> Optional[str]:
     except LowercacheError as e:
         return str(e)
     return None
+
+
+def confirm_record(args: List[str]) -> str:
+    """Confirm the direct-mode record of the ``lower`` command line ``args`` without lowering (the warm server, when
+    idle): the factory and the export run as ``lower`` runs them, with the recorder listening (``direct.confirm``)."""
+    from .. import api, direct
+    from ..lowering import loading
+
+    def key_of(recorder: Any) -> Optional[str]:
+        request = recorder.request
+        loaded = direct.recorded(recorder, loading.load_model, request.model)
+        samples = None
+        if request.calibration is not None:
+            samples = loading.load_calibration(request.calibration)
+            loading.check_calibration(samples, loaded.example_inputs, request.calibration)
+        return api.flow_key(loaded.program if loaded.program is not None else loaded.module, loaded.example_inputs,
+                            target=request.target, settings=recorder.settings, calibration=samples,
+                            per_channel=not request.per_tensor, listener=direct.listening(recorder, lambda *_: None),
+                            system_config=request.system_config, memory_mode=request.memory_mode)
+
+    return direct.confirm(args, key_of)
 
 
 def run_in_process(args: List[str]) -> object:

@@ -291,6 +291,22 @@ def lower_module(
     return lower_program(program, target, example_inputs, calibration, session, stages, check)
 
 
+def flow_key(
+    model: torch.nn.Module | torch.export.ExportedProgram,
+    example_inputs: Inputs,
+    target: Target,
+    calibration: Sequence[Inputs] | None,
+    session: Session,
+) -> str | None:
+    """The flow step's key without lowering: the export (of a module) and the key's hashing, as :func:`lower_module`
+    and :func:`lower_program` run them. The warm server confirms a direct-mode record so (``direct.confirm``)."""
+    stages = Stages(session)
+    program = model if isinstance(model, torch.export.ExportedProgram) else stages.run("export", lambda: export(model, example_inputs))
+    calibration = list(calibration) if calibration is not None else [tuple(example_inputs)]
+    parts = stages.run("hash", lambda: flow_parts(program, target, example_inputs, calibration, session.store))
+    return step_key("flow", parts) if parts is not None else None
+
+
 def manifest(artifacts: Artifacts, target: Target, model: str) -> dict[str, Any]:
     """The manifest written beside the artifacts: keys, toolchain, steps, files."""
     return {

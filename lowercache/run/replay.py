@@ -142,7 +142,7 @@ class CommandRecorder(Recorder):
         return [self.cache]
 
     def own_dirs(self) -> tuple[str, ...]:
-        return (self.cache,)
+        return (self.cache, *memo_prefixes())
 
     def read_written(self, path: str) -> None:
         if path in self.outputs and os.path.isfile(path):
