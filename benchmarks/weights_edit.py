@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -45,6 +46,7 @@ _INSIDE = {"decompositions": "edge program and decompositions"}
 
 
 def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)  # code that checks who called it unwraps (the decompositions speed-up does)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if name in _depth or (name in _INSIDE and _INSIDE[name] not in _depth):  # re-entered, or outside its phase
             return fn(*args, **kwargs)
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 served = [r for r in artifacts.records if r["kind"] == "edge"]
                 rows.append({"model": name, "lowering": kind, **edit, "equal to stock": same,
                              "rebind": served[-1]["outcome"] if served else ""})
-    columns = [k for k in rows[0] if k not in ("model", "lowering")]
+    columns = list(dict.fromkeys(k for row in rows for k in row if k not in ("model", "lowering")))
     print("| model | lowering | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|" * len(columns))
     for row in rows:

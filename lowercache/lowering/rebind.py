@@ -280,7 +280,6 @@ def fill(template: Entry, program: Any, config: Any) -> tuple[Any, list[Any]]:
     FormatError when the template does not fit ``program`` (or is a note that no template could be made).
     """
     from executorch.exir.verification.verifier import EXIREdgeDialectVerifier
-    from torch.export import ExportedProgram
 
     if template.meta.get("format") != VERSION:
         raise FormatError(template.meta.get("reason", "not an edge template"))
@@ -328,7 +327,7 @@ def fill(template: Entry, program: Any, config: Any) -> tuple[Any, list[Any]]:
     preserved = _ops(doc.get("preserved"))
     if not isinstance(verifier, dict):
         raise FormatError("bad stored verifier")
-    edge = ExportedProgram(
+    edge = _checked_program(
         root=gm,
         graph=gm.graph,
         graph_signature=signature,
@@ -340,6 +339,34 @@ def fill(template: Entry, program: Any, config: Any) -> tuple[Any, list[Any]]:
         verifiers=[EXIREdgeDialectVerifier(edge_compile_config=config, class_only=True, preserve_ops=_ops(verifier.get("preserve")))],
     )
     return edge, preserved
+
+
+def _checked_program(root: Any, graph: torch.fx.Graph, graph_signature: Any, state_dict: dict[str, Any], range_constraints: Any,
+                     module_call_graph: Any, example_inputs: Any, constants: dict[str, Any], verifiers: list[Any]) -> Any:
+    """``ExportedProgram(...)``, made as its constructor makes it but for its last step, ``validate()``.
+
+    The verifiers only check (the signature against the graph, the operators allowed, each operator's dtypes and
+    its tensors' contiguity: all structure), and this program's structure is the one the template was checked
+    against, which stock's edge program passed; the check would pass again, and it costs as much as the rest of
+    the hit together. The constructor is pinned by ``rebind``'s source digest (speedups/registry.py).
+    """
+    from torch.export import exported_program as ep
+
+    program = ep.ExportedProgram.__new__(ep.ExportedProgram)
+    graph._codegen = torch.fx.graph.CodeGen()
+    program._graph_module = ep._create_graph_module_for_export(root, graph)
+    if isinstance(root, torch.fx.GraphModule):
+        program._graph_module.meta.update(root.meta)
+    ep._common_getitem_elimination_pass(program._graph_module, graph_signature, module_call_graph)
+    program._graph_signature = graph_signature
+    program._state_dict = state_dict
+    program._range_constraints = range_constraints
+    program._module_call_graph = module_call_graph
+    program._example_inputs = example_inputs
+    program._constants = constants or {}
+    program._verifiers = verifiers
+    program._guards_code = ep._convert_guards_to_code(program._graph_module)
+    return program
 
 
 def _list(value: Any) -> list[Any]:
@@ -381,7 +408,7 @@ def _program_form(edge: Any) -> list[Any]:
         [[name, id(t)] for name, t in edge.state_dict.items()],
         [[name, id(t)] for name, t in edge.constants.items()],
         canon(edge.module_call_graph), canon(edge.range_constraints), id(edge.example_inputs),
-        _verifier_form(edge), edge.dialect, canon(edge.graph_module.meta),
+        _verifier_form(edge), edge.dialect, canon(edge.graph_module.meta), sorted(vars(edge)),
     ]
 
 

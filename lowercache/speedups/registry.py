@@ -177,8 +177,9 @@ SPEEDUPS: tuple[Speedup, ...] = (
         ("executorch.exir.program._program:_gen_edge_manager_for_partitioners",
          "executorch.exir.program._program:_generate_edge_program",
          "executorch.exir.program._program:EdgeProgramManager.__init__",
-         "executorch.exir.verification.verifier:EXIREdgeDialectVerifier"),
-        "f9f03442ebc1ae2e53078b546bb097b0fe5bf6851d21cf46c50e4d1b07d70399",
+         "executorch.exir.verification.verifier:EXIREdgeDialectVerifier",
+         "torch.export.exported_program:ExportedProgram.__init__"),
+        "6188b95dd443ff6f2ae4e4602ee029b72c21053ababef34dbc85594f9d1ec6b9",
         "A weights-only change serves the edge program from a template keyed by the structure: to_edge carries the "
         "quantized program's literals and tensors without reading them, and they are put back where they were. Opt-in "
         "until the census of edits says it is exact.",
