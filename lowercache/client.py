@@ -280,8 +280,27 @@ def ensure_server(settings: Settings) -> dict[str, Any]:
         return _spawn(directory, want)
 
 
+def _tracer() -> int:
+    """The pid of the process tracing this one (a debugger, ``strace``, a recording's backstop), 0 when none."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"TracerPid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _spawn(directory: Path, want: dict[str, Any]) -> dict[str, Any]:
-    """Start ``lowercache.server`` detached, with this lowercache on its path; wait until it answers."""
+    """Start ``lowercache.server`` detached, with this lowercache on its path; wait until it answers.
+
+    Not from a traced process: the server would stay traced (and, under a recording's backstop, filtered) for its
+    whole life, and no record its children make could be watched below Python.
+    """
+    tracer = _tracer()
+    if tracer:
+        raise ServerUnavailable(f"this process is traced (by pid {tracer}), and a server started from it would be too")
     if sys.stderr.isatty():  # at a terminal, say what the wait is (a CI log gets the command's own lines only)
         print("lowercache: starting the lowering server (torch and the Arm backend are imported once: 10-30 s)",
               file=sys.stderr, flush=True)

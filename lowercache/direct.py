@@ -20,6 +20,7 @@ docs/direct-mode.md.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -181,17 +182,28 @@ class LowerRecorder(Recorder):
 
 
 def start(model: str, target: str, out_dir: Any, per_tensor: bool, calibration: Any, settings: Settings,
-          system_config: str | None = None, memory_mode: str | None = None) -> LowerRecorder | None:
-    """A (paused) recorder for this ``lower`` run, or None when direct mode is off or nothing could be stored."""
+          system_config: str | None = None, memory_mode: str | None = None,
+          before: Callable[[], None] = lambda: None) -> LowerRecorder | None:
+    """A (paused) recorder for this ``lower`` run, or None when direct mode is off or nothing could be stored.
+
+    ``before``: called first when there will be a record (the lowering's own imports, so that the backstop
+    below Python, started next, does not trace them).
+    """
     if not settings.direct or settings.disable or settings.read_only:
         return None
+    before()
     request = Request(model=model, target=target, out_dir=str(out_dir), per_tensor=per_tensor,
                       calibration=str(calibration) if calibration is not None else None,
                       system_config=system_config, memory_mode=memory_mode, check=settings.check)
+    return _recorder(request, settings)
+
+
+def _recorder(request: Request, settings: Settings) -> LowerRecorder:
     recorder = LowerRecorder(request, settings)
+    recorder.watch_below()
     listen(recorder)  # one lowering at a time; a failed run's recorder is dropped
-    if calibration is not None:
-        recorder.add_file(str(calibration))
+    if request.calibration is not None:
+        recorder.add_file(request.calibration)
     return recorder
 
 
@@ -240,7 +252,9 @@ def finish(recorder: LowerRecorder | None, records: list[dict[str, Any]], manife
         store.close()
 
 
-def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], manifest: dict[str, Any]) -> None:
+def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], manifest: dict[str, Any], how: str = "") -> None:
+    """Store the record this run made, judged by the one confirm rule. ``how``: a background confirmation's note; it
+    stores only a settled record (confirmed, untrusted): it lowered nothing, so a record of changed inputs waits for a run that does."""
     request = recorder.request
     inputs = recorder.inputs()
     ident = identity(recorder.settings, recorder.initial_env)
@@ -263,13 +277,67 @@ def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], man
         WORDS,
         request.root,
     )
+    if how:
+        if found.status == "unconfirmed":
+            manifest["direct"] = {"record": "unconfirmed", "reason": found.reason}
+            return
+        found = dataclasses.replace(found, reason=f"{found.reason} ({how})")
     found.stamp(record)
     store.put(KIND, key, Entry(meta=record))
     manifest["direct"] = {"record": record["status"], "reason": record["reason"]}
+    if recorder.below_counts:
+        manifest["backstop"] = recorder.below_counts
     _set_status(store, request, "record", record["status"], record["reason"])
 
 
 _KEPT_MANIFEST = ("model", "target", "quantization", "toolchain", "speedups", "key_parts", "numerics")
+
+
+# -- confirming in the background ---------------------------------------------------------------------
+
+
+def confirm(args: list[str], key_of: Callable[[LowerRecorder], str | None]) -> str:
+    """Settle the unconfirmed record of the ``lower`` command line ``args`` as its re-run would, without lowering.
+
+    ``key_of(recorder)`` imports the model file and runs its factory and the export with the recorder listening,
+    and gives the flow key. The warm server does this when idle (``server.py``), in a child that became the
+    request's client again, so the next run is a hit. The rule is the one of every confirmation (``verdict``):
+    the same inputs and start-up state, the same key; another key makes the record untrusted. What became of it
+    is returned for the server's log.
+    """
+    request = parse_lower(args)
+    if request is None:
+        return "not a plain lower command"
+    settings = request.settings()
+    if not settings.direct or settings.disable or settings.read_only:
+        return "direct mode is off"
+    request.check = settings.check
+    from .cache.tiers import open_store
+
+    store = open_store(settings)
+    try:
+        record = _load(store, request.key())
+        if record is None or record.get("status") != "unconfirmed":
+            return "nothing to confirm"
+        syspath = [Places(request.root).ref(os.path.abspath(p or ".")) for p in sys.path]
+        try:
+            since = _changed(record, request, settings, syspath, initial_environ())
+        except (ValueError, KeyError, TypeError) as e:
+            return f"its record is unusable ({e})"
+        if since is not None:
+            return f"not confirmed: {since} since it was recorded"
+        recorder = _recorder(request, settings)
+        try:
+            key = key_of(recorder)
+        finally:
+            recorder.close()
+        if key is None:
+            return "not confirmed: the program cannot be keyed"
+        said: dict[str, Any] = dict(record["manifest"])
+        _store_record(recorder, store, {"name": record["flow"]["name"], "key": key}, said, "in the background, by the warm server")
+        return f"{said['direct']['record']}: {said['direct']['reason']}"
+    finally:
+        store.close()
 
 
 # -- answering ---------------------------------------------------------------------------------------

@@ -182,6 +182,15 @@ def lowercache_digest() -> str:
     return package_digest(_PACKAGE)
 
 
+def memo_prefixes() -> tuple[str, ...]:
+    """Where the memos below (and their temporary files) live: lowercache's own bookkeeping, which any process that imports
+    it may read and write, so neither an input nor an output of a command a recorder watches."""
+    from ..config import default_cache_dir
+
+    where = str(default_cache_dir()) + os.sep
+    return (where + "toolchain-", where + ".toolchain-")
+
+
 class _Memo:
     """Module digests by path and stat, in ``<default cache>/toolchain-digests.json``; any fault means parsing again."""
 

@@ -219,6 +219,7 @@ def lower(
     from .. import api, direct
     from ..config import check_with_min_snr, parse_check
     from ..lowering import loading, numerics_report
+    from ..lowering.flow import import_stack
     from ..lowering.targets import resolve
 
     _json_errors = as_json
@@ -232,7 +233,8 @@ def lower(
         api.check_output_dir(out_dir)
         if not settings.disable:
             api.open_store(settings).close()  # fail early on an unusable cache directory
-        recorder = direct.start(model, target, out_dir, per_tensor, calibration, settings, system_config, memory_mode)  # what the factory reads
+        recorder = direct.start(model, target, out_dir, per_tensor, calibration, settings, system_config, memory_mode,
+                                before=import_stack)  # what the factory reads
         with phases.progress(err, phases.planned(resolve(target).quantized, settings.check)) as timed:
             timed.begin("load")
             loaded = direct.recorded(recorder, loading.load_model, model)
@@ -702,6 +704,7 @@ def server_status() -> None:
         ("state", f"stale: the next request replaces it ({'; '.join(differ)})" if differ else "current"),
         ("uptime", f"{reply['uptime']:.1f} s"),
         ("requests", f"{reply['requests']} served ({reply['failed']} failed), {reply['running']} running, {reply['queued']} queued, at most {reply['jobs']} at once"),
+        ("records", f"{reply.get('unconfirmed', 0)} to confirm when idle, {reply.get('confirmed', 0)} confirmation runs done"),
         ("memory", f"{reply['rss'] / 2**20:.1f} MiB resident (the server; each request's process adds its own)"),
         ("idle exit", f"after {reply['idle_timeout']} s without a request"),
         ("socket", reply["socket"]),
@@ -765,6 +768,27 @@ def _settings_problem() -> Optional[str]:
     except LowercacheError as e:
         return str(e)
     return None
+
+
+def confirm_record(args: List[str]) -> str:
+    """Confirm the direct-mode record of the ``lower`` command line ``args`` without lowering (the warm server, when
+    idle): the factory and the export run as ``lower`` runs them, with the recorder listening (``direct.confirm``)."""
+    from .. import api, direct
+    from ..lowering import loading
+
+    def key_of(recorder: Any) -> Optional[str]:
+        request = recorder.request
+        loaded = direct.recorded(recorder, loading.load_model, request.model)
+        samples = None
+        if request.calibration is not None:
+            samples = loading.load_calibration(request.calibration)
+            loading.check_calibration(samples, loaded.example_inputs, request.calibration)
+        return api.flow_key(loaded.program if loaded.program is not None else loaded.module, loaded.example_inputs,
+                            target=request.target, settings=recorder.settings, calibration=samples,
+                            per_channel=not request.per_tensor, listener=direct.listening(recorder, lambda *_: None),
+                            system_config=request.system_config, memory_mode=request.memory_mode)
+
+    return direct.confirm(args, key_of)
 
 
 def run_in_process(args: List[str]) -> object:

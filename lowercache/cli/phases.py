@@ -33,7 +33,7 @@ PHASE_OF = {"reexport": "export", "flow": "hash", "quantize": "quantize", "tosa"
 
 def planned(quantized: bool, check: str) -> list[str]:
     """The phases a cold lowering runs, in order: what the counter counts to."""
-    return ["load", "export", "backend", "hash", *(["quantize"] if quantized else []), "to_edge", "to_executorch",
+    return ["load", "export", "hash", "backend", *(["quantize"] if quantized else []), "to_edge", "to_executorch",
             *(["check"] if check else []), *(["layers"] if check == "layers" else [])]
 
 

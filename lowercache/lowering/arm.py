@@ -24,8 +24,9 @@ decomposition re-traces that have nothing to decompose
 (``decompositions.py``), FakeTensor's cache for quantize/dequantize ops
 (``fakecache.py``), one-frame stack lines for the nodes passes stamp
 (``callsite.py``), dead-code elimination that asks about side effects
-only for nodes without users (``deadcode.py``) and one C++ registry walk
-per collection of CompositeImplicitAutograd operators (``ciaops.py``).
+only for nodes without users (``deadcode.py``), one C++ registry walk
+per collection of CompositeImplicitAutograd operators (``ciaops.py``) and
+reachability searched when the partitioner asks (``partitioner.py``).
 They also put partitions in discovery order (``partitionorder.py``), which stock leaves to the
 string-hash seed, so the output is the same in every process. Calls that ask for debug
 artifacts on disk run uncached (a hit would not write them).
@@ -250,7 +251,7 @@ _FLOW_SPEEDUPS = {"regions": regionsplice, "rebind": rebind}
 _ORDER = (
     "provenance", "paramsearch", "qparams", "histogram", "passes", "retrace", "fastcopy", "lazycode", "attrnames",
     "decompositions", "fakecache", "partitionorder", "signature", "treeiter", "dtypecheck", "callsite",
-    "deadcode", "ciaops", "exportguards", "regions", "rebind",
+    "deadcode", "ciaops", "exportguards", "partitioner", "regions", "rebind",
 )
 _enabled: list[Any] = []  # what _apply turned on, so _undo turns off the same
 
@@ -284,7 +285,7 @@ def _undo() -> None:
 
 def import_backend() -> None:
     """Import the Arm backend's modules the hooks wrap, and the speed-ups' patches: seconds in a new process, nothing in
-    the warm server's child. A stage of its own, so that the cache lookup after it is not said to take that long."""
+    the warm server's child. Only on a miss: a hit needs none of it."""
     import importlib
 
     for name in HOOK_MODULES:

@@ -19,10 +19,11 @@ from typing import Any, Callable, ClassVar, Iterator
 
 from .. import sweep
 from ..cache.digests import digest_json
-from ..cache.toolchain import lowercache_digest
+from ..cache.toolchain import lowercache_digest, memo_prefixes
 from ..config import Settings
-from .places import (RACY_NS, STAT_FIELDS, Places, bytecode_matches, dir_listing, entries, named, path_state, size, stdlib_dirs,
-                     work_tree)
+from . import backstop
+from .places import (RACY_NS, STAT_FIELDS, Places, bytecode_matches, dir_listing, entries, is_system, named, path_state, size,
+                     stdlib_dirs, work_tree)
 from .trust import env_digest
 
 _PYCACHE = os.sep + "__pycache__" + os.sep
@@ -175,7 +176,11 @@ class Recorder:
         self.places = Places(root)
         self.covered = tuple(d + os.sep for d in (*stdlib_dirs(), *self.places.anchors.values()) if d != self.places.anchors["root"])
         self.covered += tuple(os.path.join(_PACKAGE, room) + os.sep for room in ("cache", "lowering", "speedups"))
-        self.paused = True
+        self.covered += memo_prefixes()
+        self._paused = True
+        self.below: backstop.Backstop | None = None  # the tracer below Python (``watch_below``)
+        self.below_why = "was not watched below Python"
+        self.below_counts: dict[str, int] = {}  # what the backstop served (``manifest.json``'s ``backstop``)
         self.paths: set[str] = set()
         self.listings: set[str] = set()
         self.lookups: set[str] = set()
@@ -183,6 +188,7 @@ class Recorder:
         self.env_listed = False
         self.unrecordable: list[str] = []
         self.written: set[str] = set()
+        self.remade_dirs: set[str] = set()  # ``os.mkdir`` of a directory there already (``remade``)
         self._looked: set[str] = set()  # paths ``looked_at`` already took: linecache stats each file again and again
         import tempfile
 
@@ -197,6 +203,27 @@ class Recorder:
         self.bytecode: dict[str, str] = {}  # source -> the .pyc that ran for it (``ran_bytecode``)
         self.initial_env = dict(initial_environ())
         self.stdlib = tuple(d + os.sep for d in stdlib_dirs())
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        if self.below is not None and value != self._paused:
+            self.below.off() if value else self.below.on()
+        self._paused = value
+
+    def watch_below(self) -> None:
+        """Attach the backstop below Python (``backstop.py``) before the recorded code runs; where the platform does
+        not allow one, the record will be untrusted, naming why."""
+        started = backstop.start()
+        if isinstance(started, str):
+            self.below_why = f"could not be watched below Python ({started})"
+            return
+        self.below = started
+        if not self._paused:
+            started.on()
 
     def _user(self, path: str) -> bool:
         """Not the toolchain's (the installed-code directories its identity covers) nor bytecode. Device nodes and kernel
@@ -236,6 +263,7 @@ class Recorder:
         elif event in _WRITES:
             remade = _abspath(args[0]) if event == "os.mkdir" and args[2] == -1 else None
             if remade is not None and os.path.isdir(remade):
+                self.remade_dirs.add(remade)
                 self.remade(remade)
                 return
             for path in [_abspath(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]:
@@ -248,7 +276,8 @@ class Recorder:
                 self.paths.add(path)
 
     def opened_fd(self, fd: int) -> None:
-        """``open(fd)``: importlib writes bytecode so (``_write_atomic``: ``os.open``, then ``FileIO(fd)``), a scratch write.
+        """``open(fd)``: importlib writes bytecode so (``_write_atomic``: ``os.open``, then ``FileIO(fd)``), a scratch write,
+        and lowercache its toolchain memos (``mkstemp``, then ``fdopen``).
 
         Any other descriptor (a pipe, a socket, a file of the user's) says nothing of what it reads: refused.
         """
@@ -256,7 +285,7 @@ class Recorder:
             target = _readlink(f"/proc/self/fd/{fd}")
         except OSError:
             target = ""
-        if os.path.isabs(target) and _PYCACHE in target:
+        if os.path.isabs(target) and (_PYCACHE in target or target.startswith(memo_prefixes())):
             self.wrote(target)
         else:
             self.refuse("opened a file descriptor")
@@ -293,7 +322,7 @@ class Recorder:
     def wrote(self, path: str) -> None:
         """A file the window changed is no input; outside scratch space (temporary files, bytecode) it is a side effect a hit would skip."""
         self.written.add(path)
-        scratch = path.startswith(self.scratch) or "__pycache__" in path or path == os.devnull
+        scratch = path.startswith((*self.scratch, *memo_prefixes())) or "__pycache__" in path or path == os.devnull
         if not scratch:
             self.refuse(f"wrote {path}")
 
@@ -409,6 +438,17 @@ class Recorder:
         swept, why = sweep.sweep(root, self.beside(), self.unswept(), self._user)
         if why is not None:
             self.refuse(why)
+        native, native_listings = self.below_python(files | set(swept) | self.listings)
+        for path in sorted(native_listings - self.listings):
+            state = path_state(path, listing=True)
+            if state["kind"] != "system":
+                listings.append([self.places.ref(path), state])
+                if state["kind"] == "dir":
+                    native.update(self._listed_links(path))
+        for path in native - files:  # seen only below Python: native code may observe every stat field of a file
+            if not os.path.isdir(path):  # a directory by its kind (its listing when listed): its times move with any entry
+                self.meta[path] = {"meta": set(STAT_FIELDS), "lmeta": set(STAT_FIELDS)}
+        files |= native
         hashed = 0
         states = []
         for path in sorted(files | (set(swept) - self.written)):
@@ -437,6 +477,93 @@ class Recorder:
             "env": env,
             "location": self.location(root, files),
         }
+
+    def below_python(self, known: set[str]) -> tuple[set[str], set[str]]:
+        """What the backstop saw that nothing else covers: the files and the directories listed to add to the record.
+
+        Not inputs: what the record already holds (``known``), installed code
+        (the standard library, site-packages, the interpreter's prefix and
+        lowercache: covered by the identity), lowercache's own cache, scratch
+        written in the window (temporary files, bytecode), the import system's
+        listings of the search path, device nodes and kernel file systems (by
+        what they are, ``places.is_system``). A write, a process, a change of
+        directory or a call no path describes is refused, as the audit hook
+        refuses them. Without a backstop (none could attach) the record is
+        untrusted, and says why.
+        """
+        files: set[str] = set()
+        listed: set[str] = set()
+        if self.below is None:
+            self.refuse(self.below_why)
+            return files, listed
+        report, self.below = self.below.report(), None
+        if report is None:
+            self.refuse("could not be watched below Python (the tracer stopped)")
+            return files, listed
+        exempt = _exempt_processes()
+        for why in report.get("odd", []):
+            self.refuse(why)
+        if any(pid not in exempt for pid in report.get("processes", [])):
+            self.refuse("ran a process")
+        search = _search_dirs()
+        installed = self._installed()
+        for path, hows in sorted(report.get("seen", {}).items()):
+            own = set()
+            for how in hows:
+                owner, _, what = how.rpartition(":")
+                if not owner:
+                    own.add(what)
+                elif int(owner) not in exempt:
+                    self.refuse("ran a process")
+            if not own or path.startswith(self.own_dirs()) or path + os.sep in self.own_dirs():
+                continue
+            if "mkdir" in own and path in self.remade_dirs:
+                own.discard("mkdir")  # heard by the audit hook too, as a directory that was there (``remade``)
+                if not own:
+                    continue
+            if own & {"write", "mkdir"}:
+                self.wrote(path)
+                if own - {"write", "mkdir"}:
+                    self.read_written(path)
+                continue
+            if "exec" in own:
+                self.refuse("ran a process")
+            if "cwd" in own:
+                self.refuse("changed the working directory")
+            if path in self.written:
+                self.read_written(path)
+                continue
+            if path in known or _PYCACHE in path or path.startswith(installed) or path + os.sep in installed:
+                continue
+            try:
+                st = os.lstat(path)
+            except OSError:
+                st = None
+            if st is not None and is_system(st):
+                continue
+            if path in search and own <= {"list", "look", "dir"}:
+                continue  # the import system's scan of a search directory: its lookups are recorded by name
+            if "list" in own:
+                listed.add(path)
+            if own - {"list", "dir"} or "list" not in own:
+                files.add(path)
+        stops = report.get("stops") or [0, 0]
+        self.below_counts = {"calls": stops[0], "recorded": stops[1], "paths": len(report.get("seen", {})),
+                             "added": len(files | listed)}
+        return files, listed
+
+    def read_written(self, path: str) -> None:
+        """Native code read a file the window wrote: scratch, unless a kind of record keeps it as an output."""
+
+    def own_dirs(self) -> tuple[str, ...]:
+        """Where lowercache itself reads and writes while the window runs: its cache and its toolchain memos."""
+        return (os.path.join(os.path.abspath(str(self.settings.cache_dir)), ""), *memo_prefixes())
+
+    def _installed(self) -> tuple[str, ...]:
+        """Installed code, covered by the identity: the interpreter's prefixes, the standard library, site-packages, lowercache."""
+        dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *stdlib_dirs(), _PACKAGE,
+                *(base for name, base in self.places.anchors.items() if name != "root")}
+        return tuple(os.path.join(os.path.normpath(d), "") for d in dirs)
 
     def beside(self) -> list[str]:
         """Directories whose every file native code may read (the code's own data); none unless a kind of record says."""
@@ -491,6 +618,23 @@ class Recorder:
                     listings[d] = entries(d)
                 found.append([self.places.ref(os.path.abspath(d)), last, named(listings[d], last)])
         return found
+
+
+def _exempt_processes() -> set[int]:
+    """Processes lowercache itself started while recording: ``lowercache run``'s runner (``run/ahead.py``)."""
+    runner = getattr(sys.modules.get("lowercache.run.ahead"), "runner_pid", None)
+    found = runner() if callable(runner) else None
+    return {found} if isinstance(found, int) else set()
+
+
+def _search_dirs() -> set[str]:
+    """The directories the import system lists: the module search path and every imported package's own path."""
+    dirs = {os.path.abspath(p or ".") for p in sys.path if isinstance(p, str)}
+    for module in list(sys.modules.values()):
+        found = getattr(module, "__path__", None)
+        if isinstance(found, (list, tuple)) or type(found).__name__ == "_NamespacePath":  # torch's ops namespaces fake one
+            dirs.update(os.path.abspath(d) for d in found if isinstance(d, str))
+    return dirs
 
 
 # Where a listing of the environment reads every value: ItemsView/ValuesView.__iter__, _Environ.copy.

@@ -227,5 +227,5 @@ def status_lines(store: Any, name: Callable[[str], str], prefix: str = "") -> li
 
 
 # What no record sees, said by ``explain`` (docs/direct-mode.md, Limits).
-UNSEEN = ("cannot see: files native code reads outside the project tree, or inside it away from the model with a suffix "
-          "the sweep does not know; the stat of an entry only a library listed; access times")
+UNSEEN = ("cannot see: what another process reads for the code, a file read through a descriptor opened before the "
+          "recording began; the stat of an entry only a library listed; access times")

@@ -118,7 +118,7 @@ def streams(unbuffered: bool) -> None:
     sys.stderr = sys.__stderr__ = text(2, "wb", sys.__stderr__ or sys.stderr, not unbuffered, True)
 
 
-def _reseed() -> None:
+def reseed() -> None:
     """Random generators seeded from the OS, as a new process seeds them (torch's, Python's, NumPy's); forked, they are the server's."""
     random.seed()
     numpy = sys.modules.get("numpy")
@@ -194,7 +194,7 @@ def run(invocation: Invocation, argv: list[str], executable: str, base_path: lis
     main = types.ModuleType("__main__")
     main.__dict__.update(__builtins__=builtins, __package__=None, __spec__=None)
     sys.modules["__main__"] = main
-    _reseed()
+    reseed()
     before = set(sys.modules)
     _servers_finalizers_off()
     code, interrupted = 0, False

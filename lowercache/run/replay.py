@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from ..cache.digests import digest, digest_json
 from ..cache.store import Entry
+from ..cache.toolchain import memo_prefixes
 from ..client import exec_through_server
 from ..config import Settings, load_settings
 from ..errors import LowercacheError
@@ -140,13 +141,20 @@ class CommandRecorder(Recorder):
     def unswept(self) -> list[str]:
         return [self.cache]
 
+    def own_dirs(self) -> tuple[str, ...]:
+        return (self.cache, *memo_prefixes())
+
+    def read_written(self, path: str) -> None:
+        if path in self.outputs and os.path.isfile(path):
+            self.refuse(f"read {path}, which it also wrote")
+
     def remade(self, path: str) -> None:
         if (path + os.sep).startswith(self.allowed):
             self.wrote(path)  # an output directory either way, so that a record does not depend on whether it was there
 
     def wrote(self, path: str) -> None:
         self.written.add(path)
-        if "__pycache__" in path or path == os.devnull or (path + os.sep).startswith(self.cache):
+        if "__pycache__" in path or path == os.devnull or (path + os.sep).startswith(self.cache) or path.startswith(memo_prefixes()):
             return
         if (path + os.sep).startswith(self.allowed):
             self.outputs.add(path)
@@ -220,6 +228,7 @@ def record_in_process(at_exit: bool = True, warm: dict[str, Any] | None = None) 
 
     if site.ENABLE_USER_SITE:
         recorder.looked_at(site.getusersitepackages())
+    recorder.watch_below()
     listen(recorder)
     if sys.stdin is not None:
         sys.stdin = _WatchedStdin(sys.stdin, recorder)

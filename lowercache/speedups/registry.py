@@ -162,6 +162,16 @@ SPEEDUPS: tuple[Speedup, ...] = (
         "tests/unit/test_exportguards.py",
     ),
     Speedup(
+        "partitioner",
+        ("torch.fx.passes.infra.partitioner:_DependencyViewer",
+         "torch.fx.passes.infra.partitioner:CapabilityBasedPartitioner.__init__",
+         "torch.fx.passes.infra.partitioner:CapabilityBasedPartitioner.propose_partitions"),
+        "3a1d2e4ea87b5b595843625421b8de8431a6435976b7a402e0664e66d5cd63ab",
+        "Each reachability question propose_partitions asks of its precomputed closure is answered by a search of the "
+        "same edges: the same merges, so the same partitions in the same order.",
+        "tests/unit/test_partitioner.py",
+    ),
+    Speedup(
         "regions",
         ("executorch.backends.arm._passes.arm_pass_manager:ArmPassManager",
          "executorch.backends.arm.ethosu.backend:EthosUBackend.preprocess",

@@ -90,7 +90,7 @@ def test_the_first_lower_says_it_starts_the_server_and_shows_progress_from_it(ow
 
 
 def test_a_log_gets_a_line_per_phase_with_its_time_and_the_table_adds_them_up(tmp_path):
-    """From a pipe: ``lowercache: [3/7] import the Arm backend: 0.00 s`` as each phase ends; the table's rows are those
+    """From a pipe: ``lowercache: [4/7] import the Arm backend: 0.00 s`` as each phase ends; the table's rows are those
     phases with those seconds, and its total is their sum."""
     result = subprocess.run([sys.executable, "-m", "lowercache.cli", "lower", TINY, "-t", TARGET, "-o", str(tmp_path / "out")],
                             capture_output=True, text=True, timeout=900,
