@@ -72,8 +72,8 @@ def _normal(text: str, places: Mapping[str, str]) -> str:
 
 
 def _tree(digest, root: Path, places: Mapping[str, str], seen: set[str], ignore: frozenset[str]) -> None:
-    """Every entry below ``root`` but those named in ``ignore`` (what a link resolves to as well, once), by type, mode
-    and content."""
+    """Every entry below ``root`` but those named in ``ignore`` or at an ignored path (what a link resolves to as well,
+    once), by type, mode and content."""
     real = os.path.realpath(root)
     if real in seen:
         return
@@ -85,7 +85,8 @@ def _tree(digest, root: Path, places: Mapping[str, str], seen: set[str], ignore:
     entries = [root] if not root.is_dir() else []
     for folder, dirs, files in os.walk(root):
         dirs[:] = sorted(name for name in dirs if name not in ignore)
-        entries.extend(Path(folder, name) for name in sorted(dirs + [name for name in files if name not in ignore]))
+        entries.extend(Path(folder, name) for name in sorted(dirs + [name for name in files if name not in ignore])
+                       if os.path.join(folder, name) not in ignore)
     for path in entries:
         info = path.lstat()
         rel = str(path.relative_to(root)) if path != root else "."
@@ -117,6 +118,7 @@ def key(argv: Sequence[str], cwd: Path, env: Mapping[str, str], trees: Sequence[
     }
     digest.update(json.dumps(parts).encode())
     seen: set[str] = set()
+    ignore = ignore | {os.fspath(path) for path in outputs}  # the command writes them: no input
     for tree in [*trees, *_named(env)]:
         _tree(digest, Path(tree), places, seen, ignore)
     return digest.hexdigest()
