@@ -35,7 +35,10 @@ from . import ROOT
 
 OPTION = "lowercache_references"  # the xdist workerinput entry that carries the run's directory
 _DISTRIBUTIONS = ("torch", "executorch", "torchao", "tosa-tools", "ethos-u-vela")
-_TEXT = (".json", ".txt", ".log")  # outputs whose paths are rewritten like the key's; any other must name no place
+_TEXT = (".json", ".txt", ".log")
+# pytest's and xdist's own bookkeeping (the test's name, the worker's): a command run by hand has none, and with them no
+# two tests or workers could share a reference.
+_BOOKKEEPING = ("PYTEST_CURRENT_TEST", "PYTEST_XDIST_")  # outputs whose paths are rewritten like the key's; any other must name no place
 
 _state: dict[str, Path | None] = {"directory": None}
 
@@ -170,10 +173,11 @@ def run(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], outputs: Sequ
         trees: Sequence[Path] = (), ignore: Sequence[str] = (), timeout: float = 900) -> subprocess.CompletedProcess:
     """``subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True)`` once per run for its inputs: a
     successful run's ``outputs`` (files it writes) and streams are kept and written back for the next caller with the
-    same key. ``places``: the directories the test owns, each with a name (the test's ``tmp_path``: ``"<tmp>"``);
-    ``trees``: what the command reads besides the toolchain and what its variables name (default: ``cwd``);
+    same key. pytest's and xdist's own variables are left out of ``env``. ``places``: the directories the test owns,
+    each with a name (the test's ``tmp_path``: ``"<tmp>"``); ``trees``: what the command reads besides the toolchain and what its variables name (default: ``cwd``);
     ``ignore``: names in them that are no input (the outputs of earlier runs)."""
     argv = [str(arg) for arg in argv]
+    env = {name: value for name, value in env.items() if not name.startswith(_BOOKKEEPING)}
     names = {os.fspath(path): name for path, name in places.items()}
     names.update({os.path.realpath(path): name for path, name in places.items()})
 
