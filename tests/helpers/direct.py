@@ -99,7 +99,7 @@ def fresh(project: Path, base: Path, env: dict[str, str] | None = None) -> bytes
     result = references.run(
         [sys.executable, "-m", "lowercache.cli", "lower", "model.py:model", "-t", TARGET, "-o", "fresh", "--no-cache", "--no-server"],
         cwd=project, env=cli_env(base / "unused-cache", env), outputs=[out / "model.pte", out / "manifest.json"],
-        places={base: "<tmp>", Path(_XDG_CACHE): "<xdg>"}, ignore=("out", "fresh"),
+        places={base: "<tmp>", Path(_XDG_CACHE): "<xdg>"}, ignore=(str(project / "out"), str(out)),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return (out / "model.pte").read_bytes()

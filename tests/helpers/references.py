@@ -87,9 +87,9 @@ def _tree(digest, root: Path, places: Mapping[str, str], seen: set[str], ignore:
         return
     entries = [root] if not root.is_dir() else []
     for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(name for name in dirs if name not in ignore)
-        entries.extend(Path(folder, name) for name in sorted(dirs + [name for name in files if name not in ignore])
-                       if os.path.join(folder, name) not in ignore)
+        kept = sorted(name for name in dirs + files if name not in ignore and os.path.join(folder, name) not in ignore)
+        dirs[:] = [name for name in dirs if name in kept]
+        entries.extend(Path(folder, name) for name in kept)
     for path in entries:
         info = path.lstat()
         rel = str(path.relative_to(root)) if path != root else "."
@@ -175,7 +175,7 @@ def run(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], outputs: Sequ
     successful run's ``outputs`` (files it writes) and streams are kept and written back for the next caller with the
     same key. pytest's and xdist's own variables are left out of ``env``. ``places``: the directories the test owns,
     each with a name (the test's ``tmp_path``: ``"<tmp>"``); ``trees``: what the command reads besides the toolchain and what its variables name (default: ``cwd``);
-    ``ignore``: names in them that are no input (the outputs of earlier runs)."""
+    ``ignore``: names or paths in them that are no input (the outputs of earlier runs)."""
     argv = [str(arg) for arg in argv]
     env = {name: value for name, value in env.items() if not name.startswith(_BOOKKEEPING)}
     names = {os.fspath(path): name for path, name in places.items()}

@@ -34,11 +34,11 @@ def run_dir(tmp_path):
 
 def project(base: Path, text: str = "a", data: str = "x") -> Path:
     root = base / "project"
-    (root / "targets" / "one").mkdir(parents=True)
-    (root / "targets" / "two").mkdir(parents=True)
-    (root / "targets" / "one" / "data.txt").write_text(data)
-    (root / "targets" / "two" / "data.txt").write_text("y")
-    (root / "linked").symlink_to("targets/one")
+    root.mkdir(parents=True)
+    for name, content in (("one", data), ("two", "y")):  # outside the project: found through the link
+        (base / "targets" / name).mkdir(parents=True)
+        (base / "targets" / name / "data.txt").write_text(content)
+    (root / "linked").symlink_to("../targets/one")
     (root / "input.txt").write_text(text)
     (root / "script.py").write_text(SCRIPT)
     return root
@@ -47,7 +47,7 @@ def project(base: Path, text: str = "a", data: str = "x") -> Path:
 def fresh(base: Path, counter: Path, **env: str) -> tuple[str, str]:
     root = base / "project"
     result = references.run([sys.executable, "script.py", counter], cwd=root, env={**os.environ, **env},
-                            outputs=[root / "out" / "result.txt"], places={base: "<tmp>"}, ignore=("out",))
+                            outputs=[root / "out" / "result.txt"], places={base: "<tmp>"}, ignore=(str(root / "out"),))
     assert result.returncode == 0, result.stderr
     return (root / "out" / "result.txt").read_text(), result.stdout
 
@@ -68,8 +68,8 @@ def test_the_same_project_in_another_test_directory_is_run_once(tmp_path, run_di
 
 @pytest.mark.parametrize("change, read", [
     (lambda root: (root / "input.txt").write_text("b"), "bx-"),
-    (lambda root: (root / "targets" / "one" / "data.txt").write_text("z"), "az-"),  # read through the link
-    (lambda root: ((root / "linked").unlink(), (root / "linked").symlink_to("targets/two")), "ay-"),
+    (lambda root: (root.parent / "targets" / "one" / "data.txt").write_text("z"), "az-"),  # read through the link
+    (lambda root: ((root / "linked").unlink(), (root / "linked").symlink_to("../targets/two")), "ay-"),
     (lambda root: (root / "script.py").chmod(0o700), "ax-"),
     (lambda root: (root / "extra.txt").write_text(""), "ax-"),
 ], ids=["file", "link-target", "re-pointed-link", "mode", "new-file"])
