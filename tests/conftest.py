@@ -44,8 +44,9 @@ def pytest_configure_node(node):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    if not hasattr(config, "workerinput") and references.directory() is not None:
-        terminalreporter.write_line(references.summary(references.directory()))
+    line = references.summary(references.directory()) if references.directory() is not None else None
+    if line and not hasattr(config, "workerinput"):
+        terminalreporter.write_line(line)
 
 
 def pytest_unconfigure(config):

@@ -209,9 +209,10 @@ def _count(folder: Path, what: str) -> None:
         log.write(what + "\n")
 
 
-def summary(folder: Path) -> str:
+def summary(folder: Path) -> str | None:
+    """The run's line for the terminal summary; ``None`` when no test asked for a reference."""
     try:
         lines = (folder / "lookups.log").read_text().split()
     except OSError:
-        return "fresh references shared: none looked up"
+        return None
     return f"fresh references shared across the run: {lines.count('hits')} served, {lines.count('runs')} run"
