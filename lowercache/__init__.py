@@ -5,8 +5,12 @@
 does not import torch (``lowercache run`` relies on that).
 """
 
+import sys
 from typing import Any
 
+# The modules in this process before any of lowercache ran: the standard library's, and those the interpreter's
+# start-up imported (``.pth`` lines, ``sitecustomize``, ``usercustomize``), part of its start-up state (``startup.py``).
+STARTED_WITH = tuple(sys.modules)
 __version__ = "0.1.0"
 __all__ = ["lower", "cached", "write_artifacts", "LowercacheError"]
 

@@ -91,6 +91,30 @@ def lower(
             store.close()
 
 
+def flow_key(
+    model: torch.nn.Module | torch.export.ExportedProgram,
+    example_inputs: Sequence[Any],
+    *,
+    target: str,
+    settings: Settings,
+    calibration: Sequence[Sequence[Any]] | None = None,
+    per_channel: bool = True,
+    listener: Listener | None = None,
+    system_config: str | None = None,
+    memory_mode: str | None = None,
+) -> str | None:
+    """The key :func:`lower` would give its flow step, without lowering (None: the program cannot be keyed)."""
+    resolved = resolve(target, per_channel, system_config, memory_mode)
+    registry.select(settings.speedups)
+    samples = [tuple(s) for s in calibration] if calibration is not None else None
+    store = open_store(settings)
+    try:
+        return flow.flow_key(model, tuple(example_inputs), resolved, samples, Session(store, listener=listener))
+    finally:
+        if store is not None:
+            store.close()
+
+
 def write_artifacts(artifacts: Artifacts, out_dir: str | os.PathLike) -> list[Path]:
     """Write every artifact and ``manifest.json`` into ``out_dir``, staged and renamed into place (see :func:`lowercache.output.write_files`)."""
     return write_files(artifacts.files, artifacts.manifest, out_dir)

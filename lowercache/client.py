@@ -36,11 +36,10 @@ from typing import Any, Callable, Iterator
 from . import startup
 from .process_state import capture as capture_process_state
 from .config import Settings, load_settings
-from .errors import LowercacheError
+from .errors import LowercacheError, interrupted
 
 # Commands that import torch, so a warm server pays; the rest are cheap and stay in the client.
 SERVED = ("lower", "verify")
-INTERRUPTED = 130  # the exit code of a command stopped by Ctrl-C, as typer and a shell give it
 SOCKET_NAME = "server.sock"
 MAX_LINE = 64 * 2**20  # a reply frame bigger than this is a broken server, not output
 START_TIMEOUT = 300.0  # imports and warm-up are slow on a loaded machine
@@ -281,8 +280,27 @@ def ensure_server(settings: Settings) -> dict[str, Any]:
         return _spawn(directory, want)
 
 
+def _tracer() -> int:
+    """The pid of the process tracing this one (a debugger, ``strace``, a recording's backstop), 0 when none."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"TracerPid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _spawn(directory: Path, want: dict[str, Any]) -> dict[str, Any]:
-    """Start ``lowercache.server`` detached, with this lowercache on its path; wait until it answers."""
+    """Start ``lowercache.server`` detached, with this lowercache on its path; wait until it answers.
+
+    Not from a traced process: the server would stay traced (and, under a recording's backstop, filtered) for its
+    whole life, and no record its children make could be watched below Python.
+    """
+    tracer = _tracer()
+    if tracer:
+        raise ServerUnavailable(f"this process is traced (by pid {tracer}), and a server started from it would be too")
     if sys.stderr.isatty():  # at a terminal, say what the wait is (a CI log gets the command's own lines only)
         print("lowercache: starting the lowering server (torch and the Arm backend are imported once: 10-30 s)",
               file=sys.stderr, flush=True)
@@ -514,7 +532,7 @@ def run_through_server(args: list[str]) -> int | None:
         try:
             sock = _connected(settings, request, "running in this process")
         except KeyboardInterrupt:
-            return INTERRUPTED
+            return interrupted()
         if sock is None:
             return None
         with sock:
@@ -532,7 +550,7 @@ def run_through_server(args: list[str]) -> int | None:
                 warn(f"the lowering server cannot stand in for this interpreter ({e}); running in this process")
                 return None
             except KeyboardInterrupt:  # a second Ctrl-C: the server kills the request's process when this connection closes
-                return INTERRUPTED
+                return interrupted()
             except ServerRefused as e:
                 warn(f"the lowering server refused the request ({e}); running in this process")
                 return None

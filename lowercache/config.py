@@ -6,7 +6,7 @@ Precedence, highest first (as in ccache and sccache):
    ``LOWERCACHE_DISABLE``, ``LOWERCACHE_READ_ONLY``, ``LOWERCACHE_REMOTE``,
    ``LOWERCACHE_REMOTE_MODE``, ``LOWERCACHE_REMOTE_TTL``,
    ``LOWERCACHE_REMOTE_REQUIRE_SIGNED``, ``LOWERCACHE_SPEEDUPS``,
-   ``LOWERCACHE_DIRECT``, ``LOWERCACHE_CHECK``, and the
+   ``LOWERCACHE_DIRECT``, ``LOWERCACHE_PORTABLE_RECORDS``, ``LOWERCACHE_CHECK``, and the
    warm server's ``LOWERCACHE_SERVER``, ``LOWERCACHE_SERVER_IDLE_TIMEOUT``,
    ``LOWERCACHE_SERVER_JOBS``, ``LOWERCACHE_SERVER_TIMEOUT``;
 3. the config file: ``$LOWERCACHE_CONFIG``, else ``config.toml`` in the
@@ -14,7 +14,7 @@ Precedence, highest first (as in ccache and sccache):
    ``$XDG_CONFIG_HOME/lowercache``, ``~/.config/lowercache``), with keys
    ``cache_dir``, ``max_size``, ``disable``, ``read_only``, ``remote``,
    ``remote_mode``, ``remote_ttl`` (Redis only), ``remote_require_signed``,
-   ``speedups``, ``direct``, ``check``, ``server``, ``server_idle_timeout``, ``server_jobs``,
+   ``speedups``, ``direct``, ``portable_records``, ``check``, ``server``, ``server_idle_timeout``, ``server_jobs``,
    ``server_timeout``.
 
 The remote's signing secret, ``LOWERCACHE_HMAC_KEY``, is read from the
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +50,7 @@ _ENV = {
     "remote_require_signed": "LOWERCACHE_REMOTE_REQUIRE_SIGNED",
     "speedups": "LOWERCACHE_SPEEDUPS",
     "direct": "LOWERCACHE_DIRECT",
+    "portable_records": "LOWERCACHE_PORTABLE_RECORDS",
     "server": "LOWERCACHE_SERVER",
     "server_idle_timeout": "LOWERCACHE_SERVER_IDLE_TIMEOUT",
     "server_jobs": "LOWERCACHE_SERVER_JOBS",
@@ -74,6 +74,9 @@ class Settings:
     remote_require_signed: bool = True
     speedups: str = "all"  # exact speed-ups to use: all, none, a,b or all,-a (lowercache.speedups.registry)
     direct: bool = True  # answer an unchanged `lower` from its direct-mode record, without torch (lowercache.direct)
+    # A record answers in another directory once confirmed where it was made, not only once confirmed in a second one:
+    # the user vouches that the lowering does not depend on where the project is (record/trust.py, ``elsewhere``).
+    portable_records: bool = False
     # The warm server (lowercache.server): lower and verify go through it unless this is false.
     server: bool = True
     server_idle_timeout: int = 600  # seconds without a request before the server exits
@@ -139,6 +142,8 @@ def default_cache_dir() -> Path:
 def _read_config_file(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
+    import tomllib  # only when there is a file: its import compiles regular expressions a direct-mode hit need not pay
+
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -176,6 +181,7 @@ def load_settings(**flags: Any) -> Settings:
         remote_require_signed=parse_bool(resolved.get("remote_require_signed", True), "remote_require_signed"),
         speedups=str(resolved.get("speedups", "all")),
         direct=parse_bool(resolved.get("direct", True), "direct"),
+        portable_records=parse_bool(resolved.get("portable_records", False), "portable_records"),
         server=parse_bool(resolved.get("server", True), "server"),
         server_idle_timeout=_seconds_setting(resolved.get("server_idle_timeout", 600), "server_idle_timeout"),
         server_jobs=_whole(resolved.get("server_jobs", 0), "server_jobs") or os.cpu_count() or 1,

@@ -68,10 +68,20 @@ def kernels(pte: bytes) -> list[str]:
 
 
 def json_part(section: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """What ``lower --json`` says of it: the section without the tensor-name maps (those are for ``watch``)."""
+    """What ``lower --json`` says of it: how much was delegated, and the section without the tensor-name maps (those are for
+    ``watch``)."""
     if not section:
         return {}
-    return {"delegation": {k: v for k, v in section.items() if k != "tensor_modules"}}
+    return {"delegated": extent(section), "delegation": {k: v for k, v in section.items() if k != "tensor_modules"}}
+
+
+def extent(section: Optional[dict[str, Any]]) -> Optional[str]:
+    """``fully``, ``partially`` or ``not``: how much of the model its delegates run, as aot_arm_compiler says it; None if unknown."""
+    if not section:
+        return None
+    if not section.get("delegates"):
+        return "not"
+    return "partially" if any(not is_conversion(o["op"]) for o in section.get("outside", [])) else "fully"
 
 
 def is_conversion(op: str) -> bool:
@@ -80,20 +90,24 @@ def is_conversion(op: str) -> bool:
 
 
 def line(section: Optional[dict[str, Any]]) -> Optional[str]:
-    """``outside the delegate: aten.sort (2 nodes: features.2, features.3)``; None when every operator is delegated."""
-    if not section:
+    """``fully delegated (1 partition)``, or ``partially delegated (3 partitions); outside the delegate: aten.sort (2 nodes:
+    features.2, features.3)``; None when unknown."""
+    how = extent(section)
+    if section is None or how is None:
         return None
+    delegates = int(section.get("delegates") or 0)
+    said = f"{how} delegated" + (f" ({delegates} partition{'s' if delegates != 1 else ''})" if delegates else "")
     ops = [o for o in section.get("outside", []) if not is_conversion(o["op"])]
     if not ops:
-        return None
-    said = []
+        return said
+    outside = []
     for o in ops:
         modules = o["modules"][:MAX_MODULES] + (["..."] if len(o["modules"]) > MAX_MODULES else [])
         where = f": {', '.join(modules)}" if modules else ""
-        said.append(f"{o['op'].rpartition('.')[0] or o['op']} ({o['nodes']} node{'s' if o['nodes'] != 1 else ''}{where})")
+        outside.append(f"{o['op'].rpartition('.')[0] or o['op']} ({o['nodes']} node{'s' if o['nodes'] != 1 else ''}{where})")
     conversions = sum(o["nodes"] for o in section.get("outside", []) if is_conversion(o["op"]))
     around = f"; and {conversions} quantize/dequantize node{'s' if conversions != 1 else ''} around them" if conversions else ""
-    return f"outside the delegate: {'; '.join(said)}{around}"
+    return f"{said}; outside the delegate: {'; '.join(outside)}{around}"
 
 
 # -- the operators a .pte runs itself (outside every delegate) ----------------------------------------

@@ -20,6 +20,7 @@ docs/direct-mode.md.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from . import delegation
+from . import estimates
 from .cache.digests import digest, digest_json
 from .cache.store import Entry
 from .config import Settings, check_with_min_snr, load_settings
@@ -36,9 +37,10 @@ from .errors import LowercacheError
 from .lowering import numerics_report
 from .lowering.targets import resolve
 from .output import check_output_dir, counted, write_files
-from .record.places import Places, project_root
+from .record.places import Places, hop_dirs, project_root
 from .record.recorder import Recorder, initial_environ, keep_initial_environ, listen
-from .record.trust import UNSEEN, Words, check_inputs, identity, identity_changed, inputs_changed, put_status, status_lines, verdict
+from .record.trust import (UNSEEN, Words, check_inputs, elsewhere, identity, identity_changed, inputs_changed, put_status, status_lines,
+                           verdict)
 
 KIND = "direct"
 T = TypeVar("T")
@@ -48,6 +50,7 @@ WORDS = Words(
     who="the factory",
     same="gives the same flow key",
     gave_same="gave the same flow key",
+    elsewhere="lowered differently in another directory",
     differed="identical inputs lowered differently (another flow key): the factory reads something direct mode "
              "cannot see, such as an unseeded random generator or the time",
 )
@@ -169,9 +172,9 @@ class LowerRecorder(Recorder):
         self.request = request
 
     def beside(self) -> list[str]:
-        """Directories whose every file native code may read: the model file's."""
+        """Directories whose every file native code may read: the model file's, and its link's target's when it is one."""
         path = self.request.model if self.request.model.endswith(".pt2") else self.request.model.rpartition(":")[0]
-        return [os.path.dirname(os.path.join(self.request.cwd, path))] if path else []
+        return hop_dirs(os.path.join(self.request.cwd, path)) if path else []
 
     def unswept(self) -> list[str]:
         """Directories the sweep leaves out: the output directory (lowercache writes it) and the cache."""
@@ -179,17 +182,28 @@ class LowerRecorder(Recorder):
 
 
 def start(model: str, target: str, out_dir: Any, per_tensor: bool, calibration: Any, settings: Settings,
-          system_config: str | None = None, memory_mode: str | None = None) -> LowerRecorder | None:
-    """A (paused) recorder for this ``lower`` run, or None when direct mode is off or nothing could be stored."""
+          system_config: str | None = None, memory_mode: str | None = None,
+          before: Callable[[], None] = lambda: None) -> LowerRecorder | None:
+    """A (paused) recorder for this ``lower`` run, or None when direct mode is off or nothing could be stored.
+
+    ``before``: called first when there will be a record (the lowering's own imports, so that the backstop
+    below Python, started next, does not trace them).
+    """
     if not settings.direct or settings.disable or settings.read_only:
         return None
+    before()
     request = Request(model=model, target=target, out_dir=str(out_dir), per_tensor=per_tensor,
                       calibration=str(calibration) if calibration is not None else None,
                       system_config=system_config, memory_mode=memory_mode, check=settings.check)
+    return _recorder(request, settings)
+
+
+def _recorder(request: Request, settings: Settings) -> LowerRecorder:
     recorder = LowerRecorder(request, settings)
+    recorder.watch_below()
     listen(recorder)  # one lowering at a time; a failed run's recorder is dropped
-    if calibration is not None:
-        recorder.add_file(str(calibration))
+    if request.calibration is not None:
+        recorder.add_file(request.calibration)
     return recorder
 
 
@@ -238,7 +252,9 @@ def finish(recorder: LowerRecorder | None, records: list[dict[str, Any]], manife
         store.close()
 
 
-def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], manifest: dict[str, Any]) -> None:
+def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], manifest: dict[str, Any], how: str = "") -> None:
+    """Store the record this run made, judged by the one confirm rule. ``how``: a background confirmation's note; it
+    stores only a settled record (confirmed, untrusted): it lowered nothing, so a record of changed inputs waits for a run that does."""
     request = recorder.request
     inputs = recorder.inputs()
     ident = identity(recorder.settings, recorder.initial_env)
@@ -259,14 +275,69 @@ def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], man
         recorder.unrecordable,
         lambda previous: previous.get("flow", {}).get("key") == record["flow"]["key"],
         WORDS,
+        request.root,
     )
+    if how:
+        if found.status == "unconfirmed":
+            manifest["direct"] = {"record": "unconfirmed", "reason": found.reason}
+            return
+        found = dataclasses.replace(found, reason=f"{found.reason} ({how})")
     found.stamp(record)
     store.put(KIND, key, Entry(meta=record))
     manifest["direct"] = {"record": record["status"], "reason": record["reason"]}
+    if recorder.below_counts:
+        manifest["backstop"] = recorder.below_counts
     _set_status(store, request, "record", record["status"], record["reason"])
 
 
 _KEPT_MANIFEST = ("model", "target", "quantization", "toolchain", "speedups", "key_parts", "numerics")
+
+
+# -- confirming in the background ---------------------------------------------------------------------
+
+
+def confirm(args: list[str], key_of: Callable[[LowerRecorder], str | None]) -> str:
+    """Settle the unconfirmed record of the ``lower`` command line ``args`` as its re-run would, without lowering.
+
+    ``key_of(recorder)`` imports the model file and runs its factory and the export with the recorder listening,
+    and gives the flow key. The warm server does this when idle (``server.py``), in a child that became the
+    request's client again, so the next run is a hit. The rule is the one of every confirmation (``verdict``):
+    the same inputs and start-up state, the same key; another key makes the record untrusted. What became of it
+    is returned for the server's log.
+    """
+    request = parse_lower(args)
+    if request is None:
+        return "not a plain lower command"
+    settings = request.settings()
+    if not settings.direct or settings.disable or settings.read_only:
+        return "direct mode is off"
+    request.check = settings.check
+    from .cache.tiers import open_store
+
+    store = open_store(settings)
+    try:
+        record = _load(store, request.key())
+        if record is None or record.get("status") != "unconfirmed":
+            return "nothing to confirm"
+        syspath = [Places(request.root).ref(os.path.abspath(p or ".")) for p in sys.path]
+        try:
+            since = _changed(record, request, settings, syspath, initial_environ())
+        except (ValueError, KeyError, TypeError) as e:
+            return f"its record is unusable ({e})"
+        if since is not None:
+            return f"not confirmed: {since} since it was recorded"
+        recorder = _recorder(request, settings)
+        try:
+            key = key_of(recorder)
+        finally:
+            recorder.close()
+        if key is None:
+            return "not confirmed: the program cannot be keyed"
+        said: dict[str, Any] = dict(record["manifest"])
+        _store_record(recorder, store, {"name": record["flow"]["name"], "key": key}, said, "in the background, by the warm server")
+        return f"{said['direct']['record']}: {said['direct']['reason']}"
+    finally:
+        store.close()
 
 
 # -- answering ---------------------------------------------------------------------------------------
@@ -305,6 +376,12 @@ def _changed(
         return "the module search path changed"
     return inputs_changed(inputs, Places(request.root), record["recorded_ns"], request.cwd, environ)
 
+
+
+def _elsewhere(record: dict[str, Any], request: Request, settings: Settings) -> str | None:
+    """Why the record cannot answer in this project's directory (``record/trust.py``'s rule), or None."""
+    _check_shape(record)
+    return elsewhere(record["inputs"]["location"], request.root, settings.portable_records, WORDS)
 
 
 def _check_shape(record: dict[str, Any]) -> None:
@@ -367,6 +444,8 @@ def lookup(request: Request, settings: Settings, store: Any, environ: dict[str, 
     try:
         if record.get("status") != "confirmed":
             why = f"the record is {record.get('status')}: {record.get('reason')}"
+        elif (why := _elsewhere(record, request, settings)) is not None:
+            pass
         else:
             syspath = [Places(request.root).ref(os.path.abspath(p or ".")) for p in sys.path]
             why = _changed(record, request, settings, syspath, environ if environ is not None else initial_environ())
@@ -448,12 +527,28 @@ def _count(store: Any, request: Request, record: dict[str, Any], flow: Entry, se
     history.record_run(store, request.history_name(), record["flow"]["name"], [step])
 
 
+def command_seconds() -> float | None:
+    """Seconds since this process started (``/proc/self/stat``), as a shell's ``time`` counts the command; None off Linux.
+
+    Said instead of the time since the record was looked up, which leaves out
+    the interpreter's start and lowercache's imports: most of a hit.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            started = int(f.read().rsplit(b") ", 1)[1].split()[19])  # field 22, starttime: clock ticks after boot
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])
+        return max(uptime - started / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _report(request: Request, manifest: dict[str, Any], written: list[Path], seconds: float, short: str | None = None) -> None:
-    print(f"lowercache: direct mode: served from the record, no factory run ({seconds:.2f}s)", file=sys.stderr)
-    said = delegation.line(manifest.get("delegation"))
-    if said is not None:
-        print(f"lowercache: {said}", file=sys.stderr)
-    for line in numerics_report.lines(manifest.get("numerics")):
+    took = command_seconds()
+    print(f"lowercache: direct mode: served from the record, no factory run{f' ({took:.2f} s)' if took is not None else ''}",
+          file=sys.stderr)
+    said, summarized = estimates.outcome(manifest.get("delegation"), Path(request.out_dir), request.target)
+    for line in said + numerics_report.lines(manifest.get("numerics")):
         print(f"lowercache: {line}", file=sys.stderr)
     if request.as_json:
         summary = {
@@ -466,7 +561,7 @@ def _report(request: Request, manifest: dict[str, Any], written: list[Path], sec
             "seconds": round(seconds, 4),
             "saved_seconds": manifest["steps"][0]["saved"],
             "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
-            **delegation.json_part(manifest.get("delegation")),
+            **summarized,
             **numerics_report.json_part(manifest.get("numerics"), short),
         }
         print(json.dumps(summary, indent=2, sort_keys=True))

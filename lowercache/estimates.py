@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from . import delegation
 from .cache.digests import digest
 from .delegation import pte_operators
 
@@ -121,7 +122,7 @@ def read(out_dir: Path, target: str, per_layer: bool = True) -> Optional[Estimat
     if not found:
         return None
     estimate = Estimate(target=target)
-    tensor_modules = _tensor_modules(out_dir)
+    tensor_modules = _tensor_modules(out_dir) if per_layer else []
     for index, name in found:
         try:
             summary_bytes = (out_dir / name).read_bytes()
@@ -262,6 +263,41 @@ def _change(before: Optional[float], after: float, unit: str = "", percent: bool
     if percent and before:
         text += f", {delta / before:+.1%}"
     return text + ")"
+
+
+def summary(estimate: Estimate) -> str:
+    """Vela's estimate in one line, as ``aot_arm_compiler``'s Vela summary has it: cycles and time per inference at the
+    configured clock, the memory each area uses, and the operators on the NPU and on the CPU."""
+    clock = estimate.partitions[0].number("core_clock") if estimate.partitions else 0.0
+    at = f" at {clock / 1e6:,.0f} MHz" if clock else ""
+    memory = [f"{label}{' (peak)' if column == 'sram_memory_used' and len(estimate.partitions) > 1 else ''} "
+              f"{estimate.memory(column):,.1f} KiB" for column, label in MEMORY_AREAS if estimate.memory(column)]
+    npu = sum(p.npu_operators for p in estimate.partitions)
+    return (f"Vela estimate: {_num(estimate.cycles)} cycles/inference, {estimate.seconds * 1e3:,.2f} ms{at}; "
+            f"{', '.join(memory) or 'no memory reported'}; {npu} operators on the NPU, {estimate.vela_cpu_operators} on the CPU")
+
+
+def json_summary(estimate: Estimate) -> dict[str, Any]:
+    """The same figures for ``lower --json``: ``vela``."""
+    return {"vela": {
+        "cycles": estimate.cycles,
+        "inference_seconds": estimate.seconds,
+        "clock_hz": estimate.partitions[0].number("core_clock") if estimate.partitions else 0.0,
+        "memory_kib": {column.removesuffix("_memory_used"): estimate.memory(column) for column, _ in MEMORY_AREAS},
+        "npu_operators": sum(p.npu_operators for p in estimate.partitions),
+        "cpu_operators": estimate.vela_cpu_operators,
+        "partitions": len(estimate.partitions),
+    }}
+
+
+def outcome(section: Optional[dict[str, Any]], out_dir: Path, target: str) -> tuple[list[str], dict[str, Any]]:
+    """What ``lower`` says at the end of a lowering or a hit, and puts in ``--json``: how much of the model was delegated
+    (and what runs outside), and for Ethos-U Vela's estimate, read from the files just written."""
+    lines = [said] if (said := delegation.line(section)) is not None else []
+    found = read(out_dir, target, per_layer=False)
+    if found is not None and found.partitions:
+        lines.append(summary(found))
+    return lines, {**delegation.json_part(section), **(json_summary(found) if found is not None and found.partitions else {})}
 
 
 def describe(after: Estimate, before: Optional[Estimate]) -> list[str]:

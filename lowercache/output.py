@@ -24,6 +24,24 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
+# What each kind of cached step is, in a user's words; the passes, observers and decompositions are internals (``-v``).
+STEP_WORDS = {"flow": "whole lowering", "reexport": "re-export", "quantize": "quantized model", "tosa": "TOSA", "vela": "Vela",
+              "regions": "TOSA regions", "check": "numerics", "reference": "reference", "layers": "per-layer numerics"}
+
+
+def served(counts: dict[str, dict[str, int]]) -> str:
+    """``whole lowering: miss; TOSA: 2 hits, 1 miss``: what the cache served, by kind of step (``{kind: {outcome: n}}``)."""
+    said = []
+    for kind, outcomes in counts.items():
+        if kind not in STEP_WORDS:
+            continue
+        total = sum(outcomes.values())
+        words = ", ".join(o if total == 1 else f"{n} {o if n == 1 else o + ('es' if o.endswith('s') else 's')}"
+                          for o, n in outcomes.items())
+        said.append(f"{STEP_WORDS[kind]}: {words}")
+    return "; ".join(said)
+
+
 def _unwritable(out: Path, why: str) -> LowercacheError:
     return LowercacheError(f"cannot write output directory {out}: {why}")
 

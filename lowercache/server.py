@@ -39,12 +39,16 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import client, process_state, startup
+from . import client, direct, environment, process_state, startup, terminal
 from .cache.digests import stat_key
 from .config import MAX_SECONDS, load_settings
 from .run import pyexec
 
 _PR_SET_PDEATHSIG = 1
+# Seconds without a request before the server confirms new direct-mode records in the background (``_confirm_next``),
+# and how many ``lower`` commands it keeps to confirm.
+CONFIRM_AFTER = 1.0
+MAX_UNCONFIRMED = 64
 
 
 class _Request:
@@ -238,6 +242,9 @@ class Server:
         self.failed = 0
         self.stopping = False
         self.listening = True
+        self.unconfirmed: collections.OrderedDict[tuple[str, ...], dict[str, Any]] = collections.OrderedDict()  # lower requests
+        self.confirming: tuple[int, dict[str, Any]] | None = None  # the child confirming one in the background, and its request
+        self.confirmed = 0  # background confirmations run to the end
 
     # the loop
 
@@ -299,6 +306,10 @@ class Server:
             for request in list(self.requests.values()):
                 if request.message is not None and request.message["op"] in ("run", "exec") and not request.close_when_sent:
                     self._send(request, {"alive": 1})
+        self._confirm_reaped()
+        if self.listening and self.unconfirmed and self.confirming is None and not self.running and not self.queue \
+                and now - self.last_active >= CONFIRM_AFTER:
+            self._confirm_next()
         for request in list(self.running.values()):
             if request.pidfd < 0:
                 self._reap(request)
@@ -319,6 +330,7 @@ class Server:
     def stop(self, unlink: bool = True) -> None:
         """Accept nothing more, free the socket path at once, finish what was accepted, then exit."""
         self.stopping = True
+        self._confirm_yield(keep=False)
         if not self.listening:
             return
         self.listening = False
@@ -405,6 +417,7 @@ class Server:
                 self._reply(request, {"declined": why})
                 return
             self.last_active = time.monotonic()
+            self._confirm_yield()  # a request comes first: the background confirmation starts again when idle
             if op == "exec":  # a new process would not wait for a slot either: server_jobs bounds lowerings
                 self._fork(request)
                 return
@@ -421,20 +434,19 @@ class Server:
             return "the client's standard streams did not arrive"
         if self.warm.base_path is None:
             return "this server's module search path is not a new interpreter's"
-        return pyexec.why_not(invocation, message["cwd"], message["env"], self.warm.start_env,
-                              self.warm.read_env, self.warm.imported)
+        return pyexec.why_not(invocation, message["cwd"], message["env"], self.warm.start_env, self.warm.imported)
 
     def _cannot_run(self, request: _Request) -> str | None:
         """Why a child would run this ``lower`` or ``verify`` otherwise than the client's own interpreter, or None.
 
-        The rule is ``lowercache run``'s (``startup.why_not``): a variable read at
-        start or by the server's imports that differs, or a directory on the
+        The rule is ``lowercache run``'s (``startup.why_not``): a variable that
+        is an input and differs (the client's identity already holds them, so
+        it replaced a server started under others), or a directory on the
         client's module search path holding a file that would shadow a module
         the server imported or looked for.
         """
         message = request.message or {}  # checked against the schema (request_error) before it got here
-        return startup.why_not(message["env"], self.warm.start_env, self.warm.read_env, message["path"], message["cwd"],
-                               self.warm.imported)
+        return startup.why_not(message["env"], self.warm.start_env, message["path"], message["cwd"], self.warm.imported)
 
     def _signal(self, request: _Request) -> None:
         """A running request's client asks for SIGINT (its Ctrl-C) to reach the child, as it would a new process."""
@@ -469,6 +481,8 @@ class Server:
             "rss": _rss_bytes(),
             "idle_timeout": self.idle_timeout,
             "idle": time.monotonic() - self.last_active if not self.running else 0.0,
+            "unconfirmed": len(self.unconfirmed) + (self.confirming is not None),
+            "confirmed": self.confirmed,
             "socket": self.path,
         }
 
@@ -639,8 +653,73 @@ class Server:
             reply = {"exit": code}
         if reply.get("exit", 1):
             self.failed += 1
+        elif not request.execs:
+            self._confirm_later(request.message or {})
         self._reply(request, reply)
         self._start_queued()
+
+    # background confirmation: a new direct-mode record is used once a re-run with the same inputs gave the same flow key;
+    # an idle server re-runs the factory and the export of a ``lower`` it served (``direct.confirm``), so the next is a hit
+
+    def _confirm_later(self, message: dict[str, Any]) -> None:
+        """A ``lower`` that ran here may have left a new record: confirm it when the server is idle."""
+        argv = [str(a) for a in message.get("argv") or []]
+        if not argv or direct.parse_lower(argv) is None:
+            return
+        key = (str(message.get("cwd")), *argv)
+        self.unconfirmed.pop(key, None)
+        self.unconfirmed[key] = message
+        while len(self.unconfirmed) > MAX_UNCONFIRMED:
+            self.unconfirmed.popitem(last=False)
+
+    def _confirm_next(self) -> None:
+        key, message = self.unconfirmed.popitem(last=False)
+        parent = os.getpid()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                own = [self.listener.fileno(), self.selector.fileno(), *(r.conn.fileno() for r in self.requests.values())]
+                code = _confirm_child(message, parent, [fd for fd in own if fd >= 0], self.warm)
+            finally:
+                os._exit(code)
+        try:
+            os.setpgid(pid, pid)
+        except OSError:
+            pass
+        self.confirming = (pid, message)
+
+    def _confirm_reaped(self) -> None:
+        if self.confirming is None:
+            return
+        try:
+            pid, _ = os.waitpid(self.confirming[0], os.WNOHANG)
+        except ChildProcessError:
+            pid = self.confirming[0]
+        if pid:
+            self.confirming = None
+            self.confirmed += 1
+
+    def _confirm_yield(self, keep: bool = True) -> None:
+        """Stop a background confirmation (a request arrived, or the server stops); ``keep``: run it again when idle."""
+        if self.confirming is None:
+            return
+        pid, message = self.confirming
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+        self.confirming = None
+        if keep:
+            self._confirm_later(message)
+            self.unconfirmed.move_to_end((str(message.get("cwd")), *[str(a) for a in message.get("argv") or []]), last=False)
 
 
     def _started(self, request: _Request) -> bytes | None:
@@ -686,10 +765,12 @@ def _child(message: dict[str, Any], parent: int, out_w: int, err_w: int, inherit
     ttys = message.get("tty") or [False, False]
     encodings = message.get("encoding") or ["utf-8", "utf-8"]
     errors = message.get("errors") or ["strict", "backslashreplace"]
-    sys.stdout = open(1, "w", encoding=encodings[0], errors=errors[0], buffering=1 if ttys[0] else -1, closefd=False)
-    sys.stderr = open(2, "w", encoding=encodings[1], errors=errors[1], buffering=1, closefd=False)
+    size = (int(message.get("columns") or 0), int(message.get("lines") or 0))
+    sys.stdout = terminal.Relayed(1, ttys[0], size, encodings[0], errors[0], line_buffering=ttys[0])
+    sys.stderr = terminal.Relayed(2, ttys[1], size, encodings[1], errors[1], line_buffering=True)
     try:
         _become_client(message, warm)
+        pyexec.reseed()  # as a new process: an unseeded factory draws afresh, so a confirmation can tell
     except BaseException as e:  # noqa: BLE001
         os.write(started, b"E" + _why_not_started(e, "the lowering").encode()[:4000])
         return 1
@@ -715,6 +796,29 @@ def _child(message: dict[str, Any], parent: int, out_w: int, err_w: int, inherit
         except OSError:
             pass
     return code or 0
+
+
+def _confirm_child(message: dict[str, Any], parent: int, inherited: list[int], warm: Warm) -> int:
+    """In the forked child: become the request's client again and settle its direct-mode record, as its re-run
+    would (``direct.confirm``), without lowering. Nothing reaches the client; a fault goes to the server's log."""
+    _detach(parent, inherited)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    try:
+        _become_client(message, warm)
+        pyexec.reseed()
+        from .cli.commands import confirm_record
+        from .errors import new_command
+
+        new_command()
+        said = confirm_record([str(a) for a in message["argv"]])
+    except BaseException as e:  # noqa: BLE001 - the record stays unconfirmed; the next run confirms it as before
+        said = f"failed ({type(e).__name__}: {e})"
+    print(f"lowercache server: background confirmation of {message.get('cwd')}: lower {' '.join(message['argv'][1:])}: {said}",
+          file=sys.stderr, flush=True)
+    return 0
 
 
 def _exec_child(message: dict[str, Any], parent: int, fds: list[int], inherited: list[int], warm: Warm, started: int) -> int:
@@ -766,7 +870,8 @@ def _why_not_started(error: BaseException, what: str) -> str:
 
 
 def _become_client(message: dict[str, Any], warm: Warm) -> None:
-    """The client's working directory, environment, import path, terminal, process state and thread count.
+    """The client's working directory, environment, import path, process state and thread count (its terminal is in the
+    child's streams: ``terminal.py``).
 
     Raises :class:`process_state.Unadoptable` for a part of the client's
     process state this child cannot take (the request is then declined).
@@ -776,14 +881,7 @@ def _become_client(message: dict[str, Any], warm: Warm) -> None:
     os.chdir(message["cwd"])
     env = message.get("env") or {}
     os.environ.clear()
-    os.environ.update({str(k): str(v) for k, v in env.items()})
-    ttys = message.get("tty") or [False, False]
-    if message.get("columns") and "COLUMNS" not in env:
-        os.environ["COLUMNS"] = str(message["columns"])
-        os.environ["LINES"] = str(message.get("lines") or 24)
-    if all(ttys):  # rich asks isatty of its stream, a pipe here; these say what the client's streams are
-        os.environ.setdefault("TTY_COMPATIBLE", "1")
-        os.environ.setdefault("TTY_INTERACTIVE", "1")
+    os.environ.update({str(k): str(v) for k, v in env.items()})  # exactly the client's: its terminal is in its streams (terminal.py)
     if message.get("op") != "exec":  # a wrapped command's path and arguments are pyexec's
         sys.path[:] = [str(p) for p in message.get("path") or sys.path]
         sys.argv = ["lowercache", *map(str, message.get("argv") or [])]
@@ -868,7 +966,7 @@ def _warm_up(warm: Warm) -> None:
         _import_and_lower(warm)
     finally:
         recorder.close()
-    warm.read_env = sorted(recorder.env)
+    warm.read_env = sorted(name for name in recorder.env if not environment.shown_only(name))  # rich's and typer's: never inputs
     warm.lookups = sorted(recorder.lookups)
     warm.imported = startup.found_in(dict(sys.modules), recorder.lookups)
     warm.installed = _installed_dirs()
@@ -897,14 +995,12 @@ def _import_and_lower(warm: Warm) -> None:
 
         warm.threads = torch.get_num_threads()
         torch.set_num_threads(1)  # a fork after the intra-op pool ran can hang the child
-        import executorch.backends.arm.ethosu  # noqa: F401
-        import executorch.backends.arm.quantizer  # noqa: F401
-        import executorch.backends.arm.tosa.partitioner  # noqa: F401
-        import executorch.exir  # noqa: F401
+        from .lowering.flow import import_stack
+
+        import_stack()
         import rich.console  # noqa: F401
         import rich.progress  # noqa: F401
         import rich.table  # noqa: F401
-        import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
         import typer  # noqa: F401
 
         from . import api, verify  # noqa: F401

@@ -2,9 +2,10 @@
 
 A warm server's child runs the client's request in a process that started
 long ago, under the server's start-up: its flags (``-O`` sets ``__debug__``),
-its hash seed, the variables read before any Python code ran, the ``.pth``
-files ``site`` executed and the import finders they installed, the modules it
-imported. A child can stand in for the client's own interpreter only when all
+its hash seed, its environment (all of it but the variables that only say
+how output is shown: ``environment.py``; native code may have read any other
+while the process started or imported), the ``.pth`` files ``site`` executed
+and the import finders they installed, the modules it imported. A child can stand in for the client's own interpreter only when all
 of these are the client's too. This module says what they are (:func:`state`,
 cheap: no torch) and why a warm process would answer differently
 (:func:`why_not`), for ``lower`` and ``verify`` requests and for
@@ -20,16 +21,13 @@ import os
 import site
 import stat
 import sys
+import sysconfig
 from typing import Any, Iterable
 
+from . import environment
 from .cache.digests import digest, digest_json, stat_key
 
-# Variables read before any Python code runs (the interpreter's start, torch's and the OpenMP,
-# MKL and C libraries' native code): a warm process keeps what it made of its own values.
-PREFIXES = ("PYTHON", "LD_", "TORCH", "PYTORCH", "ATEN_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_",
-            "MALLOC_", "GLIBC_", "LC_", "EXECUTORCH")
-NAMES = ("HOME", "LANG")
-# A server's child sets the thread count itself (server.py); lowercache's own settings are read fresh in the child.
+# A server's child sets the thread count itself (server.py): a client's own is an input of records (record/trust.py).
 SET_BY_CHILD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # ``lowercache run`` puts this directory (its ``sitecustomize``) on a command's PYTHONPATH: it says nothing of the user's.
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run", "_site")
@@ -57,16 +55,10 @@ def without_dir(pythonpath: str | None, directory: str) -> str | None:
     return os.pathsep.join(kept) or None
 
 
-def read_at_start(name: str) -> bool:
-    """Whether the variable is read before any Python code runs (and is not lowercache's own, nor set by a child)."""
-    if name.startswith("LOWERCACHE_") or name in SET_BY_CHILD:
-        return False
-    return name.startswith(PREFIXES) or name in NAMES
-
-
 def variables(environ: dict[str, str] | Any) -> dict[str, str]:
-    """The start-up variables of ``environ``, PYTHONPATH without the hook directory."""
-    found = {name: environ[name] for name in environ if read_at_start(name)}
+    """The variables of ``environ`` a process takes in: all but those that only say how output is shown
+    (``environment.py``) and the thread counts a server's child sets, PYTHONPATH without the hook directory."""
+    found = {name: value for name, value in environment.inputs(environ).items() if name not in SET_BY_CHILD}
     if "PYTHONPATH" in found:
         kept = without_dir(found.pop("PYTHONPATH"), HOOK_DIR)
         if kept is not None:
@@ -106,6 +98,108 @@ def site_files() -> list[list[Any]]:
     return found
 
 
+CUSTOMIZE = ("sitecustomize", "usercustomize")
+
+
+def _pth_paths(directory: str, text: str) -> list[str]:
+    """The directories a ``.pth`` file's path lines add to the search path, as ``site.addpackage`` adds them."""
+    found = []
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip() or line.startswith(("import ", "import\t")):
+            continue
+        path = os.path.abspath(os.path.join(directory, line.rstrip()))
+        if os.path.exists(path):
+            found.append(path)
+    return found
+
+
+def _module_file(directory: str, name: str) -> str | None:
+    """The file ``name`` is imported from in ``directory``, in the order the import system's file finder tries them."""
+    package = os.path.join(directory, name, "__init__.py")
+    if os.path.isfile(package):
+        return package
+    for suffix in (*importlib.machinery.EXTENSION_SUFFIXES, *importlib.machinery.SOURCE_SUFFIXES,
+                   *importlib.machinery.BYTECODE_SUFFIXES):
+        path = os.path.join(directory, name + suffix)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _content(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return digest(f.read())
+    except OSError:
+        return None
+
+
+def _stdlib_path() -> list[str]:
+    """The standard library's entries of the search path (its zip, its directory, lib-dynload), as the interpreter set them."""
+    bases = tuple(os.path.join(os.path.normpath(b), "") for b in {sys.base_prefix, sys.base_exec_prefix})
+    sites = {os.path.normpath(d) for d in _site_dirs()}
+    return [p for p in sys.path if p and os.path.isabs(p) and p.startswith(bases) and os.path.normpath(p) not in sites]
+
+
+def start_code(environ: dict[str, str] | Any) -> list[list[Any]]:
+    """The code a new interpreter under ``environ`` runs before the user's first line, with its content digests.
+
+    ``site`` runs every ``import`` line of each ``.pth`` file, then imports
+    ``sitecustomize`` and ``usercustomize`` from the first directory of the
+    start-up search path that has them (``PYTHONPATH`` first; not the script's
+    directory, which is added later). That happens before any audit hook can
+    listen, so it is enumerated: each ``.pth`` file's content, the file each
+    customize module resolves to (or none), and every module outside the
+    standard library that the start-up had imported when lowercache first ran
+    (what that code imported; site-packages' by stat, the rest by content).
+    """
+    if sys.flags.no_site:
+        return []
+    found: list[list[Any]] = []
+    tail: list[str] = []
+    for directory in _site_dirs():
+        tail.append(directory)
+        try:
+            names = sorted(n for n in os.listdir(directory) if n.endswith(".pth"))
+        except OSError:
+            continue
+        for name in names:
+            try:
+                with open(os.path.join(directory, name), "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            found.append(["pth", directory, name, digest(data)])
+            tail += _pth_paths(directory, data.decode("utf-8", "replace"))
+    pythonpath = None if sys.flags.ignore_environment else without_dir(environ.get("PYTHONPATH"), HOOK_DIR)
+    search = [*(os.path.abspath(p) for p in (pythonpath.split(os.pathsep) if pythonpath else [])), *_stdlib_path(), *tail]
+    for name in CUSTOMIZE if site.ENABLE_USER_SITE else CUSTOMIZE[:1]:
+        origin = next((f for f in (_module_file(d, name) for d in search) if f is not None), None)
+        found.append(["customize", name, origin, _content(origin) if origin else None])
+    return found + _started_with()
+
+
+def _started_with() -> list[list[Any]]:
+    """The modules outside the standard library that were imported before lowercache first ran (``lowercache.STARTED_WITH``)."""
+    started_with = getattr(sys.modules.get(__name__.partition(".")[0]), "STARTED_WITH", ())  # the package's own snapshot
+
+    stdlib = tuple(os.path.join(os.path.normpath(sysconfig.get_paths()[k]), "") for k in ("stdlib", "platstdlib"))
+    sites = tuple(os.path.join(os.path.normpath(d), "") for d in _site_dirs())
+    found = []
+    for name in sorted(started_with):
+        origin = getattr(sys.modules.get(name), "__file__", None)
+        if name == "__main__" or name.split(".")[0] == "lowercache" or not isinstance(origin, str) or not os.path.isabs(origin):
+            continue  # the program being run, and lowercache's own sources (in every identity by their digest)
+        if origin.startswith(sites):  # first: a venv's site-packages is inside its platstdlib
+            try:
+                found.append(["module", name, origin, *stat_key(os.stat(origin))])
+            except OSError:
+                found.append(["module", name, origin, None])
+        elif not origin.startswith(stdlib):
+            found.append(["module", name, origin, _content(origin)])
+    return found
+
+
 def state(environ: dict[str, str] | Any = None) -> dict[str, Any]:
     """The interpreter's start-up state: what two processes must share to run the same code to the same result.
 
@@ -121,6 +215,7 @@ def state(environ: dict[str, str] | Any = None) -> dict[str, Any]:
         "options": [list(sys.warnoptions), sorted(f"{k}={v}" for k, v in sys._xoptions.items())],
         "variables": {name: digest(value.encode("utf-8", "surrogateescape")) for name, value in sorted(variables(environ).items())},
         "site": digest_json(site_files()),
+        "code": digest_json(start_code(environ)),
     }
 
 
@@ -130,10 +225,12 @@ def changed(old: dict[str, Any] | Any, new: dict[str, Any], whose: str) -> str |
         return None
     if not isinstance(old, dict):
         return "the interpreter's start-up state is unknown"
-    for part, label in (("interpreter", "the Python interpreter"), ("flags", "the interpreter's flags (-O, -B, ...)"),
-                        ("options", "the interpreter's -W or -X options"), ("site", "site-packages' .pth files or import finders")):
+    for part, label in (("interpreter", "the Python interpreter differs"), ("flags", "the interpreter's flags (-O, -B, ...) differ"),
+                        ("options", "the interpreter's -W or -X options differ"),
+                        ("site", "site-packages' .pth files or import finders differ"),
+                        ("code", "the code the interpreter runs at start (.pth lines, sitecustomize, usercustomize) differs")):
         if old.get(part) != new.get(part):
-            return f"{label} differ from {whose}"
+            return f"{label} from {whose}"
     ours, theirs = old.get("variables") or {}, new.get("variables") or {}
     names = sorted(n for n in set(ours) | set(theirs) if ours.get(n) != theirs.get(n))
     return f"environment variable {names[0]} differs from {whose}" if names else f"the start-up state differs from {whose}"
@@ -182,24 +279,20 @@ def shadowed(directories: Iterable[str], cwd: str, imported: dict[str, list[str]
     return None
 
 
-def why_not(env: dict[str, str], start_env: dict[str, str], read: Iterable[str], path: Iterable[str], cwd: str,
+def why_not(env: dict[str, str], start_env: dict[str, str], path: Iterable[str], cwd: str,
             imported: dict[str, list[str]]) -> str | None:
     """Why a warm process that started with ``start_env`` would answer a request from ``env`` differently; None if it would not.
 
-    ``read``: the variables the warm process's imports and warm-up read;
-    ``path``: the directories the request's interpreter searches for modules,
-    in order; ``imported``: the top-level names the warm process imported or
-    looked for, with the directories each came from (:func:`found_in`).
+    Any variable that is an input (:func:`variables`: native code may have
+    read it while the warm process imported) must be the same; ``path``: the
+    directories the request's interpreter searches for modules, in order;
+    ``imported``: the top-level names the warm process imported or looked
+    for, with the directories each came from (:func:`found_in`).
     """
-    names = set(read) | {n for n in (*start_env, *env) if read_at_start(n)}
     ours, theirs = variables(env), variables(start_env)
-    for name in sorted(names):
-        if name.startswith("LOWERCACHE_") or name in SET_BY_CHILD:
-            continue
-        mine = ours.get(name) if read_at_start(name) else env.get(name)
-        warm = theirs.get(name) if read_at_start(name) else start_env.get(name)
-        if mine != warm:
-            return f"environment variable {name} differs from the server's"
+    differ = sorted(name for name in {*ours, *theirs} if ours.get(name) != theirs.get(name))
+    if differ:
+        return f"environment variable {differ[0]} differs from the server's"
     shadow = shadowed(path, cwd, imported)
     if shadow is not None:
         return f"{shadow} would shadow a module the server imported"

@@ -39,7 +39,8 @@ LOCATION_NAMES = re.compile(
 
 
 def sweep(root: str, beside: list[str], skip: list[str], user: Callable[[str], bool]) -> tuple[list[str], str | None]:
-    """Files under ``root`` with a :data:`NATIVE_SUFFIXES` suffix, and every file (but Python sources) in ``beside``.
+    """Files under ``root`` with a :data:`NATIVE_SUFFIXES` suffix, and every file (but Python sources) in ``beside``;
+    every link among them too, not followed (``checkpoints/latest -> step_2``: native code may read through it).
 
     ``skip``: directories left out (the output, the cache); ``user``: whether a path is the user's (not
     site-packages, not the standard library). Returns the paths, and why none can be trusted when a bound
@@ -50,7 +51,7 @@ def sweep(root: str, beside: list[str], skip: list[str], user: Callable[[str], b
     found: set[str] = set()
     for directory in beside:
         for entry in _entries(directory):
-            if entry.is_file() and not entry.name.endswith((".py", ".pyc")) and not (entry.path + os.sep).startswith(skipped):
+            if (entry.is_file() or entry.is_symlink()) and not entry.name.endswith((".py", ".pyc")) and not (entry.path + os.sep).startswith(skipped):
                 found.add(entry.path)
     pending, seen = [root], 0
     while pending:
@@ -66,7 +67,7 @@ def sweep(root: str, beside: list[str], skip: list[str], user: Callable[[str], b
             if entry.is_dir(follow_symlinks=False):
                 if entry.name not in _SKIPPED_DIRS:
                     pending.append(entry.path)
-            elif entry.name.lower().endswith(NATIVE_SUFFIXES) and entry.is_file():
+            elif entry.is_symlink() or (entry.name.lower().endswith(NATIVE_SUFFIXES) and entry.is_file()):
                 found.add(entry.path)
         if len(found) > MAX_FILES:
             return [], f"is in a project with more than {MAX_FILES} data files (weights and the like) native code could read unseen"

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from . import api, direct, startup
 from .config import Settings
@@ -108,15 +108,37 @@ def _equal_up_to_names(a: bytes, b: bytes) -> bool:
         return False
 
 
-def verify(model: LoadedModel, target: str, settings: Settings, **options: Any) -> tuple[list[Mismatch], Artifacts]:
+class Progress:
+    """What ``verify`` is doing, one line as each part starts (``[2/6] lowering through the cache``): it runs for minutes."""
+
+    def __init__(self, settings: Settings, say: Callable[[str], None]) -> None:
+        self.total = 5 + (settings.server and not _in_server())
+        self.done = 0
+        self.say = say
+
+    def __call__(self, what: str) -> None:
+        self.done += 1
+        self.say(f"[{self.done}/{self.total}] {what}")
+
+
+def _in_server() -> bool:
+    """Whether this process is a child of the warm server (its cached lowering is then the server's answer)."""
+    return "lowercache.server" in sys.modules
+
+
+def verify(model: LoadedModel, target: str, settings: Settings, progress: Callable[[str], None] = lambda what: None,
+           **options: Any) -> tuple[list[Mismatch], Artifacts]:
     """Lower three ways: every mismatch against the stock reference, and that reference (``served_now`` compares with it)."""
     subject = model.program if model.program is not None else model.module
 
     def run(s: Settings) -> Artifacts:
         return api.lower(subject, model.example_inputs, target=target, settings=s, name=model.name, listener=_quiet, **options)
 
+    progress("lowering as stock ExecuTorch does (no cache, every speed-up off)")
     stock = run(Settings(cache_dir=settings.cache_dir, disable=True, speedups="none"))
+    progress("lowering through the cache")
     mismatches = compare("cache", run(settings), stock)
+    progress("lowering through an empty cache")
     with tempfile.TemporaryDirectory(prefix="lowercache-verify-") as fresh:
         mismatches += compare("fresh cache", run(Settings(cache_dir=fresh)), stock)
     return mismatches, stock
@@ -137,7 +159,7 @@ def lower_in_new_process(model: str, target: str, args: list[str], env: dict[str
 
 def served_now(model: str, target: str, settings: Settings, reference: Artifacts, calibration: str | None,
                args: list[str], environ: dict[str, str], system_config: str | None = None,
-               memory_mode: str | None = None) -> tuple[list[Mismatch], list[str]]:
+               memory_mode: str | None = None, progress: Callable[[str], None] = lambda what: None) -> tuple[list[Mismatch], list[str]]:
     """What ``lower`` would serve now, each compared with a stock lowering in a new process: mismatches and what was checked.
 
     ``args``: the options as given (``--cache-dir``, ``--remote``,
@@ -145,11 +167,13 @@ def served_now(model: str, target: str, settings: Settings, reference: Artifacts
     the command started with (before torch set variables of its own).
     """
     env = {k: v for k, v in environ.items() if k not in ("LOWERCACHE_SPEEDUPS", "LOWERCACHE_DIRECT")}
+    progress("lowering as stock again, in a new process with your environment")
     stock = lower_in_new_process(model, target, [*args, "--no-cache", "--no-server"], {**env, "LOWERCACHE_SPEEDUPS": "none"})
     mismatches = compare("stock in this process", reference, stock)
     checked = ["stock in a new process"]
     request = direct.Request(model=model, target=target, out_dir="", calibration=calibration, system_config=system_config,
                              memory_mode=memory_mode)
+    progress("comparing the direct-mode record's answer")
     store = _store(settings)
     found = direct.lookup(request, settings, store, environ) if store is not None else "no cache"
     if store is not None:
@@ -161,9 +185,10 @@ def served_now(model: str, target: str, settings: Settings, reference: Artifacts
         served = [{"kind": "flow", "name": record["flow"]["name"], "outcome": "hit", "key": record["flow"]["key"]}]
         mismatches += compare("direct record", Artifacts(dict(flow.blobs), records=served), stock)
         checked.append(f"direct record (flow entry {record['flow']['key'][:12]})")
-    if "lowercache.server" in sys.modules:  # this process is a child of the server: the cached run above was its answer
+    if _in_server():  # the cached run above was the server's answer
         checked.append("the server's answer (this process)")
     elif settings.server:
+        progress("lowering through the warm server")
         mismatches += compare("server", lower_in_new_process(model, target, [*args, "--no-direct"], env), stock)
         checked.append("the server's answer")
     return mismatches, checked

@@ -34,7 +34,7 @@ from .config import Settings
 from .errors import LowercacheError
 from .lowering import numerics_report
 from .lowering.targets import resolve
-from .output import counted
+from .output import counted, served
 from .record.places import path_state
 
 Runner = Callable[[list[str]], object]  # a command line -> its exit code
@@ -171,19 +171,18 @@ def lower_once(plan: Plan, target: str, runner: Runner) -> Outcome:
     return Outcome(target, code, _last_json(stdout.getvalue()), errors, warnings, seconds)
 
 
-def _counts(step_counts: dict[str, dict[str, int]]) -> str:
-    kinds = sorted(step_counts, key=lambda k: (k != "flow", k))
-    return ", ".join(f"{kind} " + " ".join(f"{n} {o}" for o, n in sorted(step_counts[kind].items())) for kind in kinds)
-
-
 def report(outcome: Outcome, out_dir: Path) -> str:
-    """One line: what was served and what ran, and how long it took."""
+    """One line: how the lowering was answered, what the cache served, how long it took, where it went."""
     summary = outcome.summary or {}
-    how = "direct-mode hit (no factory run)" if summary.get("direct") == "hit" else f"flow {summary.get('flow')}"
-    return (
-        f"{outcome.target}: {how}; steps: {_counts(summary.get('step_counts') or {})}; "
-        f"{outcome.seconds:.2f}s, {summary.get('saved_seconds', 0):.2f}s of work served from the cache -> {out_dir}"
-    )
+    saved = summary.get("saved_seconds", 0) or 0
+    counts = served(summary.get("step_counts") or {})
+    if summary.get("direct") == "hit":
+        how = f"served from the direct-mode record (no factory run) in {outcome.seconds:.2f} s"
+    elif summary.get("flow") == "hit":
+        how = f"served from the cache in {outcome.seconds:.2f} s ({counts}), {saved:.2f} s of work saved"
+    else:
+        how = f"lowered in {outcome.seconds:.2f} s ({counts})" + (f", {saved:.2f} s of work from the cache" if saved else "")
+    return f"{outcome.target}: {how} -> {out_dir}"
 
 
 # -- the loop ------------------------------------------------------------------------------------------

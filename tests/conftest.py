@@ -121,3 +121,11 @@ def pytest_collection_modifyitems(config, items):
         tier = item.path.relative_to(root).parts[0]
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+
+
+def pytest_ignore_collect(collection_path, config):
+    """``-m quick``: a test file that marks no test quick is not imported at all. Importing every module (torch, ExecuTorch,
+    the helpers they pull in) was most of the quick loop's time; a quick mark is always spelled ``mark.quick`` in its file."""
+    if config.getoption("markexpr") != "quick" or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    return True if "mark.quick" not in collection_path.read_text() else None

@@ -67,7 +67,7 @@ QUICK: dict[str, Any] = {
 }
 """The ``--quick`` preset: small models, one float and one quantized target, minutes in all."""
 
-STAGES: tuple[str, ...] = ("export", "hash", "quantize", "to_edge", "to_executorch", "other")
+STAGES: tuple[str, ...] = ("export", "hash", "backend", "quantize", "to_edge", "to_executorch", "other")
 """Stage names as :class:`lowercache.lowering.flow.Stages` records them, in flow order.
 
 ``other`` is the whole-flow time no stage accounts for (for lowercache

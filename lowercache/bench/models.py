@@ -544,3 +544,13 @@ LARGE: tuple[str, ...] = ("mobilenet_v2", "resnet", "deit_tiny")
 def scenario_calibration(example: Sequence[torch.Tensor], custom: bool) -> list[ExampleInputs] | None:
     """The calibration set of a measured lowering: None means the flow's default (the example inputs)."""
     return calibration_samples(example) if custom else None
+
+
+# The builders' parts, for builders and edits made elsewhere (``bench/weights.py``).
+init_params = _init_params
+build = _build
+gelu_to_relu = _gelu_to_relu
+seeded_inputs = _randn
+vit_layer_path = _vit_layer_path
+BN_VARIANCES = {"residual_cnn": (1.0, 3.0), "resnet": (1.0, 3.0)}
+"""The BatchNorm running-variance range each builder that does not use the default passes to ``_build``."""

@@ -90,6 +90,8 @@ def explain(store: Store, model: str, target: str) -> list[str]:
             lines.append(f"TOSA pipeline by region: {s['outcome']}: {s['name']}")
             note = s.get("note")
             lines += [f"  region {verdict}" for verdict in note.split(" | ") if verdict] if isinstance(note, str) else []
+    # Weights-only changes (lowering/rebind.py): what was re-bound, or why the structure's steps ran stock.
+    lines += [f"rebind: {s['name']}: {s['note']}" for s in latest["steps"] if s["kind"] == "edge" and s.get("note")]
     flow = _step(latest, "flow")
     if flow is not None and flow["outcome"] == "hit":
         lines.append("the latest run was a hit: nothing changed")

@@ -24,6 +24,7 @@ import logging
 import os
 import sqlite3
 import tempfile
+import time
 import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -56,6 +57,9 @@ log = logging.getLogger("lowercache")
 MAGIC = b"LCE1"
 _warned: set[tuple[str, str]] = set()  # (directory, fault) already reported by this process
 _DIGEST_LEN = 16
+
+
+_ZEROED = "zeroed"  # the meta key of when ``stats --zero`` last ran
 
 
 class _BytesOnlyDisk(diskcache.Disk):
@@ -409,15 +413,25 @@ class Store:
         return out
 
     def zero_counters(self) -> None:
-        """Set the hit, miss and time-saved counters back to zero (``stats --zero``, as ``ccache -z``); entries stay."""
+        """Set the hit, miss and time-saved counters back to zero (``stats --zero``, as ``ccache -z``), and note when;
+        entries stay."""
         if not self.writable:
             return
         try:
             with self._meta.transact():
                 for key in list(self.counters()):
                     self._meta.delete(key)
+                self._meta.set(_ZEROED, int(time.time()))
         except (OSError, sqlite3.Error) as e:
             self._failed("meta", e)
+
+    def zeroed_at(self) -> int | None:
+        """When the counters were last set to zero (seconds since the epoch), or None: never since the cache was made."""
+        try:
+            value = self._meta.get(_ZEROED)
+        except (CorruptEntry, OSError, sqlite3.Error):
+            return None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def put_record(self, name: str, value: Any) -> None:
         if not self.writable:

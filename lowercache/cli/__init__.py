@@ -26,7 +26,13 @@ _RUN_FLAGS = {"--no-server": "no_server"}
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    sys.exit(dispatch(list(sys.argv[1:] if argv is None else argv)))
+    try:
+        code = dispatch(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # in a light path (direct mode, the client): one line, as the typer commands say it
+        from ..errors import interrupted
+
+        code = interrupted()
+    sys.exit(code)
 
 
 def dispatch(args: List[str]) -> object:
@@ -35,6 +41,9 @@ def dispatch(args: List[str]) -> object:
     from ..shadowing import own_imports
 
     new_command()
+    if args == ["--version"]:  # as the typer option says it, without importing typer
+        print(version_line())
+        return 0
     command = next((a for a in args if not a.startswith("-")), None)
     if command == "lower":  # direct mode: an unchanged lowering answered from its record, without torch (docs/direct-mode.md)
         args = check_spelled(args)
@@ -57,6 +66,15 @@ def dispatch(args: List[str]) -> object:
         if served is not None:
             return served
     return run_in_process(args)
+
+
+def version_line() -> str:
+    """``lowercache 0.1.0 (torch ..., executorch ..., tosa-tools ..., ethos-u-vela ...)``."""
+    from ..cache.toolchain import versions
+
+    found = versions(("lowercache", "torch", "executorch", "tosa-tools", "ethos-u-vela"))
+    return (f"lowercache {found['lowercache']} (torch {found['torch']}, executorch {found['executorch']}, "
+            f"tosa-tools {found['tosa-tools']}, ethos-u-vela {found['ethos-u-vela']})")
 
 
 def check_spelled(args: List[str]) -> List[str]:

@@ -18,17 +18,26 @@ import logging
 import os
 import re
 import sys
-import threading
+import traceback
 from pathlib import Path
 from typing import Any, Iterator, List, Optional
 
 import typer
+from typer.core import TyperCommand
 from rich.console import Console
 from rich.table import Table
 
-from .. import delegation
-from ..errors import LowercacheError
+from .. import estimates
+from . import phases
+from ..errors import INTERRUPTED, LowercacheError, by_ctrl_c, interrupted, user_line
 from ..output import counted
+
+class _Command(TyperCommand):
+    """Usage lines as users read them (``lower [OPTIONS] MODEL``): typer braces a required argument (``{MODEL}``)."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [re.sub(r"^\{(.*)\}(\.\.\.)?$", r"\1\2", piece) for piece in super().collect_usage_pieces(ctx)]
+
 
 app = typer.Typer(
     help="Incremental, caching lowering of PyTorch models to Arm targets (TOSA, Ethos-U).",
@@ -79,8 +88,6 @@ def _setup_logging() -> None:
 
 _EXECUTING = re.compile(r"While executing %(\w+)")
 _EXECUTING_LINE = re.compile(r"^\s*While executing %\w+.*$", re.M)
-_FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _no_traceback(record: logging.LogRecord) -> bool:
@@ -119,6 +126,31 @@ def _fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
+def _counted_failure(settings: Any, why: str) -> None:
+    """A failed ``lower`` counts in ``stats`` (``input``: the user's to fix; ``lowering``: inside torch or ExecuTorch), as
+    ccache counts failed compilations; nothing when there is no cache to count in."""
+    if settings is None or settings.disable or settings.read_only:
+        return
+    from ..cache.tiers import open_store
+
+    try:
+        store = open_store(dataclasses.replace(settings, remote=""))
+    except LowercacheError:
+        return
+    try:
+        store.add_counts({"failed": {why: 1}})
+    finally:
+        store.close()
+
+
+def _fail_input(e: LowercacheError) -> None:
+    """The one line of an error in the user's input; under ``LOWERCACHE_DEBUG`` first the traceback of what caused it
+    (a factory that raised, a model file that failed to import)."""
+    if os.environ.get("LOWERCACHE_DEBUG") and e.__cause__ is not None:
+        traceback.print_exception(e.__cause__, file=sys.stderr)
+    _fail(str(e), 2)
+
+
 def _fail_lowering(e: BaseException) -> None:
     """One line naming the innermost cause: ExecuTorch's pass manager wraps it in a message listing every pass run."""
     if os.environ.get("LOWERCACHE_DEBUG"):
@@ -136,39 +168,10 @@ def _fail_lowering(e: BaseException) -> None:
         message = message[:499] + "…"
     if node is not None:
         message += f" (while executing node {node.group(1)})"
-    where = _user_line(root, text)
+    where = user_line(root, text)
     if where is not None:
         message += f" (at {where})"
     _fail(f"lowering failed: {message}", 1)
-
-
-def _user_line(error: BaseException, text: str) -> str | None:
-    """``file:line`` of the innermost frame of the user's own code in the error's traceback, else the last one the
-    message names (a graph node's stack trace); None when neither is the user's (or the message already says it)."""
-    import sysconfig
-
-    installed = tuple(os.path.join(os.path.normpath(p), "") for p in {*sysconfig.get_paths().values(), os.path.dirname(_PACKAGE)})
-
-    def own(path: str) -> bool:
-        return os.path.isabs(path) and not os.path.abspath(path).startswith(installed) and not path.startswith("<")
-
-    found = None
-    tb = error.__traceback__
-    while tb is not None:
-        if own(tb.tb_frame.f_code.co_filename):
-            found = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
-        tb = tb.tb_next
-    named = [(f, int(n)) for f, n in _FILE_LINE.findall(text) if own(f)]
-    if found is None and named:
-        found = named[-1]
-    if found is None or named and found == named[-1]:
-        return None
-    path, line = found
-    try:
-        shown = os.path.relpath(path)
-    except ValueError:
-        shown = path
-    return f"{path if shown.startswith('..') else shown}:{line}"
 
 
 @contextlib.contextmanager
@@ -192,10 +195,10 @@ def _settings(cache_dir: Optional[Path], **flags):
     return load_settings(cache_dir=cache_dir, **flags)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_logged_tracebacks_hidden()
 def lower(
-    model: str = typer.Argument(..., help="path/to/file.py:factory (returns (nn.Module, example_inputs)) or a saved .pt2."),
+    model: str = typer.Argument(..., metavar="MODEL", help="path/to/file.py:factory (returns (nn.Module, example_inputs)) or a saved .pt2."),
     target: str = TargetOption,
     out_dir: Path = typer.Option(..., "--out", "-o", help="Directory that receives model.pte, TOSA, Vela output, manifest.json."),
     cache_dir: Optional[Path] = CacheDir,
@@ -216,10 +219,12 @@ def lower(
     from .. import api, direct
     from ..config import check_with_min_snr, parse_check
     from ..lowering import loading, numerics_report
+    from ..lowering.flow import import_stack
     from ..lowering.targets import resolve
 
     _json_errors = as_json
 
+    settings = None
     try:
         settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote, direct=False if no_direct else None,
                              check=parse_check(check, "--check") if check is not None else None)
@@ -228,13 +233,15 @@ def lower(
         api.check_output_dir(out_dir)
         if not settings.disable:
             api.open_store(settings).close()  # fail early on an unusable cache directory
-        recorder = direct.start(model, target, out_dir, per_tensor, calibration, settings, system_config, memory_mode)  # what the factory reads
-        loaded = direct.recorded(recorder, loading.load_model, model)
-        samples = None
-        if calibration is not None:
-            samples = loading.load_calibration(str(calibration))
-            loading.check_calibration(samples, loaded.example_inputs, str(calibration))
-        with _progress() as listener:
+        recorder = direct.start(model, target, out_dir, per_tensor, calibration, settings, system_config, memory_mode,
+                                before=import_stack)  # what the factory reads
+        with phases.progress(err, phases.planned(resolve(target).quantized, settings.check)) as timed:
+            timed.begin("load")
+            loaded = direct.recorded(recorder, loading.load_model, model)
+            samples = None
+            if calibration is not None:
+                samples = loading.load_calibration(str(calibration))
+                loading.check_calibration(samples, loaded.example_inputs, str(calibration))
             artifacts = api.lower(
                 loaded.program if loaded.program is not None else loaded.module,
                 loaded.example_inputs,
@@ -242,7 +249,7 @@ def lower(
                 calibration=samples,
                 per_channel=not per_tensor,
                 name=loaded.name,
-                listener=direct.listening(recorder, listener),
+                listener=direct.listening(recorder, timed.listener),
                 settings=settings,
                 system_config=system_config,
                 memory_mode=memory_mode,
@@ -251,49 +258,26 @@ def lower(
         direct.finish(recorder, artifacts.records, artifacts.manifest)
         written = api.write_artifacts(artifacts, out_dir)
     except LowercacheError as e:
-        _fail(str(e), 2)
+        _counted_failure(settings, "input")
+        _fail_input(e)
     except Exception as e:  # a failure inside torch.export or ExecuTorch
+        _counted_failure(settings, "lowering")
         _fail_lowering(e)
-    _print_summary(artifacts.records, artifacts.stages)
-    _print_delegation(artifacts.delegation)
-    short = numerics_report.below(artifacts.numerics, min_snr)
-    for line in numerics_report.lines(artifacts.numerics):
+    grid, total = phases.table(timed, artifacts.records, _verbose)
+    err.print(grid)
+    err.print(total, markup=False, highlight=False)
+    said, summarized = estimates.outcome(artifacts.delegation, out_dir, target)
+    for line in said + numerics_report.lines(artifacts.numerics):
         err.print(f"lowercache: {line}", markup=False, highlight=False, soft_wrap=True)
+    short = numerics_report.below(artifacts.numerics, min_snr)
     if as_json:
-        print(json.dumps({**_run_summary(artifacts, written, out_dir), **numerics_report.json_part(artifacts.numerics, short)}, indent=2, sort_keys=True))
+        print(json.dumps({**_run_summary(artifacts, written, out_dir), **summarized, **numerics_report.json_part(artifacts.numerics, short)},
+                         indent=2, sort_keys=True))
     else:
         out.print(f"wrote {counted(len(written), 'file')} to {out_dir}")
     if short is not None:
         print(f"lowercache: error: {short}", file=sys.stderr)
         raise typer.Exit(1)
-
-
-@contextlib.contextmanager
-def _progress() -> Iterator[Any]:
-    """A listener showing the running stage: a spinner on a terminal, plain lines in a CI log."""
-    if not err.is_terminal:
-        def plain(phase: str, record: Any, label: str) -> None:
-            if phase == "stage":
-                print(f"lowercache: {label}", file=sys.stderr, flush=True)
-
-        yield plain
-        return
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from ..record.recorder import own_thread
-
-    before = set(threading.enumerate())
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True) as progress:
-        for thread in set(threading.enumerate()) - before:  # rich's redraw thread, started by entering: ours, not the factory's
-            thread.name = "lowercache-progress"
-            own_thread(thread)
-        task = progress.add_task("loading", total=None)
-
-        def live(phase: str, record: Any, label: str) -> None:
-            if phase in ("stage", "start"):
-                progress.update(task, description=label)
-
-        yield live
 
 
 def _run_summary(artifacts: Any, written: list[Path], out_dir: Path) -> dict[str, Any]:
@@ -311,37 +295,7 @@ def _run_summary(artifacts: Any, written: list[Path], out_dir: Path) -> dict[str
         "seconds": round(sum(artifacts.stages.values()), 4),
         "saved_seconds": round(sum(r["saved"] for r in artifacts.records if r["outcome"] == "hit"), 4),
         "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
-        **delegation.json_part(artifacts.delegation),
     }
-
-
-def _print_delegation(section: Optional[dict[str, Any]]) -> None:
-    said = delegation.line(section)
-    if said is not None:
-        err.print(f"lowercache: {said}", markup=False, highlight=False, soft_wrap=True)
-
-
-def _print_summary(records: list[dict], stages: dict[str, float]) -> None:
-    table = Table(title="lowercache steps")
-    for column in ("step", "outcome", "seconds", "saved"):
-        table.add_column(column)
-    from ..cache.steps import BULK_KINDS, listed, outcome_counts
-
-    for r in listed(records):
-        table.add_row(f"{r['kind']}: {r['name']}", r["outcome"], f"{r['seconds']:.2f}", f"{r['saved']:.2f}")
-    for kind in sorted(BULK_KINDS) if _verbose else ():  # passes, observers, decompositions: internals, shown with -v
-        bulk = [r for r in records if r["kind"] == kind]
-        if bulk:
-            counts = ", ".join(f"{n} {o}" for o, n in sorted(outcome_counts(bulk)[kind].items()))
-            seconds = sum(r["seconds"] for r in bulk)
-            table.add_row(f"{kind}: {counted(len(bulk), 'step')}", counts, f"{seconds:.2f}", f"{sum(r['saved'] for r in bulk):.2f}")
-    err.print(table)
-    saved = sum(r["saved"] for r in records if r["outcome"] == "hit")
-    total = sum(stages.values())
-    if any(r["outcome"] == "hit" for r in listed(records)):
-        err.print(f"total {total:.2f}s; served from cache: {saved:.2f}s of work saved")
-    else:  # a cold run: the few internal steps another model left are not what the user asked about
-        err.print(f"total {total:.2f}s")
 
 
 def _vela_args(system_config: Optional[str], memory_mode: Optional[str]) -> list[str]:
@@ -349,10 +303,10 @@ def _vela_args(system_config: Optional[str], memory_mode: Optional[str]) -> list
     return [*(["--system-config", system_config] if system_config else []), *(["--memory-mode", memory_mode] if memory_mode else [])]
 
 
-@app.command()
+@app.command(cls=_Command)
 @_logged_tracebacks_hidden()
 def verify(
-    model: str = typer.Argument(..., help="path/to/file.py:factory or a saved .pt2."),
+    model: str = typer.Argument(..., metavar="MODEL", help="path/to/file.py:factory or a saved .pt2."),
     target: str = TargetOption,
     cache_dir: Optional[Path] = CacheDir,
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration file, as for lower (.pt or .npz)."),
@@ -364,7 +318,7 @@ def verify(
     """Lower with and without the cache (and in a fresh cache); fail on any byte difference."""
     from ..lowering import loading
     from ..lowering.targets import resolve
-    from ..verify import expected, served_now
+    from ..verify import Progress, expected, served_now
     from ..verify import verify as run_verify
 
     environ = dict(os.environ)  # as the command started: torch sets variables of its own once it lowers
@@ -378,11 +332,13 @@ def verify(
         resolve(target, **vela)
         loaded = loading.load_model(model)
         samples = loading.load_calibration(str(calibration)) if calibration is not None else None
-        mismatches, stock = run_verify(loaded, target, settings, calibration=samples, **vela)
-        more, checked = served_now(model, target, settings, stock, str(calibration) if calibration else None, args, environ, **vela)
+        progress = Progress(settings, lambda line: print(f"lowercache: {line}", file=sys.stderr, flush=True))
+        mismatches, stock = run_verify(loaded, target, settings, progress, calibration=samples, **vela)
+        more, checked = served_now(model, target, settings, stock, str(calibration) if calibration else None, args, environ,
+                                   progress=progress, **vela)
         mismatches += more
     except LowercacheError as e:
-        _fail(str(e), 2)
+        _fail_input(e)
     except Exception as e:  # a failure inside torch.export or ExecuTorch
         _fail_lowering(e)
     mismatches, notes = expected(mismatches, target)
@@ -392,14 +348,17 @@ def verify(
     for m in mismatches:
         print(f"lowercache: mismatch: {m}", file=sys.stderr)
     if mismatches:
-        raise typer.Exit(1)
-    out.print("verified: the cached and fresh-cache lowerings are byte-identical to stock (no cache, every speed-up off), "
-              f"and so is what lower serves now; checked: {', '.join(checked)}", markup=False, highlight=False, soft_wrap=True)
+        differ = "differs" if len(mismatches) == 1 else "differ"
+        _fail(f"not verified: {counted(len(mismatches), 'file')} {differ} from stock ExecuTorch's lowering (above)", 1)
+    out.print(f"verified: what lowercache serves for {model} on {target} is byte-identical to stock ExecuTorch's lowering",
+              markup=False, highlight=False, soft_wrap=True)
+    out.print(f"checked: the cached lowering; a lowering in an empty cache; {'; '.join(checked)}", markup=False, highlight=False,
+              soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=_Command)
 def watch(
-    model: str = typer.Argument(..., help="path/to/file.py:factory or a saved .pt2, as for lower."),
+    model: str = typer.Argument(..., metavar="MODEL", help="path/to/file.py:factory or a saved .pt2, as for lower."),
     targets: List[str] = typer.Option(..., "--target", "-t", help="A target, as for lower; repeat -t for several.", autocompletion=_complete_target),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Output directory; with several -t, each target's output goes to DIR/<target>/."),
     cache_dir: Optional[Path] = CacheDir,
@@ -443,9 +402,9 @@ def watch(
     raise typer.Exit(watching.run(plan, dispatch, settings, emit))
 
 
-@app.command()
+@app.command(cls=_Command)
 def build(
-    names: Optional[List[str]] = typer.Argument(None, help="Models to build, by their names in the build file (default: all)."),
+    names: Optional[List[str]] = typer.Argument(None, metavar="NAME", help="Models to build, by their names in the build file (default: all)."),
     build_file: Optional[Path] = typer.Option(None, "--file", "-f", help=r"Build file (default: lowercache.toml, else \[tool.lowercache] in pyproject.toml, in the working directory)."),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Pairs lowered at once (default: the core count, bounded by memory; with ray: every pair)."),
     keep_going: bool = typer.Option(False, "--keep-going", "-k", metavar="", help="Build the other pairs after a failure; report failures at the end (exit 1)."),
@@ -489,40 +448,26 @@ def stats(
     as_json: bool = typer.Option(False, "--json", metavar="", help="Print the figures as one JSON object on stdout."),
     zero: bool = typer.Option(False, "--zero", "-z", metavar="", help="Set the counters (hits, misses, time saved) back to zero; entries stay."),
 ) -> None:
-    """Entries, size and hit rate by step kind."""
+    """Size against the limit, when counters were zeroed, lowerings served and lowered, errors, hit rate by step (as ccache -s)."""
+    from . import stats as report
+
     with _local_store(cache_dir) as store:
         if zero:
             store.zero_counters()
             out.print(f"counters of {store.directory} set to zero", markup=False, highlight=False)
             return
-        counters = store.counters()
-        entries = store.entry_count()
-        outcomes = ("hit", "remote_hit", "miss", "skip", "bypass", "noop", "ran")
-        kinds = sorted({k.split("/")[1] for k in counters if k.startswith("count/")})
-        if as_json:
-            by_kind = {kind: {o: counters.get(f"count/{kind}/{o}", 0) for o in outcomes} for kind in kinds}
-            print(json.dumps({"cache_dir": str(store.directory), "steps": entries["actions"], "blobs": entries["blobs"],
-                              "bytes": store.volume(), "saved_seconds": counters.get("saved_ms", 0) / 1000, "outcomes": by_kind},
-                             indent=2, sort_keys=True))
-            return
-        out.print(f"cache directory  {store.directory}")
-        out.print(f"entries          {entries['actions']} steps, {entries['blobs']} blobs")
-        out.print(f"size             {store.volume() / 2**20:.1f} MiB")
-        out.print(f"time saved       {counters.get('saved_ms', 0) / 1000:.1f} s")
-        table = Table(title="outcomes by step kind")
-        for column in ("kind", "hits (local+remote)", "of which remote", "miss", "skip", "bypass", "noop", "ran", "hit rate"):
-            table.add_column(column)
-        for kind in kinds:
-            n = {o: counters.get(f"count/{kind}/{o}", 0) for o in outcomes}
-            looked = n["hit"] + n["miss"]
-            rate = f"{100 * n['hit'] / looked:.0f}%" if looked else "-"
-            table.add_row(kind, *(str(n[o]) for o in outcomes), rate)
-        out.print(table)
+        found = report.figures(store, _settings(cache_dir).max_size)
+    if as_json:
+        print(json.dumps(found, indent=2, sort_keys=True))
+        return
+    for line in report.summary(found):
+        out.print(line, markup=False, highlight=False, soft_wrap=True)
+    out.print(report.table(found, _verbose))
 
 
-@app.command()
+@app.command(cls=_Command)
 def explain(
-    model: str = typer.Argument(..., help="The MODEL as given to `lowercache lower`."),
+    model: str = typer.Argument(..., metavar="MODEL", help="The MODEL as given to `lowercache lower`."),
     target: str = TargetOption,
     passes: bool = typer.Option(False, "--passes", metavar="", help="List every Arm pass of the latest run that ran passes."),
     cache_dir: Optional[Path] = CacheDir,
@@ -624,9 +569,9 @@ def run(
     raise typer.Exit(code)
 
 
-@app.command(name="export")
+@app.command(name="export", cls=_Command)
 def export_cmd(
-    archive: Path = typer.Argument(..., help="Tar file to write."),
+    archive: Path = typer.Argument(..., metavar="FILE", help="Tar file to write."),
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Pack every local cache entry into one archive (for CI caches that store one file)."""
@@ -640,9 +585,9 @@ def export_cmd(
     out.print(f"exported {actions} steps and {blobs} blobs to {archive}")
 
 
-@app.command(name="import")
+@app.command(name="import", cls=_Command)
 def import_cmd(
-    archive: Path = typer.Argument(..., help="Tar file made by `lowercache export`."),
+    archive: Path = typer.Argument(..., metavar="FILE", help="Tar file made by `lowercache export`."),
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Load an archive made by `lowercache export`, checking every entry."""
@@ -759,6 +704,7 @@ def server_status() -> None:
         ("state", f"stale: the next request replaces it ({'; '.join(differ)})" if differ else "current"),
         ("uptime", f"{reply['uptime']:.1f} s"),
         ("requests", f"{reply['requests']} served ({reply['failed']} failed), {reply['running']} running, {reply['queued']} queued, at most {reply['jobs']} at once"),
+        ("records", f"{reply.get('unconfirmed', 0)} to confirm when idle, {reply.get('confirmed', 0)} confirmation runs done"),
         ("memory", f"{reply['rss'] / 2**20:.1f} MiB resident (the server; each request's process adds its own)"),
         ("idle exit", f"after {reply['idle_timeout']} s without a request"),
         ("socket", reply["socket"]),
@@ -774,10 +720,9 @@ _TORCH_COMMANDS = {"lower", "verify", "bench", "speedups"}
 
 def _print_version(asked: bool) -> None:
     if asked:
-        from ..cache.toolchain import version
+        from . import version_line
 
-        out.print(f"lowercache {version('lowercache')} (torch {version('torch')}, executorch {version('executorch')}, "
-                  f"tosa-tools {version('tosa-tools')}, ethos-u-vela {version('ethos-u-vela')})", markup=False, highlight=False)
+        out.print(version_line(), markup=False, highlight=False)
         raise typer.Exit(0)
 
 
@@ -793,12 +738,57 @@ def _options(
 
 def _fresh_consoles() -> None:
     """Consoles made for this command: rich decides at creation whether a stream is interactive and its colours, and
-    a server's child must decide by its client's terminal, not by the server's (which has none)."""
+    a server's child must decide by its client's terminal, not by the server's (which has none).
+
+    Each reads a copy of the environment taken now: what rich looks up while a
+    factory runs (``TERM``, ``COLUMNS``, ...) is lowercache's presentation,
+    never an input of the record made meanwhile.
+    """
     global err, out
-    err, out = Console(stderr=True), Console()
-    for console in (err, out):
-        if not console.is_terminal and "COLUMNS" not in os.environ:
-            console.width = 200  # a CI log has no width to fit: lines are not wrapped at 80, nor table cells cut
+    err, out = _console(stderr=True), _console(stderr=False)
+
+
+def _console(stderr: bool) -> Console:
+    from .. import terminal
+
+    size = terminal.size(sys.stderr if stderr else sys.stdout)  # a server's child: its client's terminal
+    console = Console(stderr=stderr, _environ=dict(os.environ), **({"width": size[0], "height": size[1]} if size else {}))
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = 200  # a CI log has no width to fit: lines are not wrapped at 80, nor table cells cut
+    return console
+
+
+def _settings_problem() -> Optional[str]:
+    """A bad setting (``LOWERCACHE_SPEEDUPS=bogus``, a bad size), found before torch is imported, in its one line."""
+    from ..client import check_speedups
+    from ..config import load_settings
+
+    try:
+        check_speedups(load_settings())
+    except LowercacheError as e:
+        return str(e)
+    return None
+
+
+def confirm_record(args: List[str]) -> str:
+    """Confirm the direct-mode record of the ``lower`` command line ``args`` without lowering (the warm server, when
+    idle): the factory and the export run as ``lower`` runs them, with the recorder listening (``direct.confirm``)."""
+    from .. import api, direct
+    from ..lowering import loading
+
+    def key_of(recorder: Any) -> Optional[str]:
+        request = recorder.request
+        loaded = direct.recorded(recorder, loading.load_model, request.model)
+        samples = None
+        if request.calibration is not None:
+            samples = loading.load_calibration(request.calibration)
+            loading.check_calibration(samples, loaded.example_inputs, request.calibration)
+        return api.flow_key(loaded.program if loaded.program is not None else loaded.module, loaded.example_inputs,
+                            target=request.target, settings=recorder.settings, calibration=samples,
+                            per_channel=not request.per_tensor, listener=direct.listening(recorder, lambda *_: None),
+                            system_config=request.system_config, memory_mode=request.memory_mode)
+
+    return direct.confirm(args, key_of)
 
 
 def run_in_process(args: List[str]) -> object:
@@ -808,11 +798,19 @@ def run_in_process(args: List[str]) -> object:
     _fresh_consoles()
     _setup_logging()
     command = next((a for a in args if not a.startswith("-")), None)
+    options = args[: args.index("--")] if "--" in args else args
+    if command in _TORCH_COMMANDS and "--help" not in options:
+        problem = _settings_problem()
+        if problem is not None:
+            print(f"lowercache: error: {problem}", file=sys.stderr)
+            if command == "lower" and "--json" in options:
+                print(json.dumps({"error": problem, "exit": 2}, sort_keys=True))
+            return 2
     code: object = 0
-    with quiet.captured(import_torch=command in _TORCH_COMMANDS) as noise:
+    with quiet.captured(import_torch=command in _TORCH_COMMANDS and "--help" not in options) as noise:  # help needs no torch
         try:
             app(args=args, prog_name="lowercache")
-        except SystemExit as e:
-            code = e.code
+        except SystemExit as e:  # typer turns Ctrl-C into a silent exit 130
+            code = interrupted() if e.code == INTERRUPTED and by_ctrl_c(e) else e.code
     quiet.print_held_back(noise, _verbose)
     return code

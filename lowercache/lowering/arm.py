@@ -43,7 +43,7 @@ import tempfile
 import threading
 from typing import Any
 
-from . import partitionorder, passes, qparams, regionsplice
+from . import partitionorder, passes, qparams, rebind, regionsplice
 from .specdigest import compile_spec_digest, pass_insertions_digest
 from .. import delegation
 from ..speedups import registry
@@ -246,13 +246,13 @@ def _unwrap_modules() -> None:
 # steps (``qparams``), a recorder of every pass (``passes``) and partitions in
 # discovery order (``partitionorder``, the one deliberate difference: README).
 _FLOW_PATCHES = {"qparams": qparams, "passes": passes, "partitionorder": partitionorder}
-# Speed-ups that live with the flow (they use its regions), switched by the registry like the others.
-_FLOW_SPEEDUPS = {"regions": regionsplice}
+# Speed-ups that live with the flow (they use its regions or its steps), switched by the registry like the others.
+_FLOW_SPEEDUPS = {"regions": regionsplice, "rebind": rebind}
 # The order patches go on (and, reversed, come off): some wrap what others wrap.
 _ORDER = (
     "provenance", "paramsearch", "qparams", "histogram", "passes", "retrace", "fastcopy", "lazycode", "attrnames",
     "decompositions", "fakecache", "partitionorder", "signature", "treeiter", "dtypecheck", "callsite",
-    "deadcode", "ciaops", "exportguards", "propagate", "partitioner", "regions",
+    "deadcode", "ciaops", "exportguards", "propagate", "partitioner", "regions", "rebind",
 )
 _enabled: list[Any] = []  # what _apply turned on, so _undo turns off the same
 
@@ -282,6 +282,15 @@ def _undo() -> None:
     _switch_off()
     if not _permanent:
         _unwrap_modules()
+
+
+def import_backend() -> None:
+    """Import the Arm backend's modules the hooks wrap, and the speed-ups' patches: seconds in a new process, nothing in
+    the warm server's child. Only on a miss: a hit needs none of it."""
+    import importlib
+
+    for name in HOOK_MODULES:
+        importlib.import_module(name)
 
 
 _hooks = Patch(_apply, _undo)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..errors import LowercacheError
+from ..errors import LowercacheError, user_line
 from .savedprogram import load_saved_program
 
 
@@ -29,8 +29,10 @@ class LoadedModel:
 
 
 def _describe(e: BaseException) -> str:
+    """The error's type and first line, and where in the user's code it was raised (``(at model.py:12)``)."""
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+    where = user_line(e)
+    return (f"{type(e).__name__}: {text[0]}" if text else type(e).__name__) + (f" (at {where})" if where else "")
 
 
 def _exit_status(e: SystemExit) -> str:
@@ -59,7 +61,7 @@ def load_model(spec: str) -> LoadedModel:
     except SystemExit as e:
         raise LowercacheError(f"factory {spec} exited with status {_exit_status(e)}") from None
     except Exception as e:
-        raise LowercacheError(f"factory {spec} raised {_describe(e)}") from None
+        raise LowercacheError(f"factory {spec} raised {_describe(e)}") from e  # its traceback: LOWERCACHE_DEBUG=1
     if (
         not isinstance(result, tuple)
         or len(result) != 2
@@ -92,7 +94,7 @@ def _import_file(path: str) -> Any:
         raise LowercacheError(f"importing {path} exited with status {_exit_status(e)}") from None
     except Exception as e:
         sys.modules.pop(name, None)
-        raise LowercacheError(f"error importing {path}: {_describe(e)}") from None
+        raise LowercacheError(f"error importing {path}: {_describe(e)}") from e
     return module
 
 

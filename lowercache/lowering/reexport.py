@@ -74,7 +74,7 @@ REEXPORT_VERSION = "torch.export.export(converted):template:v2"
 
 # Operators whose scale and zero point are filled in, and the names torch's
 # serializer gives those arguments.
-_FILLED_OPS = frozenset(
+FILLED_OPS = frozenset(
     {"quantized_decomposed::quantize_per_tensor.default", "quantized_decomposed::dequantize_per_tensor.default"}
 )
 _FILLED_ARGS = ("scale", "zero_point")
@@ -90,20 +90,20 @@ _KEY_IGNORED_META = IGNORED_META | {"quantization_annotation"}
 _DERIVED_META = ("tensor_meta", "example_value", "eager_input_vals", "val")
 
 
-def _is_filled(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and op_name(node.target) in _FILLED_OPS
+def is_filled(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and op_name(node.target) in FILLED_OPS
 
 
-def _literals(node: torch.fx.Node) -> tuple[float, int]:
+def literals(node: torch.fx.Node) -> tuple[float, int]:
     """A filled node's scale and zero point; Unhashable unless they are a plain float and int."""
     if len(node.args) < 3 or node.kwargs or type(node.args[1]) is not float or type(node.args[2]) is not int:
         raise Unhashable(f"{node.name}: scale and zero point are not literals")
     return node.args[1], node.args[2]
 
 
-def _graph_literals(converted: torch.fx.GraphModule) -> list[tuple[float, int]]:
+def graph_literals(converted: torch.fx.GraphModule) -> list[tuple[float, int]]:
     """The scale and zero point of every filled node, in graph order."""
-    return [_literals(n) for n in converted.graph.nodes if _is_filled(n)]
+    return [literals(n) for n in converted.graph.nodes if is_filled(n)]
 
 
 def _attribute(module: torch.nn.Module, target: str) -> Any:
@@ -149,8 +149,8 @@ def template_parts(
         nodes = []
         for node in converted.graph.nodes:
             form = node_form(node, _KEY_IGNORED_META)
-            if _is_filled(node):
-                _literals(node)
+            if is_filled(node):
+                literals(node)
                 form[3] = canon((node.args[0], "<filled>", "<filled>", *node.args[3:]))
             elif node.op == "get_attr":
                 form.append(_attribute_form(_attribute(converted, str(node.target))))
@@ -273,7 +273,7 @@ def _filled_doc_nodes(doc: dict[str, Any]) -> list[dict[str, dict[str, Any]]]:
     for node in doc["graph_module"]["graph"]["nodes"]:
         target = node.get("target", "")
         namespace, _, rest = target.removeprefix("torch.ops.").partition(".")
-        if f"{namespace}::{rest}" in _FILLED_OPS:
+        if f"{namespace}::{rest}" in FILLED_OPS:
             args = {a["name"]: a["arg"] for a in node["inputs"] if a.get("name") in _FILLED_ARGS}
             if set(args) != set(_FILLED_ARGS) or "as_float" not in args["scale"] or "as_int" not in args["zero_point"]:
                 raise programstore.FormatError(f"filled node {target} without literal scale and zero point")
@@ -394,12 +394,12 @@ def make_template(
     """The template of an exported program and its stored form; None if filling it would not be exact."""
     if not _corresponds(converted, program):
         return None
-    literals = _graph_literals(converted)
+    pairs = graph_literals(converted)
     doc = json.loads(stored.blobs["program.json"])
     filled = _filled_doc_nodes(doc)
-    if len(filled) != len(literals):
+    if len(filled) != len(pairs):
         return None
-    for args, (scale, zero_point) in zip(filled, literals):
+    for args, (scale, zero_point) in zip(filled, pairs):
         if args["scale"]["as_float"] != scale or args["zero_point"]["as_int"] != zero_point:
             return None
     # A list: stored meta is written with sorted keys, and the order is the program's.
@@ -431,12 +431,12 @@ def fill(
     ``programstore.decode``, which would parse it again); FormatError if it does not fit."""
     if template.meta.get("format") != REEXPORT_VERSION:
         raise programstore.FormatError(template.meta.get("reason", "not a re-export template"))
-    literals = _graph_literals(converted)
+    pairs = graph_literals(converted)
     doc = json.loads(template.blobs["program.json"])
     filled = _filled_doc_nodes(doc)
-    if len(filled) != len(literals):
+    if len(filled) != len(pairs):
         raise programstore.FormatError("the template's quantize nodes do not match the converted graph")
-    for args, (scale, zero_point) in zip(filled, literals):
+    for args, (scale, zero_point) in zip(filled, pairs):
         args["scale"]["as_float"] = scale
         args["zero_point"]["as_int"] = zero_point
     groups: dict[str, dict[str, torch.Tensor]] = {"state_dict": {}, "constants": {}}
@@ -576,7 +576,7 @@ def _in_script(mod: Any, args: Any, kwargs: Any = None, **options: Any) -> torch
     strict = options.get("strict", False)
     if (session is None or kwargs or any(v for k, v in options.items() if k != "strict") or type(strict) is not bool
             or not isinstance(args, tuple) or not isinstance(mod, torch.fx.GraphModule)
-            or not any(_is_filled(n) for n in mod.graph.nodes)):
+            or not any(is_filled(n) for n in mod.graph.nodes)):
         if strict is True and session is not None and not isinstance(mod, torch.fx.GraphModule) and _runner.fork(session):
             options = {**options, "strict": False}  # this is the runner: from here on the non-strict way
         return original(mod, args, kwargs, **options)

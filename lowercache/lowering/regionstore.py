@@ -38,7 +38,7 @@ FORMAT = "region-state:v1"
 # Metadata left out: bookkeeping that no pass after the split and no TOSA byte reads.
 DROPPED_META = frozenset({"from_node", "desc", "eager_input_vals", "source_fn_stack", "fwd_source_fn_stack"})
 
-_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+_NAME = re.compile(r"_?[A-Za-z][A-Za-z0-9_]*")  # an identifier; at most one leading underscore (`_clone_dim_order`), never a dunder
 _PYTHON_TARGETS = {"getitem": operator.getitem}
 
 
@@ -118,8 +118,9 @@ def _kinds() -> _Kinds:
 class _Encoder:
     """Values to tagged JSON; node references as indices into the graph's node list."""
 
-    def __init__(self, nodes: dict[torch.fx.Node, int] | None = None) -> None:
+    def __init__(self, nodes: dict[torch.fx.Node, int] | None = None, dropped: frozenset[str] = DROPPED_META) -> None:
         self.nodes = nodes or {}
+        self.dropped = dropped
 
     def value(self, v: Any) -> Any:
         QuantArgs, ArmAnnotationInfo, TosaSpecialDtype, FakeTensor, TensorMetadata, immutable_dict, immutable_list = _kinds()
@@ -170,7 +171,7 @@ class _Encoder:
         raise FormatError(f"unsupported value {type(v).__qualname__}")
 
     def meta(self, meta: dict[str, Any]) -> dict[str, Any]:
-        return {k: self.value(v) for k, v in meta.items() if k not in DROPPED_META}
+        return {k: self.value(v) for k, v in meta.items() if k not in self.dropped}
 
 
 class _Decoder:
@@ -279,25 +280,8 @@ def encode(program: Any, extra: dict[str, Any] | None = None) -> Entry:
 
     FormatError when the program holds anything this form does not carry.
     """
-    from torch.export.graph_signature import OutputKind, TensorArgument
-
-    gm = program.graph_module
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    encoder = _Encoder(index)
-    nodes = []
-    for n in gm.graph.nodes:
-        if n.op not in ("placeholder", "call_function", "output"):
-            raise FormatError(f"unsupported node kind {n.op}")
-        target = n.target if n.op == "placeholder" else (encode_target(n.target) if n.op == "call_function" else "output")
-        nodes.append({"op": n.op, "name": n.name, "target": target, "args": encoder.value(n.args),
-                      "kwargs": encoder.value(dict(n.kwargs)), "meta": encoder.meta(n.meta)})
-    inputs = []
-    for spec in program.graph_signature.input_specs:
-        if not isinstance(spec.arg, TensorArgument):
-            raise FormatError("a non-tensor input")
-        inputs.append([spec.kind.name, spec.arg.name, spec.target, spec.persistent])
-    if any(s.kind != OutputKind.USER_OUTPUT or not isinstance(s.arg, TensorArgument) for s in program.graph_signature.output_specs):
-        raise FormatError("an output other than a user tensor")
+    nodes = encode_nodes(program.graph_module.graph)
+    inputs = encode_signature(program.graph_signature)
     tensors: dict[str, dict[str, Any]] = {}
     chunks: list[bytes] = []
     offset = 0
@@ -312,10 +296,79 @@ def encode(program: Any, extra: dict[str, Any] | None = None) -> Entry:
     return Entry(meta={"format": FORMAT, "tensors": tensors}, blobs={"program.json": graph, "tensors": b"".join(chunks)})
 
 
+def encode_nodes(graph: torch.fx.Graph, dropped: frozenset[str] = DROPPED_META) -> list[dict[str, Any]]:
+    """A graph's nodes in this form (metadata keys in ``dropped`` left out); FormatError for what it does not carry."""
+    encoder = _Encoder({n: i for i, n in enumerate(graph.nodes)}, dropped)
+    nodes = []
+    for n in graph.nodes:
+        if n.op not in ("placeholder", "call_function", "output"):
+            raise FormatError(f"unsupported node kind {n.op}")
+        target = n.target if n.op == "placeholder" else (encode_target(n.target) if n.op == "call_function" else "output")
+        nodes.append({"op": n.op, "name": n.name, "target": target, "args": encoder.value(n.args),
+                      "kwargs": encoder.value(dict(n.kwargs)), "meta": encoder.meta(n.meta)})
+    return nodes
+
+
+def encode_signature(signature: Any) -> list[list[Any]]:
+    """A graph signature's input specs as stored (outputs are the output node's); FormatError for a non-tensor input
+    or an output other than a user tensor."""
+    from torch.export.graph_signature import OutputKind, TensorArgument
+
+    inputs = []
+    for spec in signature.input_specs:
+        if not isinstance(spec.arg, TensorArgument):
+            raise FormatError("a non-tensor input")
+        inputs.append([spec.kind.name, spec.arg.name, spec.target, spec.persistent])
+    if any(s.kind != OutputKind.USER_OUTPUT or not isinstance(s.arg, TensorArgument) for s in signature.output_specs):
+        raise FormatError("an output other than a user tensor")
+    return inputs
+
+
+def decode_signature(stored: Any, graph: torch.fx.Graph) -> Any:
+    """The signature ``encode_signature`` stored for ``graph``: its inputs as stored, its outputs the output node's."""
+    from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputKind, OutputSpec, TensorArgument
+
+    if not isinstance(stored, list):
+        raise FormatError("bad input specs")
+    input_specs = []
+    for item in stored:
+        if not (isinstance(item, list) and len(item) == 4 and item[0] in InputKind.__members__ and isinstance(item[1], str)):
+            raise FormatError("bad input spec")
+        kind, name, target, persistent = item
+        if target is not None and not isinstance(target, str) or persistent not in (None, True, False):
+            raise FormatError("bad input spec")
+        input_specs.append(InputSpec(kind=InputKind[kind], arg=TensorArgument(name=name), target=target, persistent=persistent))
+    built = list(graph.nodes)
+    if [s.arg.name for s in input_specs] != [n.name for n in built if n.op == "placeholder"]:
+        raise FormatError("input specs do not match the placeholders")
+    outputs = built[-1].args[0]
+    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    if not all(isinstance(o, torch.fx.Node) for o in outputs):
+        raise FormatError("an output that is not a node")
+    return ExportGraphSignature(
+        input_specs=input_specs,
+        output_specs=[OutputSpec(kind=OutputKind.USER_OUTPUT, arg=TensorArgument(name=o.name), target=None) for o in outputs],
+    )
+
+
+def decode_nodes(stored: Any, fake_mode: Any) -> torch.fx.Graph:
+    """The graph ``encode_nodes`` stored, fake values made in ``fake_mode``; FormatError for anything it did not write."""
+    if not isinstance(stored, list):
+        raise FormatError("bad stored nodes")
+    graph = torch.fx.Graph()
+    built: list[torch.fx.Node] = []
+    decoder = _Decoder(fake_mode, built)
+    for node in stored:
+        built.append(_node(graph, decoder, node))
+    if not built or built[-1].op != "output":
+        raise FormatError("a stored graph without an output")
+    return graph
+
+
 def decode(entry: Entry, like: Any) -> tuple[Any, dict[str, Any]]:
     """The program ``encode`` stored and its ``extra``, built as a copy of ``like`` (its fake mode, its module's
     attributes) with the stored graph; FormatError for anything this format did not write."""
-    from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputKind, OutputSpec, TensorArgument
+    from torch.export.graph_signature import InputKind
 
     if not isinstance(entry.meta, dict) or entry.meta.get("format") != FORMAT or not isinstance(entry.meta.get("tensors"), dict):
         raise FormatError("not a stored region state")
@@ -335,37 +388,14 @@ def decode(entry: Entry, like: Any) -> tuple[Any, dict[str, Any]]:
             groups[group][key] = tensor_from_record(record, packed)
         except (KeyError, TypeError, ValueError, RuntimeError) as err:
             raise FormatError(f"bad stored tensor {name}: {err}") from None
-    graph = torch.fx.Graph()
-    built: list[torch.fx.Node] = []
-    decoder = _Decoder(fake_mode(like), built)
-    for stored in doc["nodes"]:
-        built.append(_node(graph, decoder, stored))
-    if not built or built[-1].op != "output":
-        raise FormatError("a region state without an output")
-    input_specs = []
-    for item in doc["inputs"]:
-        if not (isinstance(item, list) and len(item) == 4 and item[0] in InputKind.__members__ and isinstance(item[1], str)):
-            raise FormatError("bad input spec")
-        kind, name, target, persistent = item
-        if target is not None and not isinstance(target, str) or persistent not in (None, True, False):
-            raise FormatError("bad input spec")
-        input_specs.append(InputSpec(kind=InputKind[kind], arg=TensorArgument(name=name), target=target, persistent=persistent))
-    placeholders = [n.name for n in built if n.op == "placeholder"]
-    if [s.arg.name for s in input_specs] != placeholders:
-        raise FormatError("input specs do not match the placeholders")
-    outputs = built[-1].args[0]
-    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
-    if not all(isinstance(o, torch.fx.Node) for o in outputs):
-        raise FormatError("an output that is not a node")
-    for s in input_specs:
+    graph = decode_nodes(doc["nodes"], fake_mode(like))
+    signature = decode_signature(doc["inputs"], graph)
+    for s in signature.input_specs:
         if s.kind != InputKind.USER_INPUT and s.target not in groups["state_dict"] and s.target not in groups["constants"]:
             raise FormatError(f"constant {s.target} is not stored")
     program = copy.copy(like)
     program._graph_module = torch.fx.GraphModule(torch.nn.Module(), graph)
-    program._graph_signature = ExportGraphSignature(
-        input_specs=input_specs,
-        output_specs=[OutputSpec(kind=OutputKind.USER_OUTPUT, arg=TensorArgument(name=o.name), target=None) for o in outputs],
-    )
+    program._graph_signature = signature
     program._state_dict = groups["state_dict"]
     program._constants = groups["constants"]
     extra = doc.get("extra")

@@ -75,11 +75,86 @@ class Places:
         return os.path.normpath(os.path.join(self.anchors[anchor], rel))
 
 
+# Every field of a stat result a caller can observe, but the access time (reading a file moves it).
+STAT_FIELDS = ("mode", "ino", "dev", "nlink", "uid", "gid", "size", "mtime_ns", "ctime_ns", "blocks", "blksize", "rdev")
+MAX_HOPS = 40  # links followed in one chain, as the kernel's ELOOP bound
+
+
 def stat_meta(st: os.stat_result, fields: Any) -> dict[str, int]:
-    """The observed stat ``fields`` (``mode``, ``uid``, ``gid``, ``mtime_ns``) of ``st``."""
-    if not set(fields) <= {"mode", "uid", "gid", "mtime_ns"}:
+    """The observed stat ``fields`` (of :data:`STAT_FIELDS`) of ``st``; ``mode`` is the permission bits (the kind is kept apart)."""
+    if not set(fields) <= set(STAT_FIELDS):
         raise ValueError("bad stat field")
     return {f: (stat.S_IMODE(st.st_mode) if f == "mode" else getattr(st, f"st_{f}")) for f in sorted(fields)}
+
+
+def link_chain(path: str, lst: os.stat_result) -> list[str]:
+    """The text of each link met resolving ``path``'s last component (``lst``: its lstat), hop by hop; empty for a non-link.
+
+    A link's text is what ``os.readlink``, ``os.path.realpath`` and ``Path.resolve()`` show, so each hop is an input
+    of its own: ``checkpoints/latest -> step_2`` re-pointed changes the chain even where both targets hold the same names.
+    """
+    return _hops(path, lst)[0]
+
+
+def _hops(path: str, lst: os.stat_result) -> tuple[list[str], list[os.stat_result]]:
+    """:func:`link_chain`, and the lstat of each hop after the first."""
+    chain: list[str] = []
+    seen: list[os.stat_result] = []
+    while stat.S_ISLNK(lst.st_mode) and len(chain) < MAX_HOPS:
+        text = os.readlink(path)
+        chain.append(text)
+        path = os.path.join(os.path.dirname(path), text)
+        try:
+            lst = os.lstat(path)
+        except OSError:
+            break  # a dangling link ends here
+        seen.append(lst)
+    return chain, seen
+
+
+def hop_dirs(path: str) -> list[str]:
+    """The directory of ``path`` and of every hop its links resolve through: a model file that is a link into another
+    directory has the data it reads beside its target."""
+    dirs = [os.path.dirname(path)]
+    try:
+        chain = link_chain(path, os.lstat(path))
+    except OSError:
+        return dirs
+    for text in chain:
+        path = os.path.join(os.path.dirname(path), text)
+        dirs.append(os.path.dirname(path))
+    return list(dict.fromkeys(dirs))
+
+
+# File systems whose files the kernel makes up when read (process and machine state, not a project's data).
+_PSEUDO_FS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs", "bpf", "pstore",
+                        "efivarfs", "fusectl", "binfmt_misc", "mqueue", "nsfs", "selinuxfs", "rpc_pipefs", "devpts"})
+_pseudo_devices: frozenset[int] | None = None
+
+
+def pseudo_devices() -> frozenset[int]:
+    """The device numbers of the mounted kernel file systems (``/proc/self/mountinfo``; none where there is no such file)."""
+    global _pseudo_devices
+    if _pseudo_devices is None:
+        found = set()
+        try:
+            with open("/proc/self/mountinfo", "rb") as f:
+                for line in f:
+                    fields, _, rest = line.partition(b" - ")
+                    parts = fields.split()
+                    if len(parts) > 2 and rest.split(b" ", 1)[0].decode(errors="replace") in _PSEUDO_FS:
+                        major, _, minor = parts[2].partition(b":")
+                        found.add(os.makedev(int(major), int(minor)))
+        except (OSError, ValueError):
+            pass
+        _pseudo_devices = frozenset(found)
+    return _pseudo_devices
+
+
+def is_system(st: os.stat_result) -> bool:
+    """A device node (``/dev/null``, ``/dev/urandom``) or a file of a kernel file system (``/proc``, ``/sys``): known by
+    what it is, not by where, so a project under ``/dev/shm`` is a project like any other."""
+    return stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or st.st_dev in pseudo_devices()
 
 
 def _file_digest(path: str) -> str:
@@ -87,31 +162,74 @@ def _file_digest(path: str) -> str:
         return digest(f.read())
 
 
+def dir_listing(path: str) -> tuple[str, list[str]]:
+    """The digest of a directory's entries (name; kind as ``os.scandir`` shows it without a stat; a link's text),
+    and the paths of its links: each is an input of its own, since what it points at can change without the directory."""
+    found, links = [], []
+    with os.scandir(path) as it:
+        for entry in it:
+            if entry.is_symlink():
+                found.append([entry.name, "link", os.readlink(entry.path)])
+                links.append(entry.path)
+            else:
+                kind = "dir" if entry.is_dir(follow_symlinks=False) else "file" if entry.is_file(follow_symlinks=False) else "other"
+                found.append([entry.name, kind, ""])
+    return digest_json(sorted(found)), sorted(links)
+
+
 def _listing_digest(path: str) -> str:
-    return digest_json(sorted(os.listdir(path)))
+    return dir_listing(path)[0]
 
 
-def path_state(path: str, listing: bool = False, meta: Any = (), hashed: bool = True) -> dict[str, Any]:
-    """What ``path`` is (file with its content digest, directory, missing), with its stat for a later fast check.
-
-    ``meta``: stat fields a caller observed (:func:`stat_meta`), kept to compare exactly. ``hashed``
-    false: a file's digest is left out (None), so only an unchanged stat proves it unchanged.
-    """
+def _stats(path: str, classify: bool = False) -> tuple[os.stat_result, list[str], os.stat_result | None, bool]:
+    """``path``'s lstat, its link chain, the stat of what it resolves to (None: a dangling link), and (``classify``)
+    whether it is a device node or a kernel file (:func:`is_system`), itself or at any hop: ``/proc/self/ns/pid`` ends
+    outside every mount."""
+    lst = os.lstat(path)
+    if not stat.S_ISLNK(lst.st_mode):
+        return lst, [], lst, classify and is_system(lst)  # not a link: one system call, as before links were inputs
+    chain, hops = _hops(path, lst)
+    system = classify and (is_system(lst) or any(is_system(h) for h in hops))
     try:
         st = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
+        return lst, chain, None, system
+    return lst, chain, st, system or (classify and is_system(st))
+
+
+def path_state(path: str, listing: bool = False, meta: Any = (), hashed: bool = True, lmeta: Any = ()) -> dict[str, Any]:
+    """What ``path`` is (file with its content digest, directory, missing; ``system``: a device node or a kernel file,
+    no input), the text of each link it resolves through (``link``), and its stat for a later fast check.
+
+    ``meta``/``lmeta``: stat fields a caller observed through ``os.stat``/``os.lstat`` (:func:`stat_meta`), kept to
+    compare exactly. ``hashed`` false: a file's digest is left out (None), so only an unchanged stat proves it unchanged.
+    """
+    try:
+        lst, chain, st, system = _stats(path, classify=True)
+    except (FileNotFoundError, NotADirectoryError):
         return {"kind": "missing"}
-    if stat.S_ISDIR(st.st_mode):
-        state: dict[str, Any] = {"kind": "dir"}
-        if listing:
-            state["digest"] = _listing_digest(path)
-    elif stat.S_ISREG(st.st_mode):
-        state = {"kind": "file", "digest": _file_digest(path) if hashed else None}
-    else:
-        return {"kind": "other"}
+    if system:
+        return {"kind": "system"}
+    if st is None:
+        return {"kind": "missing", "link": chain}
+    try:
+        if stat.S_ISDIR(st.st_mode):
+            state: dict[str, Any] = {"kind": "dir"}
+            if listing:
+                state["digest"] = _listing_digest(path)
+        elif stat.S_ISREG(st.st_mode):
+            state = {"kind": "file", "digest": _file_digest(path) if hashed else None}
+        else:
+            return {"kind": "other"}
+    except OSError:
+        return {"kind": "other"}  # read by the code, unreadable now: nothing can prove it unchanged
     state["stat"] = stat_key(st)
-    if meta and state["kind"] == "file":  # a directory's mode and mtime are not kept (docs/direct-mode.md, Limits)
+    if chain:
+        state["link"] = chain
+    if meta:
         state["meta"] = stat_meta(st, meta)
+    if lmeta:
+        state["lmeta"] = stat_meta(lst, lmeta)
     return state
 
 
@@ -153,19 +271,25 @@ def same_state(path: str, recorded: dict[str, Any], recorded_ns: int, listing: b
     The stat proves it only when size, mtime, ctime, inode and device are all
     equal and the mtime and ctime were older than the record by more than
     :data:`RACY_NS` (git's racy-clean rule): ctime cannot be set back by a user.
+    A link is checked hop by hop, by its text; that costs a path that is no link nothing (its lstat is its stat).
     """
     try:
-        st = os.stat(path)
+        lst, chain, st, _ = _stats(path)
     except (FileNotFoundError, NotADirectoryError):
-        return recorded.get("kind") == "missing"
+        return recorded.get("kind") == "missing" and not recorded.get("link")
     except OSError:
         return False
+    if chain != recorded.get("link", []):
+        return False
+    if st is None:
+        return recorded.get("kind") == "missing"
     kind = "dir" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else "other"
     if kind != recorded.get("kind") or kind == "other":
         return False
-    meta = recorded.get("meta")
-    if meta is not None and (not isinstance(meta, dict) or stat_meta(st, meta) != meta):
-        return False
+    for name, seen in (("meta", st), ("lmeta", lst)):
+        meta = recorded.get(name)
+        if meta is not None and (not isinstance(meta, dict) or stat_meta(seen, meta) != meta):
+            return False
     if kind == "dir" and not listing:
         return True
     old = recorded.get("stat")
@@ -178,6 +302,22 @@ def same_state(path: str, recorded: dict[str, Any], recorded_ns: int, listing: b
     except OSError:
         return False
     return now == recorded.get("digest")
+
+
+def relinked(path: str, recorded: dict[str, Any]) -> str:
+    """`` (a link to X, was Y)`` when the links ``path`` resolves through differ from the record's, else nothing."""
+    try:
+        now = link_chain(path, os.lstat(path))
+    except OSError:
+        now = []
+    was = recorded.get("link", [])
+    if now == was:
+        return ""
+    return f" ({_said(now)}, was {_said(was) if isinstance(was, list) else 'unreadable'})"
+
+
+def _said(chain: list[str]) -> str:
+    return f"a link to {' -> '.join(map(str, chain))}" if chain else "no link"
 
 
 def entries(directory: str) -> list[str] | None:

@@ -19,19 +19,24 @@ from typing import Any, Callable, ClassVar, Iterator
 
 from .. import sweep
 from ..cache.digests import digest_json
-from ..cache.toolchain import lowercache_digest
+from ..cache.toolchain import lowercache_digest, memo_prefixes
 from ..config import Settings
-from .places import RACY_NS, Places, bytecode_matches, entries, named, path_state, size, stdlib_dirs, work_tree
+from . import backstop
+from .places import (RACY_NS, STAT_FIELDS, Places, bytecode_matches, dir_listing, entries, is_system, named, path_state, size,
+                     stdlib_dirs, work_tree)
 from .trust import env_digest
 
-_SYSTEM_DIRS = ("/proc/", "/sys/", "/dev/")
 _PYCACHE = os.sep + "__pycache__" + os.sep
 # lowercache's own package: the rooms whose code the toolchain identity covers are not a record's inputs.
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# What a stat shows besides kind and content, by what the caller observed: ``os.access`` the mode bits and owner,
-# ``os.stat``/``os.path.getmtime`` also the mtime. Kept only for paths a caller observed so (``Recorder.looked_at``).
-_META = {"mode": ("mode", "uid", "gid"), "meta": ("mode", "uid", "gid", "mtime_ns")}
+# What a stat shows besides kind, content and links, by what the caller observed (``Recorder.looked_at``): which
+# result (``meta``: the stat through links, ``lmeta``: the link's own) and which of its fields. ``os.stat``,
+# ``os.lstat``, ``os.fstat`` and a listed entry's ``stat()`` hand the caller the whole result (but the access time,
+# which reading moves); ``os.access`` and the standard library's one-field helpers show less.
+_META = {"mode": ("meta", ("mode", "uid", "gid")), "size": ("meta", ("size",)), "mtime": ("meta", ("mtime_ns",)),
+         "ctime": ("meta", ("ctime_ns",)), "ident": ("meta", ("dev", "ino")), "stat": ("meta", STAT_FIELDS),
+         "lstat": ("lmeta", STAT_FIELDS)}
 
 
 # Audit events after which no record can say what the factory read. Network use on a remote tier's
@@ -171,7 +176,11 @@ class Recorder:
         self.places = Places(root)
         self.covered = tuple(d + os.sep for d in (*stdlib_dirs(), *self.places.anchors.values()) if d != self.places.anchors["root"])
         self.covered += tuple(os.path.join(_PACKAGE, room) + os.sep for room in ("cache", "lowering", "speedups"))
-        self.paused = True
+        self.covered += memo_prefixes()
+        self._paused = True
+        self.below: backstop.Backstop | None = None  # the tracer below Python (``watch_below``)
+        self.below_why = "was not watched below Python"
+        self.below_counts: dict[str, int] = {}  # what the backstop served (``manifest.json``'s ``backstop``)
         self.paths: set[str] = set()
         self.listings: set[str] = set()
         self.lookups: set[str] = set()
@@ -179,6 +188,7 @@ class Recorder:
         self.env_listed = False
         self.unrecordable: list[str] = []
         self.written: set[str] = set()
+        self.remade_dirs: set[str] = set()  # ``os.mkdir`` of a directory there already (``remade``)
         self._looked: set[str] = set()  # paths ``looked_at`` already took: linecache stats each file again and again
         import tempfile
 
@@ -186,15 +196,39 @@ class Recorder:
         self.syspath = [self.places.ref(os.path.abspath(p or ".")) for p in sys.path]
         self.started_ns = time.time_ns()
         self._threads = set(threading.enumerate())
-        self.meta: dict[str, set[str]] = {}  # path -> stat fields a caller observed (``looked_at``)
+        self.meta: dict[str, dict[str, set[str]]] = {}  # path -> ``meta``/``lmeta`` -> stat fields a caller observed
+        self.scanned: set[str] = set()  # directories the user's code itself called ``os.scandir`` on: entries' stat() is its
         self.located: list[str] = []  # how the code observed where the project is (``observed_location``)
         self.package = _PACKAGE + os.sep
         self.bytecode: dict[str, str] = {}  # source -> the .pyc that ran for it (``ran_bytecode``)
         self.initial_env = dict(initial_environ())
         self.stdlib = tuple(d + os.sep for d in stdlib_dirs())
 
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        if self.below is not None and value != self._paused:
+            self.below.off() if value else self.below.on()
+        self._paused = value
+
+    def watch_below(self) -> None:
+        """Attach the backstop below Python (``backstop.py``) before the recorded code runs; where the platform does
+        not allow one, the record will be untrusted, naming why."""
+        started = backstop.start()
+        if isinstance(started, str):
+            self.below_why = f"could not be watched below Python ({started})"
+            return
+        self.below = started
+        if not self._paused:
+            started.on()
+
     def _user(self, path: str) -> bool:
-        return not path.startswith(self.covered) and not path.startswith(_SYSTEM_DIRS) and "__pycache__" not in path
+        """Not the toolchain's (the installed-code directories its identity covers) nor bytecode. Device nodes and kernel
+        files are known by what they are when recorded (``places.is_system``), not here by where they are."""
+        return not path.startswith(self.covered) and "__pycache__" not in path
 
     def refuse(self, why: str) -> None:
         if why not in self.unrecordable:
@@ -220,7 +254,7 @@ class Recorder:
             elif path.endswith(".pyc") and _PYCACHE in path and not path.startswith(self.covered):
                 self.ran_bytecode(path)
         elif event in ("os.listdir", "os.scandir"):
-            self.listed(args, sys._getframe(2))  # frames: event, _audit, the caller of os.listdir
+            self.listed(args, sys._getframe(2), event == "os.scandir")  # frames: event, _audit, the caller of os.listdir
         elif event == "import":
             self.lookups.add(args[0])
         elif event in _UNRECORDABLE:
@@ -229,6 +263,7 @@ class Recorder:
         elif event in _WRITES:
             remade = _abspath(args[0]) if event == "os.mkdir" and args[2] == -1 else None
             if remade is not None and os.path.isdir(remade):
+                self.remade_dirs.add(remade)
                 self.remade(remade)
                 return
             for path in [_abspath(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]:
@@ -241,15 +276,16 @@ class Recorder:
                 self.paths.add(path)
 
     def opened_fd(self, fd: int) -> None:
-        """``open(fd)``: importlib writes bytecode so (``_write_atomic``: ``os.open``, then ``FileIO(fd)``), a scratch write.
+        """``open(fd)``: importlib writes bytecode so (``_write_atomic``: ``os.open``, then ``FileIO(fd)``), a scratch write,
+        and lowercache its toolchain memos (``mkstemp``, then ``fdopen``).
 
         Any other descriptor (a pipe, a socket, a file of the user's) says nothing of what it reads: refused.
         """
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            target = _readlink(f"/proc/self/fd/{fd}")
         except OSError:
             target = ""
-        if os.path.isabs(target) and _PYCACHE in target:
+        if os.path.isabs(target) and (_PYCACHE in target or target.startswith(memo_prefixes())):
             self.wrote(target)
         else:
             self.refuse("opened a file descriptor")
@@ -267,8 +303,8 @@ class Recorder:
             self.paths.add(source)
             self.bytecode[source] = pyc
 
-    def listed(self, args: tuple[Any, ...], caller: Any) -> None:
-        """A directory listing made from frame ``caller``."""
+    def listed(self, args: tuple[Any, ...], caller: Any, scanned: bool = False) -> None:
+        """A directory listing made from frame ``caller`` (``scanned``: by ``os.scandir``)."""
         if caller.f_code.co_filename.startswith("<frozen importlib") or not self.by_user(caller):
             return  # the import system's scans (module lookups are recorded by name), installed libraries' own
         path = _abspath(args[0] if args and args[0] is not None else ".")
@@ -276,6 +312,8 @@ class Recorder:
             self.refuse("listed a directory by descriptor")
         elif self._user(path):
             self.listings.add(path)
+            if scanned and not caller.f_code.co_filename.startswith(("<frozen", *self.stdlib)):
+                self.scanned.add(path)  # the user's own code holds the entries: each one's stat() is there to read
 
     def remade(self, path: str) -> None:
         """``os.mkdir`` of a directory there already fails (EEXIST) and changes nothing: ``os.makedirs(exist_ok=True)``,
@@ -284,7 +322,7 @@ class Recorder:
     def wrote(self, path: str) -> None:
         """A file the window changed is no input; outside scratch space (temporary files, bytecode) it is a side effect a hit would skip."""
         self.written.add(path)
-        scratch = path.startswith(self.scratch) or "__pycache__" in path or path == os.devnull
+        scratch = path.startswith((*self.scratch, *memo_prefixes())) or "__pycache__" in path or path == os.devnull
         if not scratch:
             self.refuse(f"wrote {path}")
 
@@ -299,7 +337,8 @@ class Recorder:
         if found is not None and self._user(found):
             self.paths.add(found)
             if how != "kind":
-                self.meta.setdefault(found, set()).update(_META[how])
+                which, fields = _META[how]
+                self.meta.setdefault(found, {}).setdefault(which, set()).update(fields)
 
     def observed_location(self, how: str, frame: Any) -> None:
         """The code at ``frame`` learnt where the project is (``os.getcwd()``; ``how`` says how), unless it is
@@ -376,26 +415,56 @@ class Recorder:
             if not bytecode_matches(source, pyc):
                 self.refuse(f"ran bytecode that may be older than {source} (saved twice in one second)")
         root = self.places.anchors["root"]
+        listings = []
+        for path in sorted(self.listings):
+            state = path_state(path, listing=True)
+            if state["kind"] == "system":
+                continue  # a kernel file system's directory (``/proc/self/fd``): the machine's, not an input
+            listings.append([self.places.ref(path), state])
+            if state["kind"] == "dir":
+                files.update(self._listed_links(path))
+        for name, base in self.places.anchors.items():
+            if name != "root" and os.path.isdir(base):
+                listings.append([[name, "."], path_state(base, listing=True)])
+        for directory in sorted(self.scanned):
+            for name in entries(directory) or []:
+                entry = os.path.join(directory, name)
+                if not self._user(entry):
+                    continue
+                files.add(entry)
+                for how in ("stat", "lstat"):
+                    which, fields = _META[how]
+                    self.meta.setdefault(entry, {}).setdefault(which, set()).update(fields)
         swept, why = sweep.sweep(root, self.beside(), self.unswept(), self._user)
         if why is not None:
             self.refuse(why)
+        native, native_listings = self.below_python(files | set(swept) | self.listings)
+        for path in sorted(native_listings - self.listings):
+            state = path_state(path, listing=True)
+            if state["kind"] != "system":
+                listings.append([self.places.ref(path), state])
+                if state["kind"] == "dir":
+                    native.update(self._listed_links(path))
+        for path in native - files:  # seen only below Python: native code may observe every stat field of a file
+            if not os.path.isdir(path):  # a directory by its kind (its listing when listed): its times move with any entry
+                self.meta[path] = {"meta": set(STAT_FIELDS), "lmeta": set(STAT_FIELDS)}
+        files |= native
         hashed = 0
         states = []
         for path in sorted(files | (set(swept) - self.written)):
             if path in files:
-                state = path_state(path, meta=self.meta.get(path, ()))
+                meta = self.meta.get(path, {})
+                state = path_state(path, meta=meta.get("meta", ()), lmeta=meta.get("lmeta", ()))
             else:  # swept: hashed while the total stays small, else proven unchanged by its stat only
                 hashed += size(path)
                 state = path_state(path, hashed=hashed <= sweep.HASH_BYTES)
+            if state["kind"] == "system":
+                continue  # a device node or a kernel file (``/dev/null``, ``/proc/cpuinfo``): the machine's, not an input
             if state["kind"] == "other":
                 self.refuse(f"read {path}, which is not a regular file")
             elif state["kind"] == "file" and max(state["stat"][1:3]) >= self.started_ns - RACY_NS // 40:
                 self.refuse(f"read {path} while it was changing")
             states.append([self.places.ref(path), state])
-        listings = [[self.places.ref(p), path_state(p, listing=True)] for p in sorted(self.listings)]
-        for name, base in self.places.anchors.items():
-            if name != "root" and os.path.isdir(base):
-                listings.append([[name, "."], path_state(base, listing=True)])
         env = dict(self.env)
         if self.env_listed:
             env.update({name: env_digest(value) for name, value in self.initial_env.items()})
@@ -409,17 +478,113 @@ class Recorder:
             "location": self.location(root, files),
         }
 
+    def below_python(self, known: set[str]) -> tuple[set[str], set[str]]:
+        """What the backstop saw that nothing else covers: the files and the directories listed to add to the record.
+
+        Not inputs: what the record already holds (``known``), installed code
+        (the standard library, site-packages, the interpreter's prefix and
+        lowercache: covered by the identity), lowercache's own cache, scratch
+        written in the window (temporary files, bytecode), the import system's
+        listings of the search path, device nodes and kernel file systems (by
+        what they are, ``places.is_system``). A write, a process, a change of
+        directory or a call no path describes is refused, as the audit hook
+        refuses them. Without a backstop (none could attach) the record is
+        untrusted, and says why.
+        """
+        files: set[str] = set()
+        listed: set[str] = set()
+        if self.below is None:
+            self.refuse(self.below_why)
+            return files, listed
+        report, self.below = self.below.report(), None
+        if report is None:
+            self.refuse("could not be watched below Python (the tracer stopped)")
+            return files, listed
+        exempt = _exempt_processes()
+        for why in report.get("odd", []):
+            self.refuse(why)
+        if any(pid not in exempt for pid in report.get("processes", [])):
+            self.refuse("ran a process")
+        search = _search_dirs()
+        installed = self._installed()
+        for path, hows in sorted(report.get("seen", {}).items()):
+            own = set()
+            for how in hows:
+                owner, _, what = how.rpartition(":")
+                if not owner:
+                    own.add(what)
+                elif int(owner) not in exempt:
+                    self.refuse("ran a process")
+            if not own or path.startswith(self.own_dirs()) or path + os.sep in self.own_dirs():
+                continue
+            if "mkdir" in own and path in self.remade_dirs:
+                own.discard("mkdir")  # heard by the audit hook too, as a directory that was there (``remade``)
+                if not own:
+                    continue
+            if own & {"write", "mkdir"}:
+                self.wrote(path)
+                if own - {"write", "mkdir"}:
+                    self.read_written(path)
+                continue
+            if "exec" in own:
+                self.refuse("ran a process")
+            if "cwd" in own:
+                self.refuse("changed the working directory")
+            if path in self.written:
+                self.read_written(path)
+                continue
+            if path in known or _PYCACHE in path or path.startswith(installed) or path + os.sep in installed:
+                continue
+            try:
+                st = os.lstat(path)
+            except OSError:
+                st = None
+            if st is not None and is_system(st):
+                continue
+            if path in search and own <= {"list", "look", "dir"}:
+                continue  # the import system's scan of a search directory: its lookups are recorded by name
+            if "list" in own:
+                listed.add(path)
+            if own - {"list", "dir"} or "list" not in own:
+                files.add(path)
+        stops = report.get("stops") or [0, 0]
+        self.below_counts = {"calls": stops[0], "recorded": stops[1], "paths": len(report.get("seen", {})),
+                             "added": len(files | listed)}
+        return files, listed
+
+    def read_written(self, path: str) -> None:
+        """Native code read a file the window wrote: scratch, unless a kind of record keeps it as an output."""
+
+    def own_dirs(self) -> tuple[str, ...]:
+        """Where lowercache itself reads and writes while the window runs: its cache and its toolchain memos."""
+        return (os.path.join(os.path.abspath(str(self.settings.cache_dir)), ""), *memo_prefixes())
+
+    def _installed(self) -> tuple[str, ...]:
+        """Installed code, covered by the identity: the interpreter's prefixes, the standard library, site-packages, lowercache."""
+        dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *stdlib_dirs(), _PACKAGE,
+                *(base for name, base in self.places.anchors.items() if name != "root")}
+        return tuple(os.path.join(os.path.normpath(d), "") for d in dirs)
+
     def beside(self) -> list[str]:
         """Directories whose every file native code may read (the code's own data); none unless a kind of record says."""
         return []
+
+    def _listed_links(self, directory: str) -> list[str]:
+        """The links in a listed directory: what each points at can change while the directory stays as it was."""
+        try:
+            return [link for link in dir_listing(directory)[1] if self._user(link)]
+        except OSError:
+            return []
 
     def unswept(self) -> list[str]:
         """Directories the sweep leaves out: the cache (lowercache writes it)."""
         return [str(self.settings.cache_dir)]
 
     def location(self, root: str, files: set[str]) -> dict[str, Any]:
-        """Where the record was made, and whether it may answer elsewhere (``portable``): only in a git work
-        tree, and only when no code it ran can have seen its directory (see ``sweep.LOCATION_NAMES``)."""
+        """Where the record was made, and ``why`` its code may depend on that place (a name it uses, see
+        ``sweep.LOCATION_NAMES``; a root that is no git work tree). That is said by ``explain``, and an opt-in
+        (``portable_records``) vouches only for code without one; whether the record answers in another directory
+        is settled when it is confirmed (``trust.verdict``, ``trust.elsewhere``), not by these names."""
         why = "" if work_tree(root) == root else "the working directory is not in a git work tree"
         for path in sorted(files):
             if why or self.located:
@@ -433,7 +598,7 @@ class Recorder:
                 if found is not None:
                     why = f"{os.path.relpath(path, root)} names {found.group().decode()}"
         why = why or (self.located[0] if self.located else "")
-        return {"root": root, "portable": not why, "why": why}
+        return {"root": root, "roots": [root], "bound": False, "portable": False, "why": why}
 
     def _lookups(self) -> list[list[Any]]:
         """For each module name looked up: what the user's search directories hold under that name (a new file may shadow it)."""
@@ -453,6 +618,23 @@ class Recorder:
                     listings[d] = entries(d)
                 found.append([self.places.ref(os.path.abspath(d)), last, named(listings[d], last)])
         return found
+
+
+def _exempt_processes() -> set[int]:
+    """Processes lowercache itself started while recording: ``lowercache run``'s runner (``run/ahead.py``)."""
+    runner = getattr(sys.modules.get("lowercache.run.ahead"), "runner_pid", None)
+    found = runner() if callable(runner) else None
+    return {found} if isinstance(found, int) else set()
+
+
+def _search_dirs() -> set[str]:
+    """The directories the import system lists: the module search path and every imported package's own path."""
+    dirs = {os.path.abspath(p or ".") for p in sys.path if isinstance(p, str)}
+    for module in list(sys.modules.values()):
+        found = getattr(module, "__path__", None)
+        if isinstance(found, (list, tuple)) or type(found).__name__ == "_NamespacePath":  # torch's ops namespaces fake one
+            dirs.update(os.path.abspath(d) for d in found if isinstance(d, str))
+    return dirs
 
 
 # Where a listing of the environment reads every value: ItemsView/ValuesView.__iter__, _Environ.copy.
@@ -507,12 +689,14 @@ def _install() -> None:
     def wrap(fn: Callable[..., Any], how: str) -> Callable[..., Any]:
         def watched(path: Any, *args: Any, **kwargs: Any) -> Any:
             if (recorder := _current()) is not None:
-                recorder.looked_at(path, _observed(sys._getframe(1), how))
+                seen = "lstat" if how == "stat" and not kwargs.get("follow_symlinks", True) else how
+                recorder.looked_at(_named(path, kwargs.get("dir_fd")), _observed(sys._getframe(1), seen))
             return fn(path, *args, **kwargs)
 
         return watched
 
-    for name, how in (("stat", "meta"), ("lstat", "meta"), ("access", "mode")):
+    # ``os.readlink`` shows a link's text, as ``os.path.realpath`` does through ``os.lstat``: the path's state keeps it.
+    for name, how in (("stat", "stat"), ("lstat", "lstat"), ("fstat", "stat"), ("access", "mode"), ("readlink", "kind")):
         setattr(os, name, wrap(getattr(os, name), how))
 
     def located(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -527,17 +711,48 @@ def _install() -> None:
     _watch_posix_environ()
 
 
-# Callers of ``os.stat`` that observe only what a path is (missing, file, directory), not its mode or mtime;
-# linecache's checks only decide whether to read a source again.
+def _named(path: Any, dir_fd: Any = None) -> Any:
+    """The path a stat-family call names: a descriptor's file (``os.fstat``, ``os.stat(fd)``), a path relative to ``dir_fd``."""
+    if isinstance(path, int):
+        return _fd_path(path)
+    if dir_fd is None:
+        return path
+    try:
+        text = os.fsdecode(os.fspath(path))
+    except TypeError:
+        return None
+    base = _fd_path(dir_fd) if isinstance(dir_fd, int) and not os.path.isabs(text) else None
+    return text if os.path.isabs(text) else os.path.join(base, text) if base is not None else None
+
+
+def _fd_path(fd: int) -> str | None:
+    """The file a descriptor is open on, None when it is no file's (a pipe, a socket) or the system cannot say."""
+    try:
+        target = _readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return target if os.path.isabs(target) else None
+
+
+_readlink = os.readlink  # before it is watched: lowercache's own look at a descriptor is no read of the code's
+
+# Callers of ``os.stat`` in the standard library by what they observe: only what a path is (missing, file, directory,
+# link; the link's text is kept for every path), or one field. linecache's checks and importlib.metadata's
+# ``FastPath.mtime`` only decide whether to read a source or a search-path directory again (what they read is recorded).
 _KIND_ONLY = frozenset({"exists", "lexists", "isfile", "isdir", "islink", "is_file", "is_dir", "is_symlink", "realpath",
-                        "checkcache", "updatecache"})
+                        "resolve", "getatime", "checkcache", "updatecache", "mtime"})
+_ONE_FIELD = {"getsize": "size", "getmtime": "mtime", "getctime": "ctime", "samefile": "ident", "sameopenfile": "ident"}
 
 
 def _observed(frame: Any, how: str) -> str:
-    """``kind`` when the standard-library function calling ``os.stat`` (or its caller) only tests what a path is, else ``how``."""
+    """``kind`` (or the one field it reads) when the standard-library function calling ``os.stat`` (or its caller) only
+    tests what a path is, else ``how``."""
     while frame is not None and frame.f_code.co_filename.startswith(("<frozen", *_stdlib_prefixes())):
-        if frame.f_code.co_name in _KIND_ONLY:
+        name = frame.f_code.co_name
+        if name in _KIND_ONLY:
             return "kind"
+        if name in _ONE_FIELD and how in ("stat", "lstat"):
+            return _ONE_FIELD[name]
         frame = frame.f_back
     return how
 

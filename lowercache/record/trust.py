@@ -20,7 +20,7 @@ from .. import startup
 from ..cache.digests import digest, digest_json
 from ..cache.toolchain import toolchain_parts
 from ..config import Settings
-from .places import Places, entries, named, same_state
+from .places import Places, entries, named, relinked, same_state
 
 # Variables native code reads at start-up (threads, CPU kernels, hash seed): recorded for every factory.
 NATIVE_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "ATEN_CPU_CAPABILITY", "PYTHONHASHSEED")
@@ -74,9 +74,6 @@ def inputs_changed(inputs: dict[str, Any], places: Places, recorded_ns: int, cwd
 
     Shared by ``lower``'s records and ``lowercache run``'s command records (``run/replay.py``).
     """
-    location = inputs["location"]
-    if location["root"] != places.anchors["root"] and not location["portable"]:
-        return f"the project is in another directory than the record's ({location['root']}), and {location['why']}"
     for name, value in inputs["env"].items():
         if name == "<listed>":
             if value != digest_json(sorted(environ)):
@@ -86,7 +83,7 @@ def inputs_changed(inputs: dict[str, Any], places: Places, recorded_ns: int, cwd
     for ref, state in inputs["files"]:
         path = places.path(ref)
         if not same_state(path, state, recorded_ns):
-            return f"{os.path.relpath(path, cwd) if ref[0] == 'root' else path} changed"
+            return f"{os.path.relpath(path, cwd) if ref[0] == 'root' else path} changed{relinked(path, state)}"
     for ref, state in inputs["listings"]:
         if not same_state(places.path(ref), state, recorded_ns, listing=True):
             return f"directory {places.path(ref)} changed"
@@ -94,6 +91,35 @@ def inputs_changed(inputs: dict[str, Any], places: Places, recorded_ns: int, cwd
         if named(entries(places.path(ref)), name) != found:
             return f"what module {name} resolves to changed"
     return None
+
+
+def roots(location: dict[str, Any]) -> list[str]:
+    """The project roots where the record's inputs gave its result (the one it was made in, when it says no more)."""
+    found = location.get("roots")
+    if isinstance(found, list) and all(isinstance(r, str) for r in found):
+        return sorted({location["root"], *found})
+    return [location["root"]]
+
+
+def elsewhere(location: dict[str, Any], root: str, opted_in: bool, words: "Words") -> str | None:
+    """Why a record made at ``location`` cannot answer in project ``root``, or None when it can.
+
+    In the directory it was made in (or confirmed in), always. Elsewhere only once the same inputs gave the same
+    result from a second directory, since no list of names covers every way code learns where it is
+    (``find_spec(__name__).origin``, ``inspect.getfile``, a traceback); or when the user vouches for it
+    (``portable_records``) and no source of the user's names its place. Never once the same inputs gave another
+    result in another directory.
+    """
+    made = roots(location)
+    if root in made:
+        return None
+    head = f"the project is in another directory than the record's ({location['root']}), and"
+    if location.get("bound"):
+        return f"{head} the same inputs {words.elsewhere}"
+    if len(made) >= 2 or (opted_in and not location["why"]):
+        return None
+    because = f" ({location['why']})" if location["why"] else ""
+    return f"{head} the record is confirmed in no second directory yet{because}"
 
 
 def check_inputs(inputs: Any) -> None:
@@ -120,6 +146,7 @@ class Words:
     same: str  # "gives the same flow key"
     gave_same: str  # "gave the same flow key"
     differed: str  # why identical inputs that gave another result are untrusted for good
+    elsewhere: str  # "lowered differently in another directory": the result depends on where the project is
 
 
 @dataclass(frozen=True)
@@ -129,16 +156,22 @@ class Verdict:
     status: str
     reason: str
     for_good: bool = False
+    roots: tuple[str, ...] = ()  # the project roots where these inputs gave this result (none: the record's own)
+    bound: bool = False  # the same inputs gave another result in another directory
 
     def stamp(self, record: dict[str, Any]) -> None:
-        """Write the verdict into the record about to be stored."""
+        """Write the verdict into the record about to be stored, and where it may answer (:func:`elsewhere`)."""
         record["status"], record["reason"] = self.status, self.reason
         if self.for_good:
             record["for_good"] = True
+        location = record["inputs"]["location"]
+        location["roots"] = sorted({location["root"], *self.roots})
+        location["bound"] = self.bound
+        location["portable"] = len(location["roots"]) >= 2 and not self.bound
 
 
 def verdict(previous: dict[str, Any] | None, changed: Callable[[dict[str, Any]], str | None], refused: list[str],
-            same_result: Callable[[dict[str, Any]], bool], words: Words) -> Verdict:
+            same_result: Callable[[dict[str, Any]], bool], words: Words, root: str) -> Verdict:
     """The one confirm rule, for every kind of record: a record is used only once a re-run with the same inputs gave the same result.
 
     ``previous``: the record this run replaces, if any; ``changed(previous)``:
@@ -147,6 +180,9 @@ def verdict(previous: dict[str, Any] | None, changed: Callable[[dict[str, Any]],
     the first time, still confirms), or None; a malformed previous record
     raises and confirms nothing. ``refused``: what this run did that no record
     can capture. ``same_result(previous)``: whether it produced what this run did.
+    ``root``: this run's project root. A previous record made in another directory
+    confirms as well (its inputs compared relative to the root), and then the record
+    answers in any directory; another result there binds the record to its place.
     """
     if previous is not None and previous.get("status") == "untrusted" and previous.get("for_good"):
         return Verdict("untrusted", str(previous.get("reason", "untrusted")), for_good=True)
@@ -161,9 +197,17 @@ def verdict(previous: dict[str, Any] | None, changed: Callable[[dict[str, Any]],
     if previous is None or previous.get("status") == "untrusted" or since is not None:
         note = f" ({since} since the previous record)" if since else ""
         return Verdict("unconfirmed", f"recorded{note}; used once a re-run with the same inputs {words.same}")
+    assert previous is not None
+    was = previous["inputs"]["location"]
+    moved = root not in roots(was)
     if not same_result(previous):
+        if moved:
+            return Verdict("unconfirmed", f"recorded; the same inputs {words.elsewhere} ({was['root']}), so it answers only "
+                                          f"where it was made, once a re-run there {words.same}", bound=True)
         return Verdict("untrusted", words.differed, for_good=True)
-    return Verdict("confirmed", f"a re-run with the same inputs {words.gave_same}")
+    there = f", in another directory ({was['root']}) too" if moved else ""
+    return Verdict("confirmed", f"a re-run with the same inputs {words.gave_same}{there}", roots=tuple(roots(was)),
+                   bound=bool(was.get("bound")))
 
 
 def put_status(store: Any, name: str, outcome: str, reason: str) -> None:
@@ -183,5 +227,5 @@ def status_lines(store: Any, name: Callable[[str], str], prefix: str = "") -> li
 
 
 # What no record sees, said by ``explain`` (docs/direct-mode.md, Limits).
-UNSEEN = ("cannot see: files native code reads outside the project tree, or inside it away from the model with a suffix "
-          "the sweep does not know; variables C code reads itself; a directory's mode or mtime")
+UNSEEN = ("cannot see: what another process reads for the code, a file read through a descriptor opened before the "
+          "recording began; the stat of an entry only a library listed; access times")

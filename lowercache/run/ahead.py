@@ -89,6 +89,11 @@ def unrecorded() -> bool:
     return getattr(_forking, "on", False) or bool(_state.get("ahead"))
 
 
+def runner_pid() -> int | None:
+    """The runner this process forked, if any: lowercache's, not the script's (the backstop below Python sees it)."""
+    return _state.get("runner")
+
+
 def running_ahead() -> bool:
     """Whether this process is a runner."""
     return bool(_state.get("ahead"))
@@ -391,6 +396,7 @@ def fork(session: Any) -> bool:
         os.set_blocking(write_fd, False)  # a full pipe ends the runner (_say) rather than blocking it
         _become_runner(session, write_fd, scratch, parent)
         return True
+    _state["runner"] = pid
     os.close(write_fd)
     os.set_blocking(read_fd, False)
     runner = Runner(pid=pid, fd=read_fd, scratch=scratch)

@@ -43,7 +43,7 @@ import types
 import weakref
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from .. import startup
 
@@ -81,7 +81,7 @@ def parse(argv: list[str]) -> Invocation | None:
     return None
 
 
-def why_not(invocation: Invocation, cwd: str, env: dict[str, str], start_env: dict[str, str], read: Iterable[str],
+def why_not(invocation: Invocation, cwd: str, env: dict[str, str], start_env: dict[str, str],
             imported: dict[str, list[str]]) -> str | None:
     """Why a child of the server cannot stand in for a new ``python`` process here, or None when it can.
 
@@ -97,7 +97,7 @@ def why_not(invocation: Invocation, cwd: str, env: dict[str, str], start_env: di
             return f"{invocation.script} is a zip archive"
     pythonpath = startup.without_dir(env.get("PYTHONPATH"), startup.HOOK_DIR)
     search = [invocation.main_dir(cwd), *(pythonpath.split(os.pathsep) if pythonpath else [])]
-    return startup.why_not(env, start_env, read, search, cwd, imported)
+    return startup.why_not(env, start_env, search, cwd, imported)
 
 
 def streams(unbuffered: bool) -> None:
@@ -118,7 +118,7 @@ def streams(unbuffered: bool) -> None:
     sys.stderr = sys.__stderr__ = text(2, "wb", sys.__stderr__ or sys.stderr, not unbuffered, True)
 
 
-def _reseed() -> None:
+def reseed() -> None:
     """Random generators seeded from the OS, as a new process seeds them (torch's, Python's, NumPy's); forked, they are the server's."""
     random.seed()
     numpy = sys.modules.get("numpy")
@@ -194,7 +194,7 @@ def run(invocation: Invocation, argv: list[str], executable: str, base_path: lis
     main = types.ModuleType("__main__")
     main.__dict__.update(__builtins__=builtins, __package__=None, __spec__=None)
     sys.modules["__main__"] = main
-    _reseed()
+    reseed()
     before = set(sys.modules)
     _servers_finalizers_off()
     code, interrupted = 0, False

@@ -37,12 +37,14 @@ from typing import Any, Callable
 
 from ..cache.digests import digest, digest_json
 from ..cache.store import Entry
+from ..cache.toolchain import memo_prefixes
 from ..client import exec_through_server
 from ..config import Settings, load_settings
 from ..errors import LowercacheError
-from ..record.places import Places, path_state, project_root
+from ..record.places import Places, hop_dirs, path_state, project_root
 from ..record.recorder import Recorder, listen, opens_to_write
-from ..record.trust import UNSEEN, Words, check_inputs, identity, identity_changed, inputs_changed, put_status, status_lines, verdict
+from ..record.trust import (UNSEEN, Words, check_inputs, elsewhere, identity, identity_changed, inputs_changed, put_status, status_lines,
+                            verdict)
 from . import pyexec
 
 KIND = "run"
@@ -58,6 +60,7 @@ WORDS = Words(
     who="the command",
     same="writes the same files",
     gave_same="wrote the same files",
+    elsewhere="wrote different files in another directory",
     differed="identical inputs wrote different files: the command reads something no record can see, "
              "such as the time or an unseeded random generator",
 )
@@ -122,7 +125,7 @@ class CommandRecorder(Recorder):
             return  # shutil.rmtree's walk, by names relative to directory descriptors: its own event names the tree
         if event in ("os.listdir", "os.scandir"):
             if caller is not None:
-                self.listed(args, caller)
+                self.listed(args, caller, event == "os.scandir")
             else:
                 self.refuse("listed a directory outside any Python frame")
             return
@@ -131,12 +134,19 @@ class CommandRecorder(Recorder):
         super().event(event, args)
 
     def beside(self) -> list[str]:
-        """The script's directory: data files beside it are what native code most likely reads."""
+        """The script's directory (and its link's target's): data files beside it are what native code most likely reads."""
         script = getattr(sys.modules.get("__main__"), "__file__", None)
-        return [os.path.dirname(os.path.abspath(script))] if isinstance(script, str) else []
+        return hop_dirs(os.path.abspath(script)) if isinstance(script, str) else []
 
     def unswept(self) -> list[str]:
         return [self.cache]
+
+    def own_dirs(self) -> tuple[str, ...]:
+        return (self.cache, *memo_prefixes())
+
+    def read_written(self, path: str) -> None:
+        if path in self.outputs and os.path.isfile(path):
+            self.refuse(f"read {path}, which it also wrote")
 
     def remade(self, path: str) -> None:
         if (path + os.sep).startswith(self.allowed):
@@ -144,7 +154,7 @@ class CommandRecorder(Recorder):
 
     def wrote(self, path: str) -> None:
         self.written.add(path)
-        if "__pycache__" in path or path == os.devnull or (path + os.sep).startswith(self.cache):
+        if "__pycache__" in path or path == os.devnull or (path + os.sep).startswith(self.cache) or path.startswith(memo_prefixes()):
             return
         if (path + os.sep).startswith(self.allowed):
             self.outputs.add(path)
@@ -218,6 +228,7 @@ def record_in_process(at_exit: bool = True, warm: dict[str, Any] | None = None) 
 
     if site.ENABLE_USER_SITE:
         recorder.looked_at(site.getusersitepackages())
+    recorder.watch_below()
     listen(recorder)
     if sys.stdin is not None:
         sys.stdin = _WatchedStdin(sys.stdin, recorder)
@@ -292,7 +303,8 @@ def _why_not(entry: Entry, command: Command, settings: Settings, env: dict[str, 
     if why is not None:
         return why
     places = Places(command.root)
-    why = inputs_changed(record["inputs"], places, record["recorded_ns"], command.cwd, env)
+    why = elsewhere(record["inputs"]["location"], command.root, settings.portable_records, WORDS) or inputs_changed(
+        record["inputs"], places, record["recorded_ns"], command.cwd, env)
     if why is not None:
         return why
     for out in record["outputs"]:
@@ -582,7 +594,8 @@ def _store(store: Any, command: Command, settings: Settings, env: dict[str, str]
         return identity_changed(previous.get("identity"), record["identity"]) or inputs_changed(
             previous["inputs"], Places(command.root), previous["recorded_ns"], command.cwd, env)
 
-    verdict(old.meta if old is not None else None, changed, [], lambda previous: _written(previous) == _written(record), WORDS).stamp(record)
+    verdict(old.meta if old is not None else None, changed, [], lambda previous: _written(previous) == _written(record), WORDS,
+            command.root).stamp(record)
     store.put(KIND, command.key(), Entry(meta=record, blobs=blobs, cost=cost))
     store.add_counts({KIND: {"miss": 1}})
     _set_status(store, command, "record", record["status"], record["reason"])

@@ -5,6 +5,7 @@ Why it is exact, and figures: docs/speedups.md#decompositions.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 import sys
@@ -689,10 +690,11 @@ def _copied(program: torch.export.ExportedProgram) -> torch.export.ExportedProgr
 
 
 def _called_by_edge_generation(frame: Any) -> bool:
-    """Only ExecuTorch's own call site drops the old program; a user's script may keep it."""
+    """Only ExecuTorch's own call site drops the old program; a user's script may keep it (a wrapper, ``rebind``'s,
+    names the function it wraps in ``__wrapped__``)."""
     from executorch.exir.program import _program
 
-    return frame is not None and frame.f_code is _program._gen_edge_manager_for_partitioners.__code__
+    return frame is not None and frame.f_code is inspect.unwrap(_program._gen_edge_manager_for_partitioners).__code__
 
 
 def _run_decompositions(self: torch.export.ExportedProgram, decomp_table: Any = None, *args: Any, **kwargs: Any):

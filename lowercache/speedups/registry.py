@@ -11,7 +11,7 @@ their own as well (a pass's gate, a call site).
 ``LOWERCACHE_SPEEDUPS``: ``all`` (default), ``none``, a list of names
 (``retrace,fastcopy``), or ``all`` minus some (``all,-fastcopy``). ``all``
 means every speed-up but the opt-in ones (``OPT_IN``), which are on only
-when named (``all,regions``).
+when named (``all,regions``, ``all,rebind``).
 """
 
 from __future__ import annotations
@@ -192,6 +192,19 @@ SPEEDUPS: tuple[Speedup, ...] = (
         "tests/flow/test_region_splice.py",
     ),
     Speedup(
+        "rebind",
+        ("executorch.exir.program._program:_gen_edge_manager_for_partitioners",
+         "executorch.exir.program._program:_generate_edge_program",
+         "executorch.exir.program._program:EdgeProgramManager.__init__",
+         "executorch.exir.verification.verifier:EXIREdgeDialectVerifier",
+         "torch.export.exported_program:ExportedProgram.__init__"),
+        "6188b95dd443ff6f2ae4e4602ee029b72c21053ababef34dbc85594f9d1ec6b9",
+        "A weights-only change serves the edge program from a template keyed by the structure: to_edge carries the "
+        "quantized program's literals and tensors without reading them, and they are put back where they were. Opt-in "
+        "until the census of edits says it is exact.",
+        "tests/flow/test_rebind.py",
+    ),
+    Speedup(
         "gcfreeze",
         (),
         "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
@@ -203,7 +216,7 @@ SPEEDUPS: tuple[Speedup, ...] = (
 NAMES = tuple(s.name for s in SPEEDUPS)
 _BY_NAME = {s.name: s for s in SPEEDUPS}
 # On only when named: ``all`` leaves them off (``all,regions`` turns one on).
-OPT_IN = frozenset({"regions"})
+OPT_IN = frozenset({"regions", "rebind"})
 DEFAULT = frozenset(NAMES) - OPT_IN
 
 _lock = threading.Lock()

@@ -49,15 +49,15 @@ def test_filled_template_is_the_stored_form_of_a_fresh_export(model):
     assert filled.meta == fresh.meta  # tensor names, order, records and offsets
     assert filled.blobs["tensors"] == fresh.blobs["tensors"]
     assert without_varying_meta(filled.blobs["program.json"]) == without_varying_meta(fresh.blobs["program.json"])
-    base_literals = reexport._graph_literals(base)
-    edited_literals = reexport._graph_literals(edited)
+    base_literals = reexport.graph_literals(base)
+    edited_literals = reexport.graph_literals(edited)
     assert base_literals != edited_literals  # the edit did change what is filled
 
 
 def test_key_leaves_out_only_the_filled_literals_and_tensor_values():
     converted, example = _converted("tiny_cnn", None)
     parts = reexport.template_parts(converted, example)
-    filled = next(n for n in converted.graph.nodes if reexport._is_filled(n))
+    filled = next(n for n in converted.graph.nodes if reexport.is_filled(n))
     attr = next(n for n in converted.graph.nodes if n.op == "get_attr")
     tensor = reexport._attribute(converted, attr.target)
 
@@ -79,7 +79,7 @@ def test_key_leaves_out_only_the_filled_literals_and_tensor_values():
 
 def test_tensor_scales_are_not_filled_and_refuse_a_key():
     converted, example = _converted("tiny_cnn", None)
-    filled = next(n for n in converted.graph.nodes if reexport._is_filled(n))
+    filled = next(n for n in converted.graph.nodes if reexport.is_filled(n))
     filled.args = (filled.args[0], 0.5, 1.0, *filled.args[3:])  # a float zero point: not this format
     assert reexport.template_parts(converted, example) is None
 

@@ -68,7 +68,8 @@ def test_every_switchable_module_is_registered_and_ordered():
     [
         ("all", set(registry.NAMES) - registry.OPT_IN),
         ("", set(registry.NAMES) - registry.OPT_IN),
-        ("all,regions", set(registry.NAMES)),
+        ("all,regions", set(registry.NAMES) - {"rebind"}),
+        ("all,regions,rebind", set(registry.NAMES)),
         ("none", set()),
         ("retrace,fastcopy", {"retrace", "fastcopy"}),
         ("all,-fastcopy,-gcfreeze", set(registry.DEFAULT) - {"fastcopy", "gcfreeze"}),

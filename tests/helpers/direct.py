@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import uuid
 from pathlib import Path
@@ -19,6 +20,9 @@ TARGET = "tosa-fp"
 # The environment before this process lowers anything: torch sets variables of its own (TORCHINDUCTOR_CACHE_DIR)
 # when it exports, and a changed environment rightly misses.
 BASE_ENV = dict(os.environ)
+# One default cache directory for the direct-mode tests of this process, not each test's own: the whole environment is
+# an input of a record (lowercache/environment.py), and a record a module's fixture made must still answer its tests.
+_XDG_CACHE = tempfile.mkdtemp(prefix="lowercache-xdg-")
 
 MODEL = '''
 import os, sys
@@ -73,7 +77,7 @@ def make_project(root: Path, offset: str = "0.0", seed: int = 1, model: str = MO
 def cli_env(cache_dir: Path, env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a test's CLI process gets: the test's settings, its cache, one thread, then ``env``."""
     base = {k: v for k, v in BASE_ENV.items() if not k.startswith(("LOWERCACHE_", "XDG_"))}
-    return {**base, **_isolated(), "LOWERCACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1", **(env or {})}
+    return {**base, **_isolated(), "XDG_CACHE_HOME": _XDG_CACHE, "LOWERCACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1", **(env or {})}
 
 
 def lower(project: Path, cache_dir: Path, *extra: str, env: dict[str, str] | None = None, out: str = "out"):

@@ -7,6 +7,7 @@ includes their digest, and an edit to the checkout while the tests run would mak
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 from . import ROOT
 
@@ -27,13 +29,23 @@ import os, sys, time
 import torch
 from helper import Block
 
+
+def switch(name):
+    # a test's switch, a file in the working directory: a variable would start a server under another environment
+    try:
+        with open(name) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
 def model():
     torch.manual_seed(0)
-    marker = os.environ.get("MARKER")
+    marker = switch("marker")
     if marker:
         with open(marker, "w") as f:
             f.write(f"{os.getpid()} {torch.get_num_threads()}")
-    behaviour = os.environ.get("BEHAVIOUR", "")
+    behaviour = switch("behaviour")
     if behaviour == "raise":
         raise ValueError("boom")
     if behaviour == "abort":
@@ -132,6 +144,18 @@ class Server:
 
     def __call__(self, *args: str, timeout: float = WAIT, **extra: str) -> subprocess.CompletedProcess:
         return lc(*args, env={**self.env, **extra}, cwd=self.project, timeout=timeout)
+
+    @contextlib.contextmanager
+    def switched(self, **switches: str) -> Iterator[None]:
+        """The model's switches (``behaviour``: raise, abort, hang, slow; ``marker``: a file it writes its pid and thread
+        count to) on for the block's commands: files in the project, as a variable would replace the server."""
+        for name, value in switches.items():
+            (self.project / name).write_text(value)
+        try:
+            yield
+        finally:
+            for name in switches:
+                (self.project / name).unlink(missing_ok=True)
 
     def start(self) -> int:
         result = self("server", "start")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -59,7 +60,7 @@ def test_lower_twice_writes_identical_outputs_and_explains(tmp_path, lowered_onc
     assert (out / "model.pte").read_bytes() == files["model.pte"]
 
     stats = cli("stats", cache_dir=cache_dir)
-    assert stats.returncode == 0 and "flow" in stats.stdout
+    assert stats.returncode == 0 and re.search(r"│ whole lowering +│ +1 │ +1 │ +50% │", stats.stdout), stats.stdout
 
     # An edit: explain names the part that changed.
     edited = tmp_path / "edited.py"
@@ -135,6 +136,8 @@ def test_bad_input_gives_one_line_and_leaves_nothing(case, expected, tmp_path, c
     assert result.returncode != 0
     lines = error_lines(result)
     assert len(lines) == 1 and expected in lines[0], result.stderr
+    if case == "raises":  # the user's own line, where the error was raised
+        assert lines[0].endswith(f"(at {tmp_path}/bad.py:2)"), lines[0]
     assert not out.exists()
     assert not list(tmp_path.glob(".out.tmp-*"))
     assert not list(tmp_path.rglob(".lowercache-probe-*"))
@@ -255,6 +258,21 @@ def test_help_names_the_environment_variables():
     assert checked >= 10
 
 
+@pytest.mark.quick
+def test_usage_lines_name_arguments_as_users_write_them():
+    """``lower [OPTIONS] MODEL``, not typer's ``{MODEL}`` (nor ``{model}``)."""
+    from typer.testing import CliRunner
+
+    from lowercache.cli.commands import app
+
+    usage = {}
+    for name in ("lower", "verify", "watch", "explain", "build", "export", "import"):
+        result = CliRunner().invoke(app, [name, "--help"], prog_name="lowercache", env={"COLUMNS": "200", "TERM": "dumb"})
+        usage[name] = next(line.strip() for line in result.output.splitlines() if "Usage:" in line)
+    assert usage["lower"] == "Usage: lowercache lower [OPTIONS] MODEL" and usage["build"] == "Usage: lowercache build [OPTIONS] [NAME]..."
+    assert usage["export"].endswith(" FILE") and not any("{" in line for line in usage.values()), usage
+
+
 def test_a_model_stock_cannot_lower_gives_the_root_cause(tmp_path, cache_dir):
     """ExecuTorch wraps the failure in a line listing every pass; the error names the cause and the node instead."""
     model = f"{ROOT}/tests/helpers/op_zoo.py:unlowerable"
@@ -303,7 +321,7 @@ def test_json_summary_and_plain_progress_lines_in_a_log(tmp_path):
     assert cold["target"] == "tosa-int" and cold["step_counts"]["flow"] == {"miss": 1}
     assert warm["files"]["model.pte"]["size"] == (tmp_path / "out" / "model.pte").stat().st_size
     assert warm["saved_seconds"] > 0
-    assert "lowercache: export" in cold_err.splitlines()
+    assert any(re.fullmatch(r"lowercache: \[2/\d\] export: \d+\.\d\d s", line) for line in cold_err.splitlines()), cold_err
 
 
 RFFT = """
@@ -362,16 +380,32 @@ def test_version_and_explain_of_a_missing_model(tmp_path, cache_dir):
     assert missing.returncode == 2 and error_lines(missing) == ["lowercache: error: model file nothere.py does not exist"]
 
 
+# The CLI as a new process, then whether it imported torch and ExecuTorch, and its exit code, on the last line of stderr.
+_IMPORTS_TORCH = ("import runpy, sys\nsys.argv = ['lowercache', *sys.argv[1:]]\ntry:\n    runpy.run_module('lowercache.cli', run_name='__main__')\n"
+                  "except SystemExit as e:\n    code = e.code\nprint('torch' in sys.modules, 'executorch' in sys.modules, code, file=sys.stderr)\n")
+
+
 @pytest.mark.quick
-@pytest.mark.parametrize("command", [["stats"], ["explain", "model.py:model", "-t", "tosa-fp"], ["gc"], ["config"], ["server", "status"]])
+@pytest.mark.parametrize("command", [["stats"], ["explain", "model.py:model", "-t", "tosa-fp"], ["gc"], ["config"], ["server", "status"],
+                                     ["lower", "--help"], ["verify", "--help"]])
 def test_housekeeping_commands_import_no_torch(command, tmp_path, cache_dir):
     """docs/server.md: the cheap commands stay in the client and never pay torch's import (1.2 s or more)."""
     (tmp_path / "model.py").write_text("")
-    code = ("import runpy, sys\nsys.argv = ['lowercache', *sys.argv[1:]]\ntry:\n    runpy.run_module('lowercache.cli', run_name='__main__')\n"
-            "except SystemExit as e:\n    code = e.code\nprint('torch' in sys.modules, 'executorch' in sys.modules, code, file=sys.stderr)\n")
-    result = subprocess.run([sys.executable, "-c", code, *command], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    result = subprocess.run([sys.executable, "-c", _IMPORTS_TORCH, *command], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "LOWERCACHE_DIR": str(cache_dir)})
     assert result.stderr.strip().splitlines()[-1].startswith("False False "), result.stderr[-2000:]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("command", [["lower", TINY, "-t", "tosa-int", "-o", "out"], ["verify", TINY, "-t", "tosa-int"]])
+def test_a_bad_setting_is_refused_before_torch_is_imported(command, tmp_path, cache_dir):
+    """``LOWERCACHE_SPEEDUPS=bogus``: one line, exit 2, without paying torch's import (8-13 s under load)."""
+    result = subprocess.run([sys.executable, "-c", _IMPORTS_TORCH, *command], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "LOWERCACHE_DIR": str(cache_dir), "LOWERCACHE_SPEEDUPS": "bogus"})
+    assert result.stderr.strip().splitlines()[-1] == "False False 2", result.stderr[-2000:]
+    assert error_lines(result) == [line for line in result.stderr.splitlines() if line.startswith("lowercache:")]
+    assert len(error_lines(result)) == 1 and "unknown speed-up 'bogus'" in error_lines(result)[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_stats_json_and_zero_and_a_json_error(tmp_path, cache_dir):
@@ -385,3 +419,9 @@ def test_stats_json_and_zero_and_a_json_error(tmp_path, cache_dir):
     failed = cli("lower", "nothere.py:model", "-t", "tosa-fp", "-o", tmp_path / "x", "--json", cache_dir=cache_dir, cwd=tmp_path)
     assert failed.returncode == 2
     assert json.loads(failed.stdout) == {"error": "model file not found: nothere.py", "exit": 2}
+    # as ccache -s: the limit, when the counters were zeroed, what failed; no line past 80 columns but the directory's
+    after = json.loads(cli("stats", "--json", cache_dir=cache_dir).stdout)
+    assert after["failed"] == {"input": 1, "lowering": 0} and after["zeroed"] is not None and after["max_bytes"] > after["bytes"]
+    shown = cli("stats", cache_dir=cache_dir, env={"COLUMNS": "80"}).stdout
+    assert "errors           1 (1 in the input, 0 inside torch or ExecuTorch)" in shown and "counters zeroed  20" in shown, shown
+    assert all(len(line) <= 80 for line in shown.splitlines() if not line.startswith("cache directory")), shown

@@ -41,7 +41,7 @@ def model():
     torch.manual_seed(0)
     return Net().eval(), (torch.randn(1, 3, 8, 8),)
 '''
-LINE = "lowercache: outside the delegate: aten.sort (2 nodes: features.2, features.3)"
+LINE = "lowercache: partially delegated (3 partitions); outside the delegate: aten.sort (2 nodes: features.2, features.3)"
 
 
 def _sort_model(tmp_path):
@@ -79,7 +79,12 @@ def test_operators_outside_the_delegate_are_said_on_a_miss_a_hit_and_a_direct_hi
         assert LINE in result.stderr, (run, result.stderr)
         assert (out / "model.pte").read_bytes() == (tmp_path / "fresh" / "model.pte").read_bytes()
         assert _manifest(out)["delegation"] == section, run
-        assert json.loads(result.stdout)["delegation"] == delegation.json_part(section)["delegation"]
+        summary = json.loads(result.stdout)
+        assert summary["delegation"] == delegation.json_part(section)["delegation"] and summary["delegated"] == "partially"
+        # Vela's estimate, as aot_arm_compiler prints its summary: the same figures on every path
+        estimate = estimates.read(out, TARGET, per_layer=False)
+        assert summary["vela"]["cycles"] == estimate.cycles > 0 and summary["vela"]["npu_operators"] > 0
+        assert f"lowercache: {estimates.summary(estimate)}" in result.stderr.splitlines(), result.stderr
     assert "direct mode: served from the record" in result.stderr
     assert _manifest(tmp_path / "out3")["direct"]["torch_imported"] is False
 
@@ -102,10 +107,13 @@ def test_a_flow_miss_served_by_the_quantize_and_tosa_steps_says_the_same(tmp_pat
     assert LINE in again.stderr
 
 
-def test_a_fully_delegated_model_says_nothing_but_records_its_delegate(tmp_path, cache_dir):
+def test_a_fully_delegated_model_says_so_and_records_its_delegate(tmp_path, cache_dir):
     result = cli("lower", TINY, "-t", TARGET, "-o", tmp_path / "out", cache_dir=cache_dir)
     assert result.returncode == 0, result.stderr
-    assert "outside the delegate" not in result.stderr
+    assert "outside the delegate" not in result.stderr and "lowercache: fully delegated (1 partition)" in result.stderr.splitlines()
+    tosa = cli("lower", TINY, "-t", "tosa-int", "-o", tmp_path / "tosa", "--json", cache_dir=cache_dir)
+    assert "lowercache: fully delegated (1 partition)" in tosa.stderr.splitlines() and "Vela" not in tosa.stderr  # no Vela on TOSA
+    assert json.loads(tosa.stdout)["delegated"] == "fully" and "vela" not in json.loads(tosa.stdout)
     section = _manifest(tmp_path / "out")["delegation"]
     assert section["delegates"] == 1
     assert all(delegation.is_conversion(o["op"]) for o in section["outside"])  # the input's quantize, the output's dequantize
@@ -144,9 +152,13 @@ def test_inserted_layers_take_their_neighbours_module_and_renamed_tensors_still_
 
 @pytest.mark.parametrize("section, said", [
     (None, None),
-    ({"delegates": 1, "outside": [{"op": "quantized_decomposed.quantize_per_tensor.default", "nodes": 1, "modules": []}]}, None),
+    ({"delegates": 1, "outside": [{"op": "quantized_decomposed.quantize_per_tensor.default", "nodes": 1, "modules": []}]},
+     "fully delegated (1 partition)"),
     ({"delegates": 0, "outside": [{"op": "aten.topk.default", "nodes": 5, "modules": ["a", "b", "c", "d"]}]},
-     "outside the delegate: aten.topk (5 nodes: a, b, c, ...)"),
+     "not delegated; outside the delegate: aten.topk (5 nodes: a, b, c, ...)"),
+    ({"delegates": 2, "outside": [{"op": "aten.sort.default", "nodes": 1, "modules": ["x"]},
+                                  {"op": "quantized_decomposed.dequantize_per_tensor.default", "nodes": 2, "modules": []}]},
+     "partially delegated (2 partitions); outside the delegate: aten.sort (1 node: x); and 2 quantize/dequantize nodes around them"),
 ])
 def test_the_line(section, said):
     assert delegation.line(section) == said

@@ -127,17 +127,18 @@ def test_the_remote_tier_serves_a_record_to_an_empty_cache_in_another_directory(
     env = {"LOWERCACHE_REMOTE": redis_url, "LOWERCACHE_HMAC_KEY": "direct-test-key"}
     first = make_project(tmp_path / "a" / "proj", model=PORTABLE_MODEL)
     normal = confirmed(first, tmp_path / "cache-a", env)
-    elsewhere = tmp_path / "b" / "checkout"
-    shutil.copytree(first, elsewhere, ignore=shutil.ignore_patterns("out", "__pycache__"))
-    manifest, pte, result = lower(elsewhere, tmp_path / "cache-b", env=env)
+    for name in ("b", "c"):  # a runner elsewhere lowers once, and confirms the record in a second directory
+        elsewhere = tmp_path / name / "checkout"
+        shutil.copytree(first, elsewhere, ignore=shutil.ignore_patterns("out", "__pycache__"))
+        manifest, pte, result = lower(elsewhere, tmp_path / f"cache-{name}", env=env)
     assert served(manifest) and manifest["direct"]["torch_imported"] is False, result.stderr
     assert manifest["steps"][0]["tier"] == "remote" and manifest["model"] == f"{elsewhere}/model.py:model"
     assert pte == normal
 
     # The same checkout with the key another team signs with: nothing from the remote is used.
-    other = tmp_path / "c" / "checkout"
+    other = tmp_path / "d" / "checkout"
     shutil.copytree(first, other, ignore=shutil.ignore_patterns("out", "__pycache__"))
-    manifest, pte, _ = lower(other, tmp_path / "cache-c", env={**env, "LOWERCACHE_HMAC_KEY": "another-key"})
+    manifest, pte, _ = lower(other, tmp_path / "cache-d", env={**env, "LOWERCACHE_HMAC_KEY": "another-key"})
     assert not served(manifest) and pte == normal
 
 

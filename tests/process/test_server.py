@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import TINY, error_lines, stock_tiny, warnings_of
-from tests.helpers.server import TARGET, WAIT, alive, base_env, lc, steady, wait_until
+from tests.helpers.server import MODEL, TARGET, WAIT, alive, base_env, lc, steady, wait_until
 
 
 # the shared server
@@ -84,7 +84,7 @@ def test_verify_through_the_server(shared, tmp_path):
     served = shared("verify", TINY, "-t", "tosa-int")
     here = shared("verify", TINY, "-t", "tosa-int", "--no-server")
     assert served.returncode == here.returncode == 0, served.stderr[-2000:] + here.stderr[-2000:]
-    assert "byte-identical" in served.stdout and served.stdout.split("; checked:")[0] == here.stdout.split("; checked:")[0]
+    assert "byte-identical" in served.stdout and served.stdout.split("checked:")[0] == here.stdout.split("checked:")[0]
     # each checked what lower would serve from where it ran: the server's child is the server's answer itself
     assert served.stdout.rstrip().endswith("the server's answer (this process)")
     assert "the server's answer" not in here.stdout  # --no-server: no server to ask
@@ -121,13 +121,14 @@ def test_two_clients_at_once(shared, tmp_path):
 def test_the_child_gets_the_clients_thread_count(shared, tmp_path, threads):
     """The server runs single-threaded (fork safety); each request gets what a new process would have."""
     marker = tmp_path / "marker"
-    extra = {"MARKER": str(marker), **({"OMP_NUM_THREADS": threads} if threads else {})}
-    result = shared("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "out", **extra)
+    extra = {"OMP_NUM_THREADS": threads} if threads else {}
+    with shared.switched(marker=str(marker)):
+        result = shared("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "out", **extra)
     assert result.returncode == 0, result.stderr[-2000:]
     child_pid, child_threads = map(int, marker.read_text().split())
     fresh = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
-        env={k: v for k, v in {**shared.env, **extra}.items() if k != "MARKER"},
+        env={**shared.env, **extra},
         capture_output=True,
         text=True,
         timeout=120,
@@ -137,17 +138,26 @@ def test_the_child_gets_the_clients_thread_count(shared, tmp_path, threads):
 
 
 def test_a_factory_that_raises(shared, tmp_path):
-    served = shared("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "a", BEHAVIOUR="raise")
-    here = shared("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "b", "--no-server", BEHAVIOUR="raise")
+    with shared.switched(behaviour="raise"):
+        served = shared("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "a")
+        here = shared("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "b", "--no-server")
+    line = next(n for n, text in enumerate(MODEL.splitlines(), 1) if "boom" in text)
     assert served.returncode == here.returncode == 2
-    assert error_lines(served) == error_lines(here) == ["lowercache: error: factory model.py:model raised ValueError: boom"]
+    assert error_lines(served) == error_lines(here) == [f"lowercache: error: factory model.py:model raised ValueError: boom (at model.py:{line})"]
     assert served.stdout == "" and "Traceback" not in served.stderr
     assert not (tmp_path / "a").exists()
+    with shared.switched(behaviour="raise"):  # LOWERCACHE_DEBUG shows the traceback, through the server and without it
+        debugged = [shared("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "c", *flags, LOWERCACHE_DEBUG="1")
+                    for flags in ((), ("--no-server",))]
+    for result in debugged:
+        assert result.returncode == 2 and "Traceback" in result.stderr and f'model.py", line {line}, in model' in result.stderr
+        assert error_lines(result) == error_lines(here)
     assert shared.status()["pid"] == str(shared.pid)
 
 
 def test_a_factory_that_aborts(shared, tmp_path):
-    result = shared("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "out", BEHAVIOUR="abort")
+    with shared.switched(behaviour="abort"):
+        result = shared("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "out")
     assert result.returncode == 1
     assert error_lines(result) == ["lowercache: error: the lowering process was killed by SIGABRT; the server is still up"]
     assert result.stdout == "" and "Traceback" not in result.stderr
@@ -157,9 +167,8 @@ def test_a_factory_that_aborts(shared, tmp_path):
 def test_a_factory_that_hangs_past_the_timeout(shared, tmp_path):
     marker = tmp_path / "marker"
     start = time.monotonic()
-    result = shared(
-        "lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "out", BEHAVIOUR="hang", MARKER=str(marker), LOWERCACHE_SERVER_TIMEOUT="3"
-    )
+    with shared.switched(behaviour="hang", marker=str(marker)):
+        result = shared("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "out", LOWERCACHE_SERVER_TIMEOUT="3")
     assert time.monotonic() - start < 120
     assert result.returncode == 1
     assert error_lines(result) == [
@@ -273,18 +282,19 @@ def test_the_client_falls_back_when_the_server_dies_mid_request(own, tmp_path):
     server = own()
     pid = server.start()
     marker = tmp_path / "marker"
-    client = subprocess.Popen(
-        [sys.executable, "-m", "lowercache.cli", "lower", "model.py:model", "-t", "tosa-int", "-o", str(tmp_path / "out")],
-        env={**server.env, "BEHAVIOUR": "slow", "MARKER": str(marker)},
-        cwd=server.project,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert wait_until(marker.exists, 120)
-    child = int(marker.read_text().split()[0])
-    os.kill(pid, signal.SIGKILL)
-    stdout, stderr = client.communicate(timeout=WAIT)
+    with server.switched(behaviour="slow", marker=str(marker)):  # the fallback runs the factory again: on until it is done
+        client = subprocess.Popen(
+            [sys.executable, "-m", "lowercache.cli", "lower", "model.py:model", "-t", "tosa-int", "-o", str(tmp_path / "out")],
+            env=server.env,
+            cwd=server.project,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert wait_until(marker.exists, 120)
+        child = int(marker.read_text().split()[0])
+        os.kill(pid, signal.SIGKILL)
+        stdout, stderr = client.communicate(timeout=WAIT)
     assert client.returncode == 0, stderr[-2000:]
     assert [line for line in stderr.splitlines() if line.startswith("lowercache: warning:")] == [
         "lowercache: warning: the lowering server stopped during the request (the server closed the connection); running in this process"

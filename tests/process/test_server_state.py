@@ -1,13 +1,13 @@
 """A server's child takes the client's process state, not the server's (``lowercache/process_state.py``).
 
 ``fork`` carries the server's umask, CPU set, resource limits, nice value,
-ignored and blocked signals and time zone into every child. Each case starts
-a client under other values than the server's (``TZ=Asia/Tokyo``, one CPU, a
-umask, a lower open-files limit, SIGHUP ignored, SIGUSR1 blocked, nice 5) and
-compares what the model factory, or a script under ``lowercache run``, sees
-and writes with a new process under the same values; a state the child
-cannot take (another stack limit) is declined, and the command runs as a
-new process would.
+ignored and blocked signals into every child. Each case starts a client under
+other values than the server's (one CPU, a umask, a lower open-files limit,
+SIGHUP ignored, SIGUSR1 blocked, nice 5) and compares what the model
+factory, or a script under ``lowercache run``, sees and writes with a new
+process under the same values; a state the child cannot take (another stack
+limit) is declined, and the command runs as a new process would. The time
+zone is a variable: one that differs replaces the server (environment.py).
 """
 
 from __future__ import annotations
@@ -95,23 +95,27 @@ def client(server, *args: str, preexec=_client_state, **env: str) -> subprocess.
 
 @pytest.fixture(scope="module")
 def started(tmp_path_factory):
-    """A server started under the test process's own state (all CPUs, umask 022, UTC), for this module."""
+    """A server started under the test process's own state (all CPUs, umask 022), for this module. Its environment is the
+    clients' (``TZ`` included): a variable that differs replaces the server (environment.py), which would test nothing."""
     from tests.helpers.server import Server
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPUs: a client on one must differ from the server")
-    server = Server(tmp_path_factory.mktemp("state"))
+    root = tmp_path_factory.mktemp("state")
+    server = Server(root, SEEN=str(root / "seen.json"), TZ="Asia/Tokyo")
     (server.project / "model.py").write_text(MODEL)
     (server.project / "script.py").write_text(SCRIPT)
-    server.start()
+    server.pid = server.start()
     yield server
     server.close()
 
 
 def lowered(server, out: Path, *flags: str, **kwargs) -> tuple[dict, bytes, int, str]:
-    seen = out.parent / f"{out.name}.json"
-    result = client(server, "lower", "model.py:model", "-t", TARGET, "-o", str(out), *flags, SEEN=str(seen), **kwargs)
+    seen = Path(server.env["SEEN"])
+    seen.unlink(missing_ok=True)
+    result = client(server, "lower", "model.py:model", "-t", TARGET, "-o", str(out), *flags, **kwargs)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert server.status()["pid"] == str(server.pid), "the client replaced the server: the case tests nothing"
     pte = out / "model.pte"
     return json.loads(seen.read_text()), pte.read_bytes(), pte.stat().st_mode & 0o777, result.stderr
 

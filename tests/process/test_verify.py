@@ -14,6 +14,10 @@ def test_verify_passes_then_catches_a_wrong_but_well_formed_entry(tmp_path, cach
     ok = cli("verify", TINY, "--target", "tosa-int", cache_dir=cache_dir)
     assert ok.returncode == 0, ok.stderr
     assert "byte-identical" in ok.stdout
+    # progress as each part starts (the server is off here: five parts), then the result in two lines
+    shown = [line.split("]")[0] for line in ok.stderr.splitlines() if line.startswith("lowercache: [")]
+    assert shown == [f"lowercache: [{i}/5" for i in range(1, 6)], ok.stderr
+    assert ok.stdout.splitlines()[1].startswith("checked: the cached lowering; a lowering in an empty cache; stock in a new process")
 
     # Plant a wrong hit: same key, well-formed entry, one byte of the .pte changed.
     store = Store(cache_dir)
@@ -36,3 +40,4 @@ def test_verify_passes_then_catches_a_wrong_but_well_formed_entry(tmp_path, cach
     lines = [line for line in bad.stderr.splitlines() if line.startswith("lowercache: mismatch:")]
     assert len(lines) == 1, bad.stderr
     assert "cache: model.pte differs" in lines[0] and "byte 100" in lines[0] and "flow tosa-int (hit" in lines[0]
+    assert bad.stderr.rstrip().endswith("lowercache: error: not verified: 1 file differs from stock ExecuTorch's lowering (above)")

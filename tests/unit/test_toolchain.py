@@ -67,3 +67,52 @@ def test_a_new_import_of_unlisted_code_is_found(tmp_path):
 def test_delegation_is_in_the_key():
     """Its section is stored with the flow entry, so an edit to it must change every key."""
     assert "delegation.py" in toolchain.byte_shaping_modules()
+
+
+def _read_digest(root: Path) -> str:
+    """``source_digest`` without its memo: every file read."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for directory, dirs, files in os.walk(root):
+        dirs[:] = sorted(dirs)
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = Path(directory, name)
+            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def test_the_source_digest_memo_answers_only_while_no_file_moved(tmp_path):
+    """A hit stats the Arm backend's files instead of reading them; an edit in place (same size) is still seen."""
+    root = tmp_path / "backend"
+    (root / "passes").mkdir(parents=True)
+    (root / "a.py").write_text("X = 1\n")
+    (root / "passes" / "b.py").write_text("Y = 2\n")
+    first = toolchain.source_digest(str(root))
+    assert first == toolchain.source_digest(str(root)) == _read_digest(root)
+    (root / "passes" / "b.py").write_text("Y = 3\n")
+    assert toolchain.source_digest(str(root)) == _read_digest(root) != first
+    (root / "passes" / "c.py").write_text("")
+    assert toolchain.source_digest(str(root)) == _read_digest(root)
+
+
+def test_the_versions_memo_follows_installs_upgrades_and_edits(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+
+    def install(version: str) -> None:
+        for old in site.glob("fakedist-*.dist-info"):
+            shutil.rmtree(old)
+        (site / f"fakedist-{version}.dist-info").mkdir()
+        (site / f"fakedist-{version}.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fakedist\nVersion: {version}\n")
+
+    names = ("fakedist", "torch")
+    assert toolchain.versions(names) == {"fakedist": "absent", "torch": toolchain.version("torch")}
+    install("1.0")
+    assert toolchain.versions(names)["fakedist"] == toolchain.version("fakedist") == "1.0"
+    assert toolchain.versions(names)["fakedist"] == "1.0"  # from the memo
+    install("2.0")
+    assert toolchain.versions(names)["fakedist"] == "2.0"
+    (site / "fakedist-2.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: fakedist\nVersion: 2.0.1\n")
+    assert toolchain.versions(names)["fakedist"] == toolchain.version("fakedist") == "2.0.1"

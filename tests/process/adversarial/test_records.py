@@ -129,8 +129,8 @@ def test_a_record_made_outside_a_git_tree_does_not_answer_in_another_directory(t
 
 
 def test_through_the_remote_tier_a_clone_elsewhere_gets_its_own_bytes(tmp_path, s3_url):
-    """Two clones, two empty local caches, one shared remote: outside a git tree the second clone is not answered
-    from the first's record; a git clone whose code cannot see its directory is, from the remote tier."""
+    """Clones with empty local caches and one shared remote: a second clone that sees its directory is not answered
+    from the first's record; once two clones lowered the same inputs to the same key, a third is, from the remote."""
     env = {"LOWERCACHE_REMOTE": s3_url, "LOWERCACHE_HMAC_KEY": "records-test-key",
            **{k: v for k, v in os.environ.items() if k.startswith(("AWS_", "LOWERCACHE_S3_"))}}
     model = LOCATED.format(where=WHERE["cwd"])
@@ -142,24 +142,26 @@ def test_through_the_remote_tier_a_clone_elsewhere_gets_its_own_bytes(tmp_path, 
 
     original = make_project(tmp_path / "a" / "proj", model=PORTABLE_MODEL)
     until_served(original, tmp_path / "cache-a", env)
-    clone = tmp_path / "b" / "clone"
-    shutil.copytree(original, clone, ignore=shutil.ignore_patterns("out", "fresh", "__pycache__"))
-    manifest, pte, _ = lower(clone, tmp_path / "cache-b", env=env)
-    assert served(manifest) and manifest["steps"][0]["tier"] == "remote", explain(clone, tmp_path / "cache-b")
-    assert pte == fresh(clone, tmp_path)
+    for name in ("b", "c"):
+        clone = tmp_path / name / "clone"
+        shutil.copytree(original, clone, ignore=shutil.ignore_patterns("out", "fresh", "__pycache__"))
+        manifest, pte, _ = lower(clone, tmp_path / f"cache-{name}", env=env)
+        assert served(manifest) == (name == "c"), explain(clone, tmp_path / f"cache-{name}")  # b confirmed it elsewhere
+    assert manifest["steps"][0]["tier"] == "remote" and pte == fresh(clone, tmp_path)
 
 
-def test_a_copy_in_a_git_tree_hits_only_when_its_code_cannot_see_where_it_is(tmp_path):
-    """A copy of a git project answers from the original's record when no code names ``__file__`` or calls
-    ``os.getcwd()``; a factory that can see its checkout misses, with the copy's bytes."""
+def test_a_copy_hits_once_a_second_directory_confirmed_the_record_and_never_when_its_code_sees_where_it_is(tmp_path):
+    """A copy of a project is answered from the original's record once another copy lowered the same inputs to the
+    same key; a factory that can see its checkout misses, with the copy's bytes."""
     cache = tmp_path / "cache"
     original = make_project(tmp_path / "a" / "proj", model=PORTABLE_MODEL)
     until_served(original, cache)
-    copy = tmp_path / "b" / "clone"
-    shutil.copytree(original, copy, ignore=shutil.ignore_patterns("out", "fresh", "__pycache__"))
-    manifest, pte, _ = lower(copy, cache)
-    assert served(manifest), explain(copy, cache)
-    assert pte == fresh(copy, tmp_path)
+    for name in ("b", "c"):
+        copy = tmp_path / name / "clone"
+        shutil.copytree(original, copy, ignore=shutil.ignore_patterns("out", "fresh", "__pycache__"))
+        manifest, pte, _ = lower(copy, cache)
+        assert served(manifest) == (name == "c"), explain(copy, cache)
+        assert pte == fresh(copy, tmp_path)
 
     # Its checkpoint found through __file__; a width from the checkout's name; the same through code it compiles,
     # whose file names nothing (and an absolute path's resolve() calls no os.getcwd()).

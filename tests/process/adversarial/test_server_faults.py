@@ -184,14 +184,15 @@ def test_a_paused_server_does_not_hang_the_client(own, tmp_path):
         os.kill(pid, signal.SIGCONT)
 
     marker = tmp_path / "marker"
-    busy = lower_model(server, tmp_path / "busy", BEHAVIOUR="slow", MARKER=str(marker))
-    assert wait_until(marker.exists, 120)
-    child = int(marker.read_text().split()[0])
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        stdout, stderr = busy.communicate(timeout=WAIT)
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    with server.switched(behaviour="slow", marker=str(marker)):  # the fallback runs the factory again: on until it is done
+        busy = lower_model(server, tmp_path / "busy")
+        assert wait_until(marker.exists, 120)
+        child = int(marker.read_text().split()[0])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stdout, stderr = busy.communicate(timeout=WAIT)
+        finally:
+            os.kill(pid, signal.SIGCONT)
     assert busy.returncode == 0, stderr[-2000:]
     assert [line for line in stderr.splitlines() if "warning" in line] == [
         f"lowercache: warning: the lowering server (pid {pid}) is not responding (its process is stopped); running in this process"
@@ -231,18 +232,19 @@ def test_ctrl_c_through_the_server_exits_130_and_leaves_nothing(shared, tmp_path
     codes = {}
     for how in ("served", "here"):
         marker = tmp_path / f"marker-{how}"
-        client = subprocess.Popen(
-            [sys.executable, "-m", "lowercache.cli", "lower", "model.py:model", "-t", "tosa-int", "-o", str(tmp_path / how),
-             *(["--no-server"] if how == "here" else [])],
-            env={**shared.env, "BEHAVIOUR": "slow", "MARKER": str(marker)}, cwd=shared.project,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        )
-        assert wait_until(marker.exists, 120)
-        child = int(marker.read_text().split()[0])
-        os.killpg(client.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the foreground group
-        stdout, stderr = client.communicate(timeout=120)
+        with shared.switched(behaviour="slow", marker=str(marker)):
+            client = subprocess.Popen(
+                [sys.executable, "-m", "lowercache.cli", "lower", "model.py:model", "-t", "tosa-int", "-o", str(tmp_path / how),
+                 *(["--no-server"] if how == "here" else [])],
+                env=shared.env, cwd=shared.project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            )
+            assert wait_until(marker.exists, 120)
+            child = int(marker.read_text().split()[0])
+            os.killpg(client.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the foreground group
+            stdout, stderr = client.communicate(timeout=120)
         codes[how] = client.returncode
         assert "Aborted!" not in stderr and "Traceback" not in stderr, stderr[-2000:]
+        assert stderr.splitlines()[-1:] == ["lowercache: interrupted"], stderr[-2000:]  # as ccache and Bazel say it
         assert not (tmp_path / how).exists()
         assert wait_until(lambda: not alive(child), 10)
     assert codes == {"served": 130, "here": 130}
