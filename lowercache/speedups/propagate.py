@@ -16,7 +16,7 @@ from .patching import Patch
 from .sourcepin import source_digest
 
 # sha256 over the sources of _audited_sources() (executorch 1.5.1, torch 2.13.0).
-_AUDITED_DIGEST = "7d2401fcc9871b8f303fd6525f67469c963401db3d6631e69318056f373264a8"
+_AUDITED_DIGEST = "2cec7915aa067f798b66af6461aff8ba5964e81557e24eed19852a703417bbfc"
 _originals: dict[str, Any] = {}
 _tls = threading.local()
 
@@ -52,6 +52,8 @@ def _module() -> Any:
 def _audited_sources() -> list[Any]:
     """The functions whose behaviour a local round reproduces, or that decide when one may run."""
     import torch.fx
+    import torch.fx.proxy
+    import torch.fx.traceback
     from executorch.backends.arm._passes.arm_pass import ArmPass
     from executorch.exir.pass_base import ExportPass, _ExportPassBase
 
@@ -73,6 +75,8 @@ def _audited_sources() -> list[Any]:
         ArmPass.call_operator,
         ArmPass.call_submodule,
         torch.fx.Interpreter.call_function,
+        torch.fx.proxy.TracerBase.create_node,  # the metadata a retrace copies, and in what key order
+        torch.fx.traceback.set_current_meta,  # the provenance it records
     ]
 
 
@@ -173,6 +177,8 @@ def _eligible(self: Any, graph_module: Any, mode: Any) -> bool:
             if n.name != n.target or retrace.tensor_signature(value) is None or value.fake_mode is not mode:
                 return False
         elif n.op == "call_function":
+            if "from_node" not in n.meta:
+                return False  # a retrace would record this node itself as the source, under its retrace-time name
             if oppolicy.policy(n.target) is None or type(n.target).__name__ not in ("EdgeOpOverload", "BackendOpOverload"):
                 return False
             if n.target in special and n.meta.get("input_qparams"):
@@ -199,8 +205,10 @@ def _update(self: Any, graph_module: Any, state: _Call) -> bool:
     The others are dispatched as the retrace dispatches them, in graph order.
     Users are put in graph order, as a retrace creates them. Nothing is
     changed but dead code before every node is known to be of a kind this
-    reproduces; a value it dispatched is only replaced again by a stock
-    retrace, which recomputes every value from the inputs.
+    reproduces. When a dispatch raises or returns what this does not
+    reproduce, the stock retrace runs on the graph as it is: it reads no
+    operator node's value (the two operators of ``ArmPass`` that do are not
+    admitted), so the values set so far change nothing in its result.
     """
     import torch
     from torch._dispatch.python import enable_python_dispatcher
@@ -238,7 +246,10 @@ def _update(self: Any, graph_module: Any, state: _Call) -> bool:
             ):
                 continue
             args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
-            new = retrace.reuse_or_dispatch(owner, n, n.target, args, kwargs, lambda t, a, k: t(*a, **k))
+            try:
+                new = retrace.reuse_or_dispatch(owner, n, n.target, args, kwargs, lambda t, a, k: t(*a, **k))
+            except Exception:
+                return False  # the stock retrace dispatches it again, and raises as stock raises
             signature = retrace.tensor_signature(new)
             if signature is None:
                 return False  # not a value this reproduces: the stock retrace decides
