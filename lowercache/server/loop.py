@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 from .. import client, direct, startup
 from ..config import load_settings
@@ -404,27 +404,18 @@ class Server:
         err_r, err_w = os.pipe() if not request.execs else (-1, -1)
         started_r, started_w = os.pipe()
         parent = os.getpid()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                own = [self.listener.fileno(), self.selector.fileno(), out_r, err_r, started_r]
-                own += [r.conn.fileno() for r in self.requests.values()]
-                own += [fd for r in self.requests.values() if r is not request for fd in r.fds]
-                own += [fd for r in self.running.values() for fd in (*r.pipes, r.pidfd, r.started)]
-                inherited = [fd for fd in own if fd >= 0]
-                if request.execs:
-                    code = child.run_python(request.message or {}, parent, request.fds, inherited, self.warm, started_w)
-                else:
-                    code = child.run_cli(request.message or {}, parent, out_w, err_w, inherited, self.warm, started_w)
-            finally:
-                os._exit(code)
-        try:
-            os.setpgid(pid, pid)  # as the child does itself: whichever runs first, a kill reaches the whole group
-        except OSError:
-            pass
+
+        def body() -> int:
+            own = [self.listener.fileno(), self.selector.fileno(), out_r, err_r, started_r]
+            own += [r.conn.fileno() for r in self.requests.values()]
+            own += [fd for r in self.requests.values() if r is not request for fd in r.fds]
+            own += [fd for r in self.running.values() for fd in (*r.pipes, r.pidfd, r.started)]
+            inherited = [fd for fd in own if fd >= 0]
+            if request.execs:
+                return child.run_python(request.message or {}, parent, request.fds, inherited, self.warm, started_w)
+            return child.run_cli(request.message or {}, parent, out_w, err_w, inherited, self.warm, started_w)
+
+        pid = _forked(body)
         request.close_fds()  # the child has them: the client sees end of file once the command and what it started are gone
         request.pid = pid
         os.close(started_w)
@@ -539,21 +530,12 @@ class Server:
     def _confirm_next(self) -> None:
         key, message = self.unconfirmed.popitem(last=False)
         parent = os.getpid()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                own = [self.listener.fileno(), self.selector.fileno(), *(r.conn.fileno() for r in self.requests.values())]
-                code = child.confirm(message, parent, [fd for fd in own if fd >= 0], self.warm)
-            finally:
-                os._exit(code)
-        try:
-            os.setpgid(pid, pid)
-        except OSError:
-            pass
-        self.confirming = (pid, message)
+
+        def body() -> int:
+            own = [self.listener.fileno(), self.selector.fileno(), *(r.conn.fileno() for r in self.requests.values())]
+            return child.confirm(message, parent, [fd for fd in own if fd >= 0], self.warm)
+
+        self.confirming = (_forked(body), message)
 
     def _confirm_reaped(self) -> None:
         if self.confirming is None:
@@ -596,6 +578,25 @@ class Server:
         os.close(request.started)
         request.started = -1
         return said if said or request.execs else None
+
+
+def _forked(body: Callable[[], int]) -> int:
+    """Fork a child that runs ``body`` and exits with what it returns (1 if it raises), never returning into the loop;
+    the child leads a process group, set on both sides so that whichever runs first, a kill reaches the whole group."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = body()
+        finally:
+            os._exit(code)
+    try:
+        os.setpgid(pid, pid)
+    except OSError:
+        pass
+    return pid
 
 
 def _listen(path: str) -> socket.socket:
