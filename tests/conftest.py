@@ -8,11 +8,13 @@ import logging
 import os
 import shutil
 import signal
+import tempfile
 import uuid
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import references
 from tests.helpers.isolation import isolate
 from tests.helpers.services import BUCKET, RedisServer, start_moto
 
@@ -26,6 +28,32 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # No test reaches a server the user runs: module-scoped fixtures run before the per-test environment below, and the
 # server tests start their own in socket directories of their own.
 os.environ["LOWERCACHE_SERVER"] = "0"
+
+def pytest_configure(config):
+    """One directory of fresh references for the whole run (``helpers/references.py``): the controller makes it,
+    xdist's workers get it in their ``workerinput``, and it is removed when the run ends."""
+    if hasattr(config, "workerinput"):
+        references.begin(config.workerinput.get(references.OPTION))
+    else:
+        references.begin(tempfile.mkdtemp(prefix="lowercache-references-"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput[references.OPTION] = str(references.directory())
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    line = references.summary(references.directory()) if references.directory() is not None else None
+    if line and not hasattr(config, "workerinput"):
+        terminalreporter.write_line(line)
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and references.directory() is not None:
+        shutil.rmtree(references.directory(), ignore_errors=True)
+        references.begin(None)
+
 
 @pytest.fixture
 def cache_dir(tmp_path):

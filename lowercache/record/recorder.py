@@ -15,16 +15,18 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 from .. import sweep
 from ..cache.digests import digest_json
 from ..cache.toolchain import lowercache_digest, memo_prefixes
 from ..config import Settings
-from . import backstop
-from .places import (RACY_NS, STAT_FIELDS, Places, bytecode_matches, dir_listing, entries, is_system, named, path_state, size,
+from .places import (RACY_NS, STAT_FIELDS, Places, bytecode_matches, dir_listing, entries, named, on_system, path_state, size,
                      stdlib_dirs, work_tree)
 from .trust import env_digest
+
+if TYPE_CHECKING:  # the tracer is imported only to record: a hit needs none of it
+    from . import backstop
 
 _PYCACHE = os.sep + "__pycache__" + os.sep
 # lowercache's own package: the rooms whose code the toolchain identity covers are not a record's inputs.
@@ -217,6 +219,8 @@ class Recorder:
     def watch_below(self) -> None:
         """Attach the backstop below Python (``backstop.py``) before the recorded code runs; where the platform does
         not allow one, the record will be untrusted, naming why."""
+        from . import backstop
+
         started = backstop.start()
         if isinstance(started, str):
             self.below_why = f"could not be watched below Python ({started})"
@@ -535,11 +539,7 @@ class Recorder:
                 continue
             if path in known or _PYCACHE in path or path.startswith(installed) or path + os.sep in installed:
                 continue
-            try:
-                st = os.lstat(path)
-            except OSError:
-                st = None
-            if st is not None and is_system(st):
+            if on_system(path):
                 continue
             if path in search and own <= {"list", "look", "dir"}:
                 continue  # the import system's scan of a search directory: its lookups are recorded by name

@@ -19,7 +19,7 @@ from tests.helpers.optests import OPS, PYTEST, TESTS, outcomes
 
 
 def test_arm_op_tests_have_the_same_outcomes_under_run(tmp_path, cache_dir):
-    status, expected = optests.plain()
+    status, expected = optests.plain(tmp_path)
     env = {**os.environ, "LOWERCACHE_DIR": str(cache_dir), "LOWERCACHE_RUN_AHEAD": "0"}  # exact counts: no runner's timing
     for run in ("cold", "warm"):
         result = subprocess.run([sys.executable, "-m", "lowercache.cli", "run", "--", *PYTEST], cwd=OPS, capture_output=True,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
+import os
 import sys
 import textwrap
 import time
 from pathlib import Path
+
+from . import references
 
 MODEL = textwrap.dedent(
     """
@@ -39,8 +41,11 @@ def write_model(project, act: str) -> None:
     time.sleep(0.1)
 
 
-def plain(project, aot: list[str] = AOT) -> bytes:
-    result = subprocess.run([sys.executable, *aot], cwd=project, capture_output=True, timeout=600)
+def plain(project: Path, aot: list[str] = AOT) -> bytes:
+    """The plain script's .pte for the project as it is now, in a new process: run once per test run for the same
+    model file, command and environment (``helpers/references.py``); the project is in the test's own directory."""
+    result = references.run([sys.executable, *aot], cwd=project, env=os.environ, outputs=[project / PTE],
+                            places={project.parent: "<tmp>"}, timeout=600)
     assert result.returncode == 0, result.stderr
     data = (project / PTE).read_bytes()
     (project / PTE).unlink()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import references
 from .oracle import stock_pte
 
 TARGET = "tosa-fp"
@@ -88,6 +89,20 @@ def lower(project: Path, cache_dir: Path, *extra: str, env: dict[str, str] | Non
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((project / out / "manifest.json").read_text())
     return manifest, (project / out / "model.pte").read_bytes(), result
+
+
+def fresh(project: Path, base: Path, env: dict[str, str] | None = None) -> bytes:
+    """The bytes of an uncached lowering of the project as it is now, in a new process (``--no-cache --no-server``),
+    run once per test run for the same project, environment and lowercache (``helpers/references.py``). ``base``: the
+    test's own directory. The outputs of earlier lowerings (``out``, ``fresh``) are no input of the model."""
+    out = project / "fresh"
+    result = references.run(
+        [sys.executable, "-m", "lowercache.cli", "lower", "model.py:model", "-t", TARGET, "-o", "fresh", "--no-cache", "--no-server"],
+        cwd=project, env=cli_env(base / "unused-cache", env), outputs=[out / "model.pte", out / "manifest.json"],
+        places={base: "<tmp>", Path(_XDG_CACHE): "<xdg>"}, ignore=(str(project / "out"), str(out)),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return (out / "model.pte").read_bytes()
 
 
 def _isolated() -> dict[str, str]:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from . import ROOT
+from . import ROOT, references
 
 TARGET = "ethos-u55-128"
 WAIT = 600  # seconds any one command may take on a loaded 2-core machine
@@ -174,6 +174,22 @@ class Server:
             if not wait_until(lambda: not alive(pid), 60):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.run, ignore_errors=True)
+
+
+def fresh(server: Server, base: Path, *args: str | Path, cwd: Path | None = None, trees: tuple[Path, ...] = (),
+          **extra: str) -> subprocess.CompletedProcess:
+    """``lowercache ARGS --no-cache --no-server`` (``-o DIR`` among ``args``) in a new process, in the server's
+    environment with no server by variable too: the fresh reference. Run once per test run for the same project,
+    environment and lowercache (``helpers/references.py``); ``base``: the test's own directory. Of its outputs, the
+    ``.pte`` is kept. ``trees``: what the model reads outside the working directory (a model file elsewhere)."""
+    args = tuple(map(str, args))
+    out = Path(args[args.index("-o") + 1])
+    cwd = cwd or server.project
+    return references.run(
+        [sys.executable, "-m", "lowercache.cli", *args, "--no-cache", "--no-server"], cwd=cwd,
+        env={**server.env, "LOWERCACHE_SERVER": "0", **extra}, outputs=[(cwd / out) / "model.pte"],
+        places={base: "<tmp>", server.run: "<run>", snapshot(): "<src>"}, trees=(cwd, *trees), timeout=WAIT,
+    )
 
 
 def steady(text: str) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.server import WAIT
+from tests.helpers.server import WAIT, fresh
 
 PY = sys.executable
 TARGET = "tosa-fp"
@@ -94,6 +94,13 @@ def lower(server, root: Path, out: Path, *flags: str, **env: str) -> tuple[bytes
     return (out / "model.pte").read_bytes(), result.stderr
 
 
+def fresh_pte(server, root: Path, base: Path, out: str) -> bytes:
+    """The project lowered afresh in a new process (``--no-cache --no-server``), shared across the run's tests."""
+    result = fresh(server, base, "lower", "models/m.py:model", "-t", TARGET, "-o", base / out, cwd=root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return (base / out / "model.pte").read_bytes()
+
+
 def explain(server, root: Path) -> str:
     return subprocess.run([PY, "-m", "lowercache.cli", "explain", "models/m.py:model", "-t", TARGET], cwd=root, env=server.env,
                           capture_output=True, text=True, timeout=WAIT).stdout
@@ -105,18 +112,18 @@ def test_direct_mode_serves_fresh_bytes_after_a_file_only_native_code_read_chang
     if where == "in-process":
         server.env["LOWERCACHE_SERVER"] = "0"
     root = project(tmp_path / "p")
-    before = lower(server, root, tmp_path / "fresh0", "--no-cache", "--no-server")[0]
+    before = fresh_pte(server, root, tmp_path, "fresh0")
     for run in range(3):
         served, stderr = lower(server, root, tmp_path / f"a{run}")
         assert served == before, run
     assert "direct mode: served from the record" in stderr
     edit(root, 9.0, 2.0)  # the weights, read by torch.from_file
-    weights = lower(server, root, tmp_path / "fresh1", "--no-cache", "--no-server")[0]
+    weights = fresh_pte(server, root, tmp_path, "fresh1")
     assert weights != before
     assert lower(server, root, tmp_path / "b")[0] == weights
     assert "direct mode, latest lookup: not used: assets/w.blob2 changed" in explain(server, root)
     edit(root, 9.0, 5.0)  # the scale, read by libc's fread
-    scaled = lower(server, root, tmp_path / "fresh2", "--no-cache", "--no-server")[0]
+    scaled = fresh_pte(server, root, tmp_path, "fresh2")
     assert scaled != weights
     for run in range(3):
         assert lower(server, root, tmp_path / f"c{run}")[0] == scaled, run
@@ -169,7 +176,7 @@ def test_a_record_no_tracer_could_watch_is_not_trusted(own, tmp_path):
     server = own()
     server.env["LOWERCACHE_SERVER"] = "0"
     root = project(tmp_path / "p")
-    before = lower(server, root, tmp_path / "fresh0", "--no-cache", "--no-server")[0]
+    before = fresh_pte(server, root, tmp_path, "fresh0")
     traced = [PY, "-c", TRACED, PY, "-m", "lowercache.cli", "lower", "models/m.py:model", "-t", TARGET]
     for run in range(3):
         result = subprocess.run([*traced, "-o", str(tmp_path / f"t{run}")], cwd=root, env=server.env, capture_output=True,

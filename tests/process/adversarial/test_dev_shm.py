@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from tests.helpers import replay
-from tests.helpers.direct import MODEL, explain, lower, make_project, served, weights
+from tests.helpers.direct import MODEL, explain, fresh, lower, make_project, served, weights
 
-from .test_records import _replayed, _same_as_plain, fresh, until_served
+from .test_records import _replayed, _same_as_plain, until_served
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm")
 

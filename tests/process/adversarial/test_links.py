@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from tests.helpers import replay
-from tests.helpers.direct import explain, lower, served
+from tests.helpers.direct import explain, fresh, lower, served
 
-from .test_records import _replayed, _same_as_plain, fresh, tiny_project, until_served
+from .test_records import _replayed, _same_as_plain, tiny_project, until_served
 
 # Where a factory finds the latest checkpoint, three ways; ``{ckpt}`` is the link, relative to the project.
 FINDS = {

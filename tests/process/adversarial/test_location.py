@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.direct import PORTABLE_MODEL, explain, lower, make_project, served
+from tests.helpers.direct import PORTABLE_MODEL, explain, fresh, lower, make_project, served
 
-from .test_records import fresh, tiny_project, until_served
+from .test_records import tiny_project, until_served
 
 # The checkout's name, five ways no source scan names (the model's width is its last digit).
 WHERE = {

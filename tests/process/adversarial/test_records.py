@@ -21,15 +21,10 @@ import torch
 from lowercache import sweep
 
 from tests.helpers import replay
-from tests.helpers.direct import MODEL, PORTABLE_MODEL, TARGET, cli_env, explain, lower, make_project, served
+from tests.helpers.direct import MODEL, PORTABLE_MODEL, TARGET, cli_env, explain, fresh, lower, make_project, served
 
 
 BYTECODE_ON = {"PYTHONDONTWRITEBYTECODE": ""}  # the suite turns bytecode writing off; users have it on
-
-
-def fresh(project: Path, tmp_path: Path, env: dict[str, str] | None = None) -> bytes:
-    """The bytes of an uncached lowering of the project as it is now, in a new process."""
-    return lower(project, tmp_path / "unused-cache", "--no-cache", "--no-server", env=env, out="fresh")[1]
 
 
 def until_served(project: Path, cache: Path, env: dict[str, str] | None = None, runs: int = 4) -> bytes:

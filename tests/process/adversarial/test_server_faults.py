@@ -30,7 +30,7 @@ from tests.helpers import ROOT
 from tests.helpers.disks import tmpfs
 from tests.helpers.runserver import explain
 from tests.helpers.cli import TINY, error_lines, stock_tiny, warnings_of
-from tests.helpers.server import TARGET, WAIT, alive, base_env, lc, wait_until
+from tests.helpers.server import TARGET, WAIT, alive, base_env, lc, wait_until, fresh as fresh_reference
 
 
 def raw(server, line: bytes, timeout: float = 60) -> dict | None:
@@ -157,6 +157,12 @@ def fresh(server, out: Path, cache: Path, **extra: str) -> bytes:
     result = server("lower", "model.py:model", "-t", "tosa-int", "-o", out, "--no-server", "--no-direct", LOWERCACHE_DIR=str(cache), **extra)
     assert result.returncode == 0, result.stderr[-2000:]
     return (out / "model.pte").read_bytes()
+
+
+def fresh_tiny(server, base: Path) -> subprocess.CompletedProcess:
+    """The bundled tiny example lowered afresh for tosa-int into ``base / "fresh"``, shared across the run's tests."""
+    return fresh_reference(server, base, "lower", TINY, "-t", "tosa-int", "-o", base / "fresh",
+                           trees=(ROOT / "examples" / "tiny_cnn.py",))
 
 
 def test_a_paused_server_does_not_hang_the_client(own, tmp_path):
@@ -292,7 +298,7 @@ def test_a_full_disk_through_the_server_says_disk_full(shared, tmp_path):
     """SQLite reports the first write to a full disk as 'disk I/O error'; the old warning said only that."""
     seeded = shared("lower", TINY, "-t", TARGET, "-o", tmp_path / "seed-out", "--no-direct", LOWERCACHE_DIR=str(tmp_path / "seed"))
     assert seeded.returncode == 0, seeded.stderr[-2000:]
-    fresh = shared("lower", TINY, "-t", "tosa-int", "-o", tmp_path / "fresh", "--no-server", "--no-cache")
+    fresh = fresh_tiny(shared, tmp_path)
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     with tmpfs(tmp_path / "small", "2m") as disk:
         shutil.copytree(tmp_path / "seed", disk / "cache")
@@ -335,7 +341,7 @@ def _cut_short_checkpoint(entries: Path) -> None:
 def test_a_full_disk_does_not_call_a_sound_index_damaged(shared, tmp_path):
     """Writing stopped, the store read its index through a connection that skips the log, and called it 'damaged
     (database disk image is malformed)' though integrity_check passes."""
-    fresh = shared("lower", TINY, "-t", "tosa-int", "-o", tmp_path / "fresh", "--no-server", "--no-cache")
+    fresh = fresh_tiny(shared, tmp_path)
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     with tmpfs(tmp_path / "small", "2m") as disk:
         _cut_short_checkpoint(disk / "cache" / "entries")
@@ -354,16 +360,26 @@ def test_a_full_disk_does_not_call_a_sound_index_damaged(shared, tmp_path):
 
 HARNESS = """
 import sys
-from lowercache import server
+from lowercache.server import loop, warm
 
 def broken_fork(self, request):
     raise ZeroDivisionError("a fault nobody foresaw")
 
-server.Server._fork = broken_fork  # the fault: any exception while one request is handled
-listener = server._listen(sys.argv[1])
-warm = server.Warm(threads=1, cpus=1, start_env={}, base_path=None)
-server.Server(listener, {"id": 1}, warm, idle_timeout=60, jobs=1).serve()
+loop.Server._fork = broken_fork  # the fault: any exception while one request is handled
+listener = loop._listen(sys.argv[1])
+held = warm.Warm(threads=1, cpus=1, start_env={}, base_path=None)
+loop.Server(listener, {"id": 1}, held, idle_timeout=60, jobs=1).serve()
 """
+
+
+def _accepts(path: Path) -> bool:
+    """The socket takes connections: its file appears at bind, a moment before the server listens."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def test_an_unforeseen_fault_ends_only_its_request(tmp_path):
@@ -374,7 +390,7 @@ def test_an_unforeseen_fault_ends_only_its_request(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen([sys.executable, "-c", HARNESS, str(path)], env=env, stderr=subprocess.PIPE, text=True)
     try:
-        assert wait_until(path.exists, 60)
+        assert wait_until(lambda: _accepts(path), 60)
         line = json.dumps({"op": "run", "argv": ["lower"], "cwd": "/", "env": {}, "path": [], "identity": {"id": 1},
                            "process": process_state.capture()}).encode()
         for _ in range(2):
