@@ -300,7 +300,7 @@ def confirm(args: list[str], key_of: Callable[[LowerRecorder], str | None]) -> s
     """Settle the unconfirmed record of the ``lower`` command line ``args`` as its re-run would, without lowering.
 
     ``key_of(recorder)`` imports the model file and runs its factory and the export with the recorder listening,
-    and gives the flow key. The warm server does this when idle (``server.py``), in a child that became the
+    and gives the flow key. The warm server does this when idle (``server/loop.py``), in a child that became the
     request's client again, so the next run is a hit. The rule is the one of every confirmation (``verdict``):
     the same inputs and start-up state, the same key; another key makes the record untrusted. What became of it
     is returned for the server's log.

@@ -27,7 +27,7 @@ from typing import Any, Iterable
 from . import environment
 from .cache.digests import digest, digest_json, stat_key
 
-# A server's child sets the thread count itself (server.py): a client's own is an input of records (record/trust.py).
+# A server's child sets the thread count itself (server/child.py): a client's own is an input of records (record/trust.py).
 SET_BY_CHILD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # ``lowercache run`` puts this directory (its ``sitecustomize``) on a command's PYTHONPATH: it says nothing of the user's.
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run", "_site")

@@ -25,8 +25,9 @@ decomposition re-traces that have nothing to decompose
 (``fakecache.py``), one-frame stack lines for the nodes passes stamp
 (``callsite.py``), dead-code elimination that asks about side effects
 only for nodes without users (``deadcode.py``), one C++ registry walk
-per collection of CompositeImplicitAutograd operators (``ciaops.py``) and
-reachability searched when the partitioner asks (``partitioner.py``).
+per collection of CompositeImplicitAutograd operators (``ciaops.py``),
+reachability as bit sets in the partitioner (``partitioner.py``) and the
+permute propagation's rounds retraced where they changed (``propagate.py``).
 They also put partitions in discovery order (``partitionorder.py``), which stock leaves to the
 string-hash seed, so the output is the same in every process. Calls that ask for debug
 artifacts on disk run uncached (a hit would not write them).
@@ -251,7 +252,7 @@ _FLOW_SPEEDUPS = {"regions": regionsplice, "rebind": rebind}
 _ORDER = (
     "provenance", "paramsearch", "qparams", "histogram", "passes", "retrace", "fastcopy", "lazycode", "attrnames",
     "decompositions", "fakecache", "partitionorder", "signature", "treeiter", "dtypecheck", "callsite",
-    "deadcode", "ciaops", "exportguards", "partitioner", "regions", "rebind",
+    "deadcode", "ciaops", "exportguards", "propagate", "partitioner", "regions", "rebind",
 )
 _enabled: list[Any] = []  # what _apply turned on, so _undo turns off the same
 

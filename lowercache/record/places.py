@@ -157,6 +157,19 @@ def is_system(st: os.stat_result) -> bool:
     return stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or st.st_dev in pseudo_devices()
 
 
+def on_system(path: str) -> bool:
+    """:func:`is_system` of the path, or, when it is gone (``/proc/self/fd/3`` of a descriptor since closed), of the
+    nearest directory above it that is there: a file of a kernel file system is no input even once it has vanished."""
+    while True:
+        try:
+            return is_system(os.lstat(path))
+        except OSError:
+            parent = os.path.dirname(path)
+            if parent == path:
+                return False
+            path = parent
+
+
 def _file_digest(path: str) -> str:
     with open(path, "rb") as f:
         return digest(f.read())

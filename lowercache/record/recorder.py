@@ -21,7 +21,7 @@ from .. import sweep
 from ..cache.digests import digest_json
 from ..cache.toolchain import lowercache_digest, memo_prefixes
 from ..config import Settings
-from .places import (RACY_NS, STAT_FIELDS, Places, bytecode_matches, dir_listing, entries, is_system, named, path_state, size,
+from .places import (RACY_NS, STAT_FIELDS, Places, bytecode_matches, dir_listing, entries, named, on_system, path_state, size,
                      stdlib_dirs, work_tree)
 from .trust import env_digest
 
@@ -539,11 +539,7 @@ class Recorder:
                 continue
             if path in known or _PYCACHE in path or path.startswith(installed) or path + os.sep in installed:
                 continue
-            try:
-                st = os.lstat(path)
-            except OSError:
-                st = None
-            if st is not None and is_system(st):
+            if on_system(path):
                 continue
             if path in search and own <= {"list", "look", "dir"}:
                 continue  # the import system's scan of a search directory: its lookups are recorded by name

@@ -1,7 +1,7 @@
 """Run ``python script.py`` or ``python -m module`` in a child of the warm server, as a new interpreter would.
 
 ``lowercache run -- python export.py`` sends the command to the warm server
-(``server.py``), whose children have torch, ExecuTorch's Arm backend and
+(``lowercache/server/``), whose children have torch, ExecuTorch's Arm backend and
 torchao imported already, so the script does not pay for the imports. This
 module is what lets such a child stand in for the process ``python`` would
 have started:

@@ -162,6 +162,15 @@ SPEEDUPS: tuple[Speedup, ...] = (
         "tests/unit/test_exportguards.py",
     ),
     Speedup(
+        "propagate",
+        ("executorch.backends.transforms.propagate_view_copy_permute_pass:PropagateViewCopyPermutePass.call",
+         "executorch.backends.transforms.propagate_view_copy_permute_pass:PropagateViewCopyPermutePass._retrace"),
+        "c238d167a77041fc0a762a41ad2a19d693fe82ce0bf584a072c33947481485ca",
+        "Between rounds of moves, only nodes whose operator, arguments or inputs' values changed are dispatched, as the "
+        "retrace dispatches them; the pass's last retrace is stock's, which names every node from the graph alone.",
+        "tests/flow/test_propagate.py",
+    ),
+    Speedup(
         "partitioner",
         ("torch.fx.passes.infra.partitioner:_DependencyViewer",
          "torch.fx.passes.infra.partitioner:CapabilityBasedPartitioner.__init__",

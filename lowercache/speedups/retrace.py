@@ -144,6 +144,14 @@ def _tensor_sig(x: Any, mode: Any) -> tuple | None:
     return (x.dtype, x.device, shape, stride, offset, x.requires_grad, x.is_conj(), x.is_neg(), x._is_view())
 
 
+def tensor_signature(x: Any) -> tuple | None:
+    """What a fake kernel can see of ``x``: :func:`_tensor_sig` in its own fake mode; None unless a plain static FakeTensor."""
+    types = _load_types()
+    if type(x) is not types["fake"]:
+        return None
+    return _tensor_sig(x, x.fake_mode)
+
+
 def _walk(x: Any, mode: Any, sig: list, tensors: list, types: dict) -> bool:
     tx = type(x)
     if tx is types["fake"]:

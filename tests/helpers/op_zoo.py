@@ -166,3 +166,29 @@ ODD = {
     "no_parameters": (no_parameters, ("ethos-u55-128",)),
 }
 """Graph shapes a cache can get wrong, with the targets stock lowers them for (a float in-place buffer update fails in stock)."""
+
+
+class ChannelsLastNorm(nn.Module):
+    """ConvNeXt's block: a depthwise conv, then LayerNorm and an MLP on channels last (permutes around them), residual."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, dim, 2, stride=2)
+        self.dw = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.head = nn.Linear(dim, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for _ in range(2):
+            y = self.dw(x).permute(0, 2, 3, 1)
+            y = self.down(F.gelu(self.up(self.norm(y))))
+            x = x + y.permute(0, 3, 1, 2)
+        return self.head(x.mean((-2, -1)))
+
+
+def channels_last_norm() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Permutes a layout pass moves through LayerNorm and MLPs, as in ConvNeXt."""
+    return _seeded(ChannelsLastNorm(), (1, 3, 16, 16))

@@ -360,16 +360,26 @@ def test_a_full_disk_does_not_call_a_sound_index_damaged(shared, tmp_path):
 
 HARNESS = """
 import sys
-from lowercache import server
+from lowercache.server import loop, warm
 
 def broken_fork(self, request):
     raise ZeroDivisionError("a fault nobody foresaw")
 
-server.Server._fork = broken_fork  # the fault: any exception while one request is handled
-listener = server._listen(sys.argv[1])
-warm = server.Warm(threads=1, cpus=1, start_env={}, base_path=None)
-server.Server(listener, {"id": 1}, warm, idle_timeout=60, jobs=1).serve()
+loop.Server._fork = broken_fork  # the fault: any exception while one request is handled
+listener = loop._listen(sys.argv[1])
+held = warm.Warm(threads=1, cpus=1, start_env={}, base_path=None)
+loop.Server(listener, {"id": 1}, held, idle_timeout=60, jobs=1).serve()
 """
+
+
+def _accepts(path: Path) -> bool:
+    """The socket takes connections: its file appears at bind, a moment before the server listens."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def test_an_unforeseen_fault_ends_only_its_request(tmp_path):
@@ -380,7 +390,7 @@ def test_an_unforeseen_fault_ends_only_its_request(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen([sys.executable, "-c", HARNESS, str(path)], env=env, stderr=subprocess.PIPE, text=True)
     try:
-        assert wait_until(path.exists, 60)
+        assert wait_until(lambda: _accepts(path), 60)
         line = json.dumps({"op": "run", "argv": ["lower"], "cwd": "/", "env": {}, "path": [], "identity": {"id": 1},
                            "process": process_state.capture()}).encode()
         for _ in range(2):

@@ -1,50 +1,29 @@
-"""The warm lowering server: torch, ExecuTorch's Arm backend, the quantizer and Vela imported and warmed up once.
-
-Started by the first client that needs it (:mod:`lowercache.client`), or by
-``lowercache server start``. Each request runs in a child forked from the
-warm process: the child takes the client's working directory, environment,
-``sys.path`` and terminal, runs the CLI exactly as a new process would
-(:func:`lowercache.cli.commands.run_in_process`), and its stdout and stderr are
-relayed to the client as JSON frames. The server never imports user code, so
-every child imports the model file (and the modules it imports) fresh. A
-child that crashes, hangs past the request timeout or is killed for memory
-takes only its request with it.
-
-One thread, one selector: forking from a process whose other threads may
-hold locks can hang the child, and torch's intra-op pool is kept at one
-thread in the server for the same reason (each child gets the client's
-thread count back).
-"""
+"""The server's one thread: the accept loop, the queue, a child per request, and background confirmation while idle."""
 
 from __future__ import annotations
 
 import base64
-import codecs
 import collections
 import contextlib
-import ctypes
 import errno
 import gc
-import importlib
 import json
 import os
 import selectors
 import signal
 import socket
 import sys
-import tempfile
 import time
 import traceback
-import warnings
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from . import client, direct, environment, process_state, startup, terminal
-from .cache.digests import stat_key
-from .config import MAX_SECONDS, load_settings
-from .run import pyexec
+from .. import client, direct, startup
+from ..config import load_settings
+from ..run import pyexec
+from . import child, protocol
+from .warm import Warm, warm_up
 
-_PR_SET_PDEATHSIG = 1
+
 # Seconds without a request before the server confirms new direct-mode records in the background (``_confirm_next``),
 # and how many ``lower`` commands it keeps to confirm.
 CONFIRM_AFTER = 1.0
@@ -94,17 +73,6 @@ def _rss_bytes() -> int:
     return 0
 
 
-def _die_with_parent(parent: int) -> None:
-    """Linux: the kernel kills this child when the server dies, so a fallback never races an orphan."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 def _signal_error(status: int) -> str:
     number = -status
     try:
@@ -113,110 +81,6 @@ def _signal_error(status: int) -> str:
         name = f"signal {number}"
     why = " (out of memory?)" if number == signal.SIGKILL else ""
     return f"the lowering process was killed by {name}{why}; the server is still up"
-
-# What each request may hold: a field's check returns why a value is refused, or None. Every request is checked against
-# this before any of it is used, so no value a client can send (a wrong type, a huge number, a NUL) reaches code that
-# could fail on it in the server; only hello, status and stop take no fields.
-_MAX_ITEMS = 1 << 16  # argv, sys.path and environment entries: far beyond any command line (ARG_MAX is 2 MiB)
-_MAX_COLUMNS = 1 << 16
-
-
-def _text(value: Any) -> str | None:
-    return None if isinstance(value, str) and "\0" not in value else "a string without NUL"
-
-
-def _texts(count: int | None = None) -> Any:
-    def check(value: Any) -> str | None:
-        if not isinstance(value, list) or len(value) > _MAX_ITEMS or (count is not None and len(value) != count):
-            return f"a list of {count or 'at most ' + str(_MAX_ITEMS)} strings"
-        return next((_text(v) for v in value if _text(v) is not None), None)
-
-    return check
-
-
-def _absolute(value: Any) -> str | None:
-    return _text(value) or (None if value.startswith("/") else "an absolute path")
-
-
-def _environment(value: Any) -> str | None:
-    if not isinstance(value, dict) or len(value) > _MAX_ITEMS:
-        return "an object of strings"
-    for name, text in value.items():
-        if not name or "=" in name or _text(name) or _text(text):
-            return "an object of strings, names without '=' or NUL"
-    return None
-
-
-def _whole(low: int, high: int) -> Any:
-    def check(value: Any) -> str | None:
-        ok = isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-        return None if ok else f"a whole number from {low} to {high}"
-
-    return check
-
-
-def _timeout(value: Any) -> str | None:
-    if value is None:
-        return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= MAX_SECONDS
-    return None if ok else f"null or a number of seconds from 0 to {MAX_SECONDS}"
-
-
-def _codecs(lookup: Any) -> Any:
-    def check(value: Any) -> str | None:  # null: the stream had none (a replaced stream), the child takes the default
-        if not isinstance(value, list) or len(value) != 2 or not all(v is None or isinstance(v, str) for v in value):
-            return "two names Python knows (or null)"
-        try:
-            for name in value:
-                if name is not None:
-                    lookup(name)
-        except (LookupError, ValueError):  # ValueError: a NUL in the name
-            return "two names Python knows (or null)"
-        return None
-
-    return check
-
-
-def _flags(value: Any) -> str | None:
-    return None if isinstance(value, list) and len(value) == 2 and all(isinstance(v, bool) for v in value) else "two booleans"
-
-
-def _identity(value: Any) -> str | None:
-    return None if isinstance(value, dict) else "an object"
-
-
-_COMMON = {"argv": _texts(), "cwd": _absolute, "env": _environment, "timeout": _timeout, "identity": _identity,
-           "process": process_state.check}
-_FIELDS: dict[str, dict[str, Any]] = {
-    "hello": {},
-    "status": {},
-    "stop": {},
-    "run": {**_COMMON, "path": _texts(), "tty": _flags, "columns": _whole(0, _MAX_COLUMNS), "lines": _whole(0, _MAX_COLUMNS),
-            "encoding": _codecs(codecs.lookup), "errors": _codecs(codecs.lookup_error)},
-    "exec": {**_COMMON, "executable": _absolute},
-}
-_REQUIRED = {"run": ("argv", "cwd", "env", "path", "process"), "exec": ("argv", "cwd", "env", "executable", "process")}
-
-
-def request_error(message: Any) -> str | None:
-    """Why ``message`` is not a request this server takes (one line naming the field), or None when every field is sound."""
-    if not isinstance(message, dict):
-        return "a request that is not a JSON object"
-    op = message.get("op")
-    if not isinstance(op, str) or op not in _FIELDS:
-        return f"unknown request {str(op)[:40]!r}"
-    fields = _FIELDS[op]
-    for name, value in message.items():
-        if name == "op":
-            continue
-        if name not in fields:
-            return f"{op} request: unknown field {str(name)[:40]!r}"
-        why = fields[name](value)
-        if why is not None:
-            return f"{op} request: field {name!r} must be {why}"
-    missing = [name for name in _REQUIRED.get(op, ()) if name not in message]
-    return f"{op} request: missing field(s) {', '.join(missing)}" if missing else None
-
 
 
 class Server:
@@ -385,7 +249,7 @@ class Server:
     def _handle(self, request: _Request, line: bytes) -> None:
         try:
             message = json.loads(line)
-            why = request_error(message)
+            why = protocol.request_error(message)
         except ValueError:
             why = "a request that is not JSON"
         except RecursionError:
@@ -540,27 +404,18 @@ class Server:
         err_r, err_w = os.pipe() if not request.execs else (-1, -1)
         started_r, started_w = os.pipe()
         parent = os.getpid()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                own = [self.listener.fileno(), self.selector.fileno(), out_r, err_r, started_r]
-                own += [r.conn.fileno() for r in self.requests.values()]
-                own += [fd for r in self.requests.values() if r is not request for fd in r.fds]
-                own += [fd for r in self.running.values() for fd in (*r.pipes, r.pidfd, r.started)]
-                inherited = [fd for fd in own if fd >= 0]
-                if request.execs:
-                    code = _exec_child(request.message or {}, parent, request.fds, inherited, self.warm, started_w)
-                else:
-                    code = _child(request.message or {}, parent, out_w, err_w, inherited, self.warm, started_w)
-            finally:
-                os._exit(code)
-        try:
-            os.setpgid(pid, pid)  # as the child does itself: whichever runs first, a kill reaches the whole group
-        except OSError:
-            pass
+
+        def body() -> int:
+            own = [self.listener.fileno(), self.selector.fileno(), out_r, err_r, started_r]
+            own += [r.conn.fileno() for r in self.requests.values()]
+            own += [fd for r in self.requests.values() if r is not request for fd in r.fds]
+            own += [fd for r in self.running.values() for fd in (*r.pipes, r.pidfd, r.started)]
+            inherited = [fd for fd in own if fd >= 0]
+            if request.execs:
+                return child.run_python(request.message or {}, parent, request.fds, inherited, self.warm, started_w)
+            return child.run_cli(request.message or {}, parent, out_w, err_w, inherited, self.warm, started_w)
+
+        pid = _forked(body)
         request.close_fds()  # the child has them: the client sees end of file once the command and what it started are gone
         request.pid = pid
         os.close(started_w)
@@ -675,21 +530,12 @@ class Server:
     def _confirm_next(self) -> None:
         key, message = self.unconfirmed.popitem(last=False)
         parent = os.getpid()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                own = [self.listener.fileno(), self.selector.fileno(), *(r.conn.fileno() for r in self.requests.values())]
-                code = _confirm_child(message, parent, [fd for fd in own if fd >= 0], self.warm)
-            finally:
-                os._exit(code)
-        try:
-            os.setpgid(pid, pid)
-        except OSError:
-            pass
-        self.confirming = (pid, message)
+
+        def body() -> int:
+            own = [self.listener.fileno(), self.selector.fileno(), *(r.conn.fileno() for r in self.requests.values())]
+            return child.confirm(message, parent, [fd for fd in own if fd >= 0], self.warm)
+
+        self.confirming = (_forked(body), message)
 
     def _confirm_reaped(self) -> None:
         if self.confirming is None:
@@ -734,290 +580,23 @@ class Server:
         return said if said or request.execs else None
 
 
-def _detach(parent: int, inherited: list[int]) -> None:
-    """A forked child's first steps: a process group of its own, death with the server, default signals, none of its descriptors."""
-    os.setpgid(0, 0)
-    _die_with_parent(parent)
-    for number in (signal.SIGTERM, signal.SIGCHLD):
-        signal.signal(number, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for fd in inherited:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-def _child(message: dict[str, Any], parent: int, out_w: int, err_w: int, inherited: list[int], warm: Warm, started: int) -> int:
-    """In the forked child: become the client's process, run the CLI, return its exit code. Never returns into the server.
-
-    ``started`` gets ``S`` once the child has taken the client's place, or ``E``
-    and why it could not (a process state it cannot take): the server then
-    declines, and the client lowers in its own process.
-    """
-    _detach(parent, inherited)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(out_w, 1)
-    os.dup2(err_w, 2)
-    for fd in (devnull, out_w, err_w):
-        os.close(fd)
-    ttys = message.get("tty") or [False, False]
-    encodings = message.get("encoding") or ["utf-8", "utf-8"]
-    errors = message.get("errors") or ["strict", "backslashreplace"]
-    size = (int(message.get("columns") or 0), int(message.get("lines") or 0))
-    sys.stdout = terminal.Relayed(1, ttys[0], size, encodings[0], errors[0], line_buffering=ttys[0])
-    sys.stderr = terminal.Relayed(2, ttys[1], size, encodings[1], errors[1], line_buffering=True)
-    try:
-        _become_client(message, warm)
-        pyexec.reseed()  # as a new process: an unseeded factory draws afresh, so a confirmation can tell
-    except BaseException as e:  # noqa: BLE001
-        os.write(started, b"E" + _why_not_started(e, "the lowering").encode()[:4000])
-        return 1
-    os.write(started, b"S")
-    os.close(started)
-    try:
-        from . import cli
-        from .errors import new_command
-
-        new_command()  # the server's own warnings were its own
-        code: object = cli.run_in_process(list(message.get("argv") or []))
-    except SystemExit as e:
-        code = e.code
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    if code is not None and not isinstance(code, int):
-        print(code, file=sys.stderr)
-        code = 1
+def _forked(body: Callable[[], int]) -> int:
+    """Fork a child that runs ``body`` and exits with what it returns (1 if it raises), never returning into the loop;
+    the child leads a process group, set on both sides so that whichever runs first, a kill reaches the whole group."""
     for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
         try:
-            stream.flush()
-        except OSError:
-            pass
-    return code or 0
-
-
-def _confirm_child(message: dict[str, Any], parent: int, inherited: list[int], warm: Warm) -> int:
-    """In the forked child: become the request's client again and settle its direct-mode record, as its re-run
-    would (``direct.confirm``), without lowering. Nothing reaches the client; a fault goes to the server's log."""
-    _detach(parent, inherited)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1):
-        os.dup2(devnull, fd)
-    os.close(devnull)
+            code = body()
+        finally:
+            os._exit(code)
     try:
-        _become_client(message, warm)
-        pyexec.reseed()
-        from .cli.commands import confirm_record
-        from .errors import new_command
-
-        new_command()
-        said = confirm_record([str(a) for a in message["argv"]])
-    except BaseException as e:  # noqa: BLE001 - the record stays unconfirmed; the next run confirms it as before
-        said = f"failed ({type(e).__name__}: {e})"
-    print(f"lowercache server: background confirmation of {message.get('cwd')}: lower {' '.join(message['argv'][1:])}: {said}",
-          file=sys.stderr, flush=True)
-    return 0
-
-
-def _exec_child(message: dict[str, Any], parent: int, fds: list[int], inherited: list[int], warm: Warm, started: int) -> int:
-    """In the forked child: be the new ``python`` process ``lowercache run`` would have started (``run/pyexec.py``).
-
-    ``started`` gets ``S`` just before the command's own code runs. A fault
-    before that writes ``E`` and why, and the client runs the command as a
-    new process instead: nothing of the command has run.
-    """
-    try:
-        _detach(parent, inherited)
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-        for fd in fds:
-            if fd > 2:
-                os.close(fd)
-        invocation = pyexec.parse([str(a) for a in message["argv"]])
-        assert invocation is not None and warm.base_path is not None  # checked by _cannot_exec before the fork
-        pyexec.streams(invocation.unbuffered)
-        _become_client(message, warm)
-    except BaseException as e:  # noqa: BLE001
-        os.write(started, b"E" + _why_not_started(e, "the command").encode()[:4000])
-        return 1
-    dump = None
-    try:  # what lowercache/run/_site/sitecustomize.py does in a new process, with the server's imports' reads added to the record
-        from .errors import show_warnings_in_one_line
-        from .run.hook import activate_in_process
-        from .run.replay import record_in_process
-
-        dump = record_in_process(at_exit=False, warm={"env": warm.read_env, "lookups": warm.lookups})
-        show_warnings_in_one_line()
-        activate_in_process()
-    except Exception as e:  # noqa: BLE001 - as in a new process: never break the wrapped program
-        print(f"lowercache: warning: caching is off for this process ({e})", file=sys.stderr)
-
-    def now_started() -> None:
-        os.write(started, b"S")
-        os.close(started)
-
-    return pyexec.run(invocation, [str(a) for a in message["argv"]], str(message["executable"]), warm.base_path,
-                      warm.installed, dump, now_started)
-
-
-def _why_not_started(error: BaseException, what: str) -> str:
-    """Why a child could not start ``what``, in the words the client's warning (or ``run --explain``) shows."""
-    if isinstance(error, process_state.Unadoptable):
-        return f"the server's child cannot take the client's {error}"
-    return f"the server's child could not start {what} ({type(error).__name__}: {error})"
-
-
-def _become_client(message: dict[str, Any], warm: Warm) -> None:
-    """The client's working directory, environment, import path, process state and thread count (its terminal is in the
-    child's streams: ``terminal.py``).
-
-    Raises :class:`process_state.Unadoptable` for a part of the client's
-    process state this child cannot take (the request is then declined).
-    """
-    import torch
-
-    os.chdir(message["cwd"])
-    env = message.get("env") or {}
-    os.environ.clear()
-    os.environ.update({str(k): str(v) for k, v in env.items()})  # exactly the client's: its terminal is in its streams (terminal.py)
-    if message.get("op") != "exec":  # a wrapped command's path and arguments are pyexec's
-        sys.path[:] = [str(p) for p in message.get("path") or sys.path]
-        sys.argv = ["lowercache", *map(str, message.get("argv") or [])]
-    wanted = message["process"]
-    process_state.adopt(wanted)
-    torch.set_num_threads(_thread_count(process_state.thread_default(warm.threads, warm.cpus, len(wanted["cpus"]))))
-    try:
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("500")  # under memory pressure the kernel takes a request, not the server
+        os.setpgid(pid, pid)
     except OSError:
         pass
-    # warnings the warm-up raised would count as already shown; a new process shows them again
-    warnings.onceregistry.clear()
-    warnings._filters_mutated()
-
-
-def _thread_count(default: int) -> int:
-    """What torch (an MKL build) starts with in a new process: MKL_NUM_THREADS, else OMP_NUM_THREADS, at most the default."""
-    for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):
-        value = os.environ.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return min(int(value), default)
-    return default
-
-
-@dataclass
-class Warm:
-    """What the warm-up left that a child standing in for a new ``python`` process needs (``run/pyexec.py``)."""
-
-    threads: int  # torch's default thread count, before the server set one
-    cpus: int  # how many CPUs the server may run on (torch's default follows it)
-    start_env: dict[str, str]  # the environment as the server started
-    base_path: list[str] | None  # sys.path as the interpreter started, without sys.path[0] (None: unknown)
-    read_env: list[str] = field(default_factory=list)  # variables the imports and the warm-up read
-    lookups: list[str] = field(default_factory=list)  # module names they looked up
-    imported: dict[str, list[str]] = field(default_factory=dict)  # top-level names of those and of every module imported, where found
-    installed: tuple[str, ...] = ()  # directories of installed code (stdlib, site-packages, lowercache)
-    files: dict[str, list[int] | None] = field(default_factory=dict)  # every imported module's file: its stat_key
-
-    def remember_files(self) -> None:
-        """Note the file of every module imported so far (thousands after the warm-up, checked again before each request)."""
-        for module in list(sys.modules.values()):
-            origin = getattr(module, "__file__", None)
-            if isinstance(origin, str) and os.path.isabs(origin):
-                self.files[origin] = _file_stamp(origin)
-
-    def changed_file(self) -> str | None:
-        """A file the server imported that has changed since (an upgrade or an edit in place), or None."""
-        for path, stamp in self.files.items():
-            if _file_stamp(path) != stamp:
-                return path
-        return None
-
-
-def _file_stamp(path: str) -> list[int] | None:
-    """The file's ``stat_key``, None when it is gone (a file missing at the warm-up stays missing)."""
-    try:
-        return stat_key(os.stat(path))
-    except OSError:
-        return None
-
-
-def _installed_dirs() -> tuple[str, ...]:
-    import site
-    import sysconfig
-
-    paths = sysconfig.get_paths()
-    dirs = {paths[name] for name in ("stdlib", "platstdlib", "purelib", "platlib")} | set(site.getsitepackages())
-    dirs.add(os.path.dirname(os.path.abspath(__file__)))
-    return tuple(os.path.join(os.path.normpath(d), "") for d in dirs)
-
-
-def _warm_up(warm: Warm) -> None:
-    """Import the stack single-threaded and lower a tiny model into a throwaway cache, listening to what it reads."""
-    from .record.recorder import listen, remember_modules
-    from .run.replay import CommandRecorder
-
-    settings = load_settings()
-    recorder = CommandRecorder("/", settings, [])
-    listen(recorder)
-    try:
-        _import_and_lower(warm)
-    finally:
-        recorder.close()
-    warm.read_env = sorted(name for name in recorder.env if not environment.shown_only(name))  # rich's and typer's: never inputs
-    warm.lookups = sorted(recorder.lookups)
-    warm.imported = startup.found_in(dict(sys.modules), recorder.lookups)
-    warm.installed = _installed_dirs()
-    warm.remember_files()
-    remember_modules()
-
-
-# What ExecuTorch's Arm export script (aot_arm_compiler, ``lowercache run``'s usual command) imports beyond
-# the flow: its devtools (which bring pandas), Cortex-M and model-registry modules, about 400 modules
-# that each child would otherwise import again. Never the script itself: ``-m`` must find it unimported.
-SCRIPT_IMPORTS = (
-    "executorch.backends.arm.util._factory", "executorch.backends.arm.vgf", "executorch.backends.cortex_m.edge_compile_config",
-    "executorch.backends.cortex_m.passes.cortex_m_pass_manager", "executorch.backends.cortex_m.passes.replace_quant_nodes_pass",
-    "executorch.backends.cortex_m.quantizer.quantizer", "executorch.backends.cortex_m.target_config", "executorch.devtools",
-    "executorch.devtools.backend_debug", "executorch.devtools.bundled_program.config",
-    "executorch.devtools.bundled_program.serialize", "executorch.examples.models", "executorch.examples.models.model_factory",
-    "executorch.extension.export_util.utils", "tabulate",
-)
-
-
-def _import_and_lower(warm: Warm) -> None:
-    from . import quiet
-
-    with quiet.captured(import_torch=True) as imports:  # what a new process's imports hold back, its children count too
-        import torch
-
-        warm.threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # a fork after the intra-op pool ran can hang the child
-        from .lowering.flow import import_stack
-
-        import_stack()
-        import rich.console  # noqa: F401
-        import rich.progress  # noqa: F401
-        import rich.table  # noqa: F401
-        import typer  # noqa: F401
-
-        from . import api, verify  # noqa: F401
-        from .bench import models
-        from .cli import commands  # noqa: F401  (the typer commands a lower or verify child runs)
-        from .lowering import loading  # noqa: F401
-
-        for name in ("typer._adapters", *SCRIPT_IMPORTS):  # typer's first parse imports pydantic there, in every child
-            try:
-                importlib.import_module(name)
-            except ImportError:  # another ExecuTorch release: its script imports something else, in the child
-                pass
-    quiet.inherit(imports.lines)
-    with quiet.captured(), tempfile.TemporaryDirectory(prefix="lowercache-warmup-") as scratch:
-        module, example = models.tiny_cnn()
-        settings = load_settings(cache_dir=scratch, disable=False, read_only=False, remote="")
-        api.lower(module, example, target="ethos-u55-128", settings=settings)
+    return pid
 
 
 def _listen(path: str) -> socket.socket:
@@ -1051,13 +630,10 @@ def main() -> None:
     settings = load_settings()
     identity = client.identity(settings)  # before the imports: a source edited meanwhile makes this server stale
     directory = client.private_dir()
-    _warm_up(warm)
+    warm_up(warm)
     gc.collect()
     gc.freeze()  # children share the warm heap instead of copying pages the collector would touch
     listener = _listen(os.fspath(directory / client.SOCKET_NAME))
     print(f"lowercache server {os.getpid()} listening at {listener.getsockname()}", file=sys.stderr, flush=True)
     Server(listener, identity, warm, settings.server_idle_timeout, settings.server_jobs).serve()
 
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,5 @@
+"""``python -m lowercache.server``."""
+
+from .loop import main
+
+main()
