@@ -194,7 +194,10 @@ class Recorder:
         self._looked: set[str] = set()  # paths ``looked_at`` already took: linecache stats each file again and again
         import tempfile
 
-        self.scratch = (os.path.realpath(tempfile.gettempdir()) + os.sep, os.path.abspath(tempfile.gettempdir()) + os.sep)
+        # Temporary files, and the POSIX semaphores glibc's sem_open makes (multiprocessing's locks: created, then
+        # unlinked at once); a project elsewhere in /dev/shm is a project like any other.
+        self.scratch = (os.path.realpath(tempfile.gettempdir()) + os.sep, os.path.abspath(tempfile.gettempdir()) + os.sep,
+                        "/dev/shm/sem.")
         self.syspath = [self.places.ref(os.path.abspath(p or ".")) for p in sys.path]
         self.started_ns = time.time_ns()
         self._threads = set(threading.enumerate())

@@ -62,3 +62,14 @@ def test_run_replays_a_script_under_dev_shm_only_while_its_inputs_stay(shm, cach
         _replayed(project, cache_dir)
         edit()
         assert name in _same_as_plain(project, cache_dir), name
+
+
+def test_run_replays_a_script_whose_locks_are_posix_semaphores(tmp_path, cache_dir):
+    """multiprocessing's locks are glibc semaphores, ``/dev/shm/sem.*`` files made and unlinked at once (by native code:
+    the backstop below Python sees them): scratch, as a temporary file gone by the exit, not a write outside the tree."""
+    script = ("import multiprocessing\nlock = multiprocessing.Lock()\n"
+              "with lock:\n    open('out.txt', 'w').write(open('in.txt').read())\n")
+    project = replay.project(tmp_path, script)
+    _replayed(project, cache_dir)
+    (project / "in.txt").write_text("xyz")
+    assert "in.txt" in _same_as_plain(project, cache_dir)
