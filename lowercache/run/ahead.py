@@ -68,6 +68,8 @@ log = logging.getLogger("lowercache")
 
 # Seconds the script waits for a runner whose CPU time does not move before it computes the step itself.
 STALL_SECONDS = 1.0
+# The runner's scratch directory, in the temporary directory: lowercache's own, never the script's output.
+SCRATCH_PREFIX = "lowercache-runahead-"
 
 _state: dict[str, Any] = {}  # "forked": a runner was tried here; "ahead": True in the runner
 _forking = threading.local()
@@ -373,7 +375,7 @@ def fork(session: Any) -> bool:
     if threading.active_count() > 1 or not close_for_fork():
         return False
     with _unheard():  # the scratch directory is lowercache's, never the script's output (TMPDIR may be in the project)
-        scratch = tempfile.mkdtemp(prefix="lowercache-runahead-")
+        scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
     read_fd, write_fd = os.pipe()
     with contextlib.suppress(OSError, AttributeError):
         fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, 1 << 20)  # room for every announcement the script has not read yet

@@ -45,7 +45,7 @@ from ..record.places import Places, hop_dirs, path_state, project_root
 from ..record.recorder import Recorder, listen, opens_to_write
 from ..record.trust import (UNSEEN, Words, check_inputs, elsewhere, identity, identity_changed, inputs_changed, put_status, status_lines,
                             verdict)
-from . import pyexec
+from . import ahead, pyexec
 
 KIND = "run"
 # On the wrapped command's PYTHONPATH: its sitecustomize starts the recorder and the Arm hooks (hook.py).
@@ -142,7 +142,11 @@ class CommandRecorder(Recorder):
         return [self.cache]
 
     def own_dirs(self) -> tuple[str, ...]:
-        return (self.cache, *memo_prefixes())
+        """The store, the toolchain memos, and the runner's scratch (``ahead.py``), which the backstop below Python sees
+        made and removed, even with the temporary directory inside the project."""
+        where = tempfile.gettempdir()
+        return (self.cache, *memo_prefixes(), os.path.join(where, ahead.SCRATCH_PREFIX),
+                os.path.join(os.path.realpath(where), ahead.SCRATCH_PREFIX))
 
     def read_written(self, path: str) -> None:
         if path in self.outputs and os.path.isfile(path):
