@@ -9,13 +9,12 @@ import inspect
 import logging
 import operator
 import sys
-import threading
 from typing import Any, Callable
 
 import torch
 
 from . import decompreplay
-from .patching import AttributePatch
+from .patching import AttributePatch, Counters
 
 log = logging.getLogger("lowercache")
 
@@ -42,26 +41,18 @@ _KNOWN_META = frozenset(
 # Input kinds a functionalizing call may localize, in the order its trace lists them.
 _INPUT_ORDER = {"PARAMETER": 0, "BUFFER": 1, "USER_INPUT": 2}
 
-_lock = threading.Lock()
-_stats = {"skipped": 0, "localized": 0, "full": 0, "replayed": 0}
+_counts = Counters("skipped", "localized", "full", "replayed")
+_count = _counts.count
 
 
 def stats() -> dict[str, int]:
     """Calls skipped, localized (of which replayed from stored templates) and run in full
     (by ExecuTorch's call site) since the last :func:`reset_stats`."""
-    with _lock:
-        return dict(_stats)
+    return _counts.snapshot()
 
 
 def reset_stats() -> None:
-    with _lock:
-        for key in _stats:
-            _stats[key] = 0
-
-
-def _count(key: str) -> None:
-    with _lock:
-        _stats[key] += 1
+    _counts.reset()
 
 
 def _is_composite_implicit(op: torch._ops.OpOverload) -> bool:

@@ -12,23 +12,17 @@ import textwrap
 import threading
 from typing import Any
 
-from .patching import Patch
+from .patching import Counters, Patch
 
 _tls = threading.local()
 _state: dict[str, Any] = {}
 _chains: dict[type, str | None] = {}
 
-_STAT_KEYS = ("copied", "copied_attrs", "fallback_pass", "fallback_node", "fallback_nested", "fallback_unaudited")
-_stats_lock = threading.Lock()
-_stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
+_counts = Counters("copied", "copied_attrs", "fallback_pass", "fallback_node", "fallback_nested", "fallback_unaudited")
+_count = _counts.count
 
 # sha256 over the sources of the functions listed in _audited_sources (torch 2.13.0, executorch 1.5.1).
 _AUDITED_DIGEST = "204133b5cf5ee4317001f4f96542011cefaa3087bf7ceaf128a18eded66b53f0"
-
-
-def _count(key: str) -> None:
-    with _stats_lock:
-        _stats[key] += 1
 
 
 def stats() -> dict[str, int]:
@@ -43,14 +37,11 @@ def stats() -> dict[str, int]:
     installed torch / ExecuTorch sources are not the audited ones
     (``unaudited``).
     """
-    with _stats_lock:
-        return dict(_stats)
+    return _counts.snapshot()
 
 
 def reset_stats() -> None:
-    with _stats_lock:
-        for key in _STAT_KEYS:
-            _stats[key] = 0
+    _counts.reset()
 
 
 def _audited_sources() -> list[Any]:

@@ -73,3 +73,25 @@ class AttributePatch(Patch):
 
 
 _INHERITED = object()
+
+
+class Counters:
+    """What a speed-up did since the last reset, by name: counted from any thread, read as one snapshot."""
+
+    def __init__(self, *names: str) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(names, 0)
+
+    def count(self, *names: str) -> None:
+        with self._lock:
+            for name in names:
+                self._counts[name] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def reset(self) -> None:
+        with self._lock:
+            for name in self._counts:
+                self._counts[name] = 0

@@ -12,7 +12,7 @@ import types
 from typing import Any
 
 from . import oppolicy, retrace
-from .patching import Patch
+from .patching import Counters, Patch
 from .sourcepin import source_digest
 
 # sha256 over the sources of _audited_sources() (executorch 1.5.1, torch 2.13.0).
@@ -20,27 +20,18 @@ _AUDITED_DIGEST = "2cec7915aa067f798b66af6461aff8ba5964e81557e24eed19852a703417b
 _originals: dict[str, Any] = {}
 _tls = threading.local()
 
-_STAT_KEYS = ("real", "local", "final", "refused")
-_stats_lock = threading.Lock()
-_stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
-
-
-def _count(key: str) -> None:
-    with _stats_lock:
-        _stats[key] += 1
+_counts = Counters("real", "local", "final", "refused")
+_count = _counts.count
 
 
 def stats() -> dict[str, int]:
     """Retraces since :func:`reset_stats`: ``real`` (stock), ``local`` (made in place), ``final`` (the stock
     retrace that ends a call whose last retrace was local), ``refused`` (a local one refused, run stock)."""
-    with _stats_lock:
-        return dict(_stats)
+    return _counts.snapshot()
 
 
 def reset_stats() -> None:
-    with _stats_lock:
-        for key in _STAT_KEYS:
-            _stats[key] = 0
+    _counts.reset()
 
 
 def _module() -> Any:

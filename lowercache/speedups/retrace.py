@@ -11,7 +11,7 @@ import weakref
 from typing import Any, Callable
 
 from . import delegatecall, oppolicy
-from .patching import Patch
+from .patching import Counters, Patch
 
 _originals: dict[str, Any] = {}
 # (input-graph node being interpreted, the pass interpreting it, candidates reused in this retrace)
@@ -22,22 +22,9 @@ _MISS = object()
 # id(first output leaf) -> (weakref to it, record); entries die with the tensor.
 _records: dict[int, tuple[Any, tuple]] = {}
 
-_stats_lock = threading.Lock()
-_STAT_KEYS = (
-    "reused",
-    "redispatched",
-    "redispatched_ineligible",
-    "redispatched_no_record",
-    "redispatched_changed",
-    "not_applicable",
-)
-_stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
-
-
-def _count(*keys: str) -> None:
-    with _stats_lock:
-        for key in keys:
-            _stats[key] += 1
+_counts = Counters("reused", "redispatched", "redispatched_ineligible", "redispatched_no_record", "redispatched_changed",
+                   "not_applicable")
+_count = _counts.count
 
 
 def stats() -> dict[str, int]:
@@ -51,14 +38,11 @@ def stats() -> dict[str, int]:
     recorded one: the dirty region). ``not_applicable``: other ``_fx``
     calls (getitem, sym ops, delegates, higher-order ops).
     """
-    with _stats_lock:
-        return dict(_stats)
+    return _counts.snapshot()
 
 
 def reset_stats() -> None:
-    with _stats_lock:
-        for key in _STAT_KEYS:
-            _stats[key] = 0
+    _counts.reset()
 
 
 def _is_op(target: Any) -> bool:

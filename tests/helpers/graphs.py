@@ -8,6 +8,8 @@ import threading
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from lowercache.bench.passgraphs import form
+
 SMALL_TARGETS = ("tosa-int", "tosa-fp", "ethos-u55-128", "ethos-u55-256", "ethos-u85-256")
 # One speed-up alone against stock: every small model and every kind of target (float TOSA, INT TOSA, INT + Vela) at
 # least once, and the transformer on both quantized paths. flow/test_identity lowers every model on every target with
@@ -18,30 +20,6 @@ PAIRS = (("tiny_cnn", "tosa-int"), ("residual_cnn", "ethos-u55-128"), ("transfor
 
 def outcomes(artifacts, kind):
     return [r["outcome"] for r in artifacts.records if r["kind"] == kind]
-
-
-def form(value):
-    """A comparable form of a metadata value: tensors by their metadata, ops by name."""
-    if isinstance(value, torch.Tensor):
-        return (
-            "tensor",
-            type(value) is FakeTensor,
-            value.dtype,
-            tuple(value.shape),
-            value.stride(),
-            value.device,
-            value.storage_offset(),
-            value.requires_grad,
-        )
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(form(v) for v in value))
-    if isinstance(value, dict):
-        return ("dict", tuple((k, form(v)) for k, v in value.items()))
-    if isinstance(value, torch.fx.Node):
-        return ("node", value.name)
-    if isinstance(value, torch._ops.OpOverload):
-        return ("op", str(value))
-    return repr(value)
 
 
 def describe(program: torch.export.ExportedProgram) -> list:
