@@ -178,7 +178,8 @@ class Recorder:
         self.places = Places(root)
         self.covered = tuple(d + os.sep for d in (*stdlib_dirs(), *self.places.anchors.values()) if d != self.places.anchors["root"])
         self.covered += tuple(os.path.join(_PACKAGE, room) + os.sep for room in ("cache", "lowering", "speedups"))
-        self.covered += memo_prefixes()
+        self.memos = memo_prefixes()  # found once: each write the window makes is checked against them
+        self.covered += self.memos
         self._paused = True
         self.below: backstop.Backstop | None = None  # the tracer below Python (``watch_below``)
         self.below_why = "was not watched below Python"
@@ -292,7 +293,7 @@ class Recorder:
             target = _readlink(f"/proc/self/fd/{fd}")
         except OSError:
             target = ""
-        if os.path.isabs(target) and (_PYCACHE in target or target.startswith(memo_prefixes())):
+        if os.path.isabs(target) and (_PYCACHE in target or target.startswith(self.memos)):
             self.wrote(target)
         else:
             self.refuse("opened a file descriptor")
@@ -329,7 +330,7 @@ class Recorder:
     def wrote(self, path: str) -> None:
         """A file the window changed is no input; outside scratch space (temporary files, bytecode) it is a side effect a hit would skip."""
         self.written.add(path)
-        scratch = path.startswith((*self.scratch, *memo_prefixes())) or "__pycache__" in path or path == os.devnull
+        scratch = path.startswith((*self.scratch, *self.memos)) or "__pycache__" in path or path == os.devnull
         if not scratch:
             self.refuse(f"wrote {path}")
 
@@ -560,7 +561,7 @@ class Recorder:
 
     def own_dirs(self) -> tuple[str, ...]:
         """Where lowercache itself reads and writes while the window runs: its cache and its toolchain memos."""
-        return (os.path.join(os.path.abspath(str(self.settings.cache_dir)), ""), *memo_prefixes())
+        return (os.path.join(os.path.abspath(str(self.settings.cache_dir)), ""), *self.memos)
 
     def _installed(self) -> tuple[str, ...]:
         """Installed code, covered by the identity: the interpreter's prefixes, the standard library, site-packages, lowercache."""

@@ -37,7 +37,6 @@ from typing import Any, Callable
 
 from ..cache.digests import digest, digest_json
 from ..cache.store import Entry
-from ..cache.toolchain import memo_prefixes
 from ..client import exec_through_server
 from ..config import Settings, load_settings
 from ..errors import LowercacheError
@@ -145,7 +144,7 @@ class CommandRecorder(Recorder):
         """The store, the toolchain memos, and the runner's scratch (``ahead.py``), which the backstop below Python sees
         made and removed, even with the temporary directory inside the project."""
         where = tempfile.gettempdir()
-        return (self.cache, *memo_prefixes(), os.path.join(where, ahead.SCRATCH_PREFIX),
+        return (self.cache, *self.memos, os.path.join(where, ahead.SCRATCH_PREFIX),
                 os.path.join(os.path.realpath(where), ahead.SCRATCH_PREFIX))
 
     def read_written(self, path: str) -> None:
@@ -158,7 +157,7 @@ class CommandRecorder(Recorder):
 
     def wrote(self, path: str) -> None:
         self.written.add(path)
-        if "__pycache__" in path or path == os.devnull or (path + os.sep).startswith(self.cache) or path.startswith(memo_prefixes()):
+        if "__pycache__" in path or path == os.devnull or (path + os.sep).startswith(self.cache) or path.startswith(self.memos):
             return
         if (path + os.sep).startswith(self.allowed):
             self.outputs.add(path)
