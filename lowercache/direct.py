@@ -20,6 +20,7 @@ docs/direct-mode.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -27,16 +28,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from . import estimates
 from .cache.digests import digest, digest_json
 from .cache.store import Entry
-from .config import Settings, check_with_min_snr, load_settings
+from .config import Settings, check_with_min_snr, load_settings, parse_check
 from .errors import LowercacheError
 from .lowering import numerics_report
 from .lowering.targets import resolve
-from .output import check_output_dir, counted, write_files
+from .output import Report, check_output_dir, report, write_files
 from .record.places import Places, hop_dirs, project_root
 from .record.recorder import Recorder, initial_environ, keep_initial_environ, listen
 from .record.trust import (UNSEEN, Words, check_inputs, elsewhere, identity, identity_changed, inputs_changed, put_status, status_lines,
@@ -75,8 +76,9 @@ class Request:
     as_json: bool = False
     system_config: str | None = None
     memory_mode: str | None = None
-    check: str = ""  # the numerics check, "outputs" or "layers" (lowering/numerics.py): its own record, which names the check's entries
-    min_snr: str | None = None
+    check: str | None = None  # as given (None: the setting's); then the check the run makes, "" (none), "outputs" or "layers"
+    # (lowering/numerics.py): its own record, which names the check's entries
+    min_snr: str | float | None = None
     cwd: str = field(default_factory=os.getcwd)
 
     @property
@@ -111,7 +113,7 @@ class Request:
             disable=True if self.no_cache else None,
             remote=self.remote,
             direct=False if self.no_direct else None,
-            check=self.check or None,
+            check=parse_check(self.check, "--check") if self.check is not None else None,
         )
         settings.check = check_with_min_snr(settings.check, self.min_snr)
         return settings
@@ -181,21 +183,25 @@ class LowerRecorder(Recorder):
         return [os.path.join(self.request.cwd, self.request.out_dir), str(self.settings.cache_dir)]
 
 
-def start(model: str, target: str, out_dir: Any, per_tensor: bool, calibration: Any, settings: Settings,
-          system_config: str | None = None, memory_mode: str | None = None,
-          before: Callable[[], None] = lambda: None) -> LowerRecorder | None:
-    """A (paused) recorder for this ``lower`` run, or None when direct mode is off or nothing could be stored.
+@contextlib.contextmanager
+def recording(request: Request, settings: Settings, before: Callable[[], None] = lambda: None) -> Iterator[LowerRecorder | None]:
+    """Direct mode around one ``lower``: a (paused) recorder for it, or None when direct mode is off or nothing could
+    be stored. The run loads with :func:`recorded`, lowers with :func:`listening` and stores the record with
+    :func:`finish`; a run that fails leaves no record.
 
     ``before``: called first when there will be a record (the lowering's own imports, so that the backstop
     below Python, started next, does not trace them).
     """
     if not settings.direct or settings.disable or settings.read_only:
-        return None
+        yield None
+        return
     before()
-    request = Request(model=model, target=target, out_dir=str(out_dir), per_tensor=per_tensor,
-                      calibration=str(calibration) if calibration is not None else None,
-                      system_config=system_config, memory_mode=memory_mode, check=settings.check)
-    return _recorder(request, settings)
+    request.check = settings.check
+    recorder = _recorder(request, settings)
+    try:
+        yield recorder
+    finally:
+        recorder.close()
 
 
 def _recorder(request: Request, settings: Settings) -> LowerRecorder:
@@ -490,10 +496,9 @@ def _answer(request: Request, settings: Settings, store: Any, started: float, mi
         return 2
     _set_status(store, request, "lookup", "hit", f"served from the record (flow entry {record['flow']['key'][:12]}, {tier} tier)")
     _count(store, request, record, flow, seconds, checked is not None, checked is not None and "layers" in checked[0])
-    short = numerics_report.below(manifest.get("numerics"), min_snr)
-    _report(request, manifest, written, seconds, short)
-    if short is not None:
-        print(f"lowercache: error: {short}", file=sys.stderr)
+    said = _report(request, manifest, written, seconds, min_snr)
+    if said.short is not None:
+        print(f"lowercache: error: {said.short}", file=sys.stderr)
         return 1
     return 0
 
@@ -543,30 +548,28 @@ def command_seconds() -> float | None:
         return None
 
 
-def _report(request: Request, manifest: dict[str, Any], written: list[Path], seconds: float, short: str | None = None) -> None:
+def _report(request: Request, manifest: dict[str, Any], written: list[Path], seconds: float, min_snr: float | None) -> Report:
+    """Print what a hit says (as a full lowering's report, with the line on direct mode for its table) and return it."""
     took = command_seconds()
+    run = {
+        "model": manifest.get("model"),
+        "target": manifest.get("target"),
+        "out": request.out_dir,
+        "flow": "hit",
+        "direct": "hit",
+        "step_counts": manifest["step_counts"],
+        "seconds": round(seconds, 4),
+        "saved_seconds": manifest["steps"][0]["saved"],
+        "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
+    }
+    said = report(run, estimates.outcome(manifest.get("delegation"), Path(request.out_dir), request.target), manifest.get("numerics"),
+                  written, request.out_dir, min_snr)
     print(f"lowercache: direct mode: served from the record, no factory run{f' ({took:.2f} s)' if took is not None else ''}",
           file=sys.stderr)
-    said, summarized = estimates.outcome(manifest.get("delegation"), Path(request.out_dir), request.target)
-    for line in said + numerics_report.lines(manifest.get("numerics")):
+    for line in said.lines:
         print(f"lowercache: {line}", file=sys.stderr)
-    if request.as_json:
-        summary = {
-            "model": manifest.get("model"),
-            "target": manifest.get("target"),
-            "out": request.out_dir,
-            "flow": "hit",
-            "direct": "hit",
-            "step_counts": manifest["step_counts"],
-            "seconds": round(seconds, 4),
-            "saved_seconds": manifest["steps"][0]["saved"],
-            "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
-            **summarized,
-            **numerics_report.json_part(manifest.get("numerics"), short),
-        }
-        print(json.dumps(summary, indent=2, sort_keys=True))
-    else:
-        print(f"wrote {counted(len(written), 'file')} to {request.out_dir}")
+    print(json.dumps(said.summary, indent=2, sort_keys=True) if request.as_json else said.wrote)
+    return said
 
 
 # -- what a record names (``lowercache watch`` polls it) ----------------------------------------------

@@ -1,4 +1,5 @@
-"""Writing a lowering's files and manifest to its output directory (imports no torch: direct mode writes through it too).
+"""Writing a lowering's files and manifest to its output directory, and what ``lower`` says about them at the end
+(imports no torch: direct mode writes and reports through it too).
 
 Files are staged inside the directory and renamed into place; a failed
 write removes what it staged.
@@ -12,8 +13,9 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from .cache.digests import digest
 from .errors import LowercacheError
@@ -40,6 +42,34 @@ def served(counts: dict[str, dict[str, int]]) -> str:
                           for o, n in outcomes.items())
         said.append(f"{STEP_WORDS[kind]}: {words}")
     return "; ".join(said)
+
+
+@dataclass
+class Report:
+    """What ``lower`` says at the end, ready to print: a full lowering's table of phases and the line under it (a
+    direct-mode hit has neither), the lines for stderr (delegation, Vela's estimate, numerics; each printed after
+    ``lowercache: ``), the ``--json`` summary, the line for stdout without ``--json``, and a ``--min-snr`` failure (said
+    after the output is written; exit 1)."""
+
+    lines: list[str]
+    summary: dict[str, Any]
+    wrote: str
+    short: Optional[str] = None
+    table: Any = None
+    total: str = ""
+
+
+def report(run: dict[str, Any], outcome: tuple[list[str], dict[str, Any]], numerics: Optional[dict[str, Any]],
+           written: list[Path], out_dir: Any, min_snr: Optional[float]) -> Report:
+    """The report of a lowering or a hit: ``run``, its part of the ``--json`` summary; ``outcome``, what the delegation
+    and Vela's estimate say (``estimates.outcome``); ``numerics``, the check's figures, if it ran."""
+    from .lowering import numerics_report
+
+    said, summarized = outcome
+    short = numerics_report.below(numerics, min_snr)
+    return Report(lines=said + numerics_report.lines(numerics),
+                  summary={**run, **summarized, **numerics_report.json_part(numerics, short)},
+                  wrote=f"wrote {counted(len(written), 'file')} to {out_dir}", short=short)
 
 
 def _unwritable(out: Path, why: str) -> LowercacheError:

@@ -27,8 +27,6 @@ from typer.core import TyperCommand
 from rich.console import Console
 from rich.table import Table
 
-from .. import estimates
-from . import phases
 from ..errors import INTERRUPTED, LowercacheError, by_ctrl_c, interrupted, user_line
 from ..output import counted
 
@@ -116,42 +114,23 @@ def _logged_tracebacks_hidden() -> Iterator[None]:
             h.removeFilter(_no_traceback)
 
 
-_json_errors = False  # ``lower --json``: a failure is also one JSON object on stdout, where a script reads the summary
-
-
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int, as_json: bool = False) -> None:
+    """The one error line, and with ``lower --json`` the same as one JSON object on stdout, where a script reads the summary."""
     print(f"lowercache: error: {message}", file=sys.stderr)
-    if _json_errors:
+    if as_json:
         print(json.dumps({"error": message, "exit": code}, sort_keys=True))
     raise typer.Exit(code)
 
 
-def _counted_failure(settings: Any, why: str) -> None:
-    """A failed ``lower`` counts in ``stats`` (``input``: the user's to fix; ``lowering``: inside torch or ExecuTorch), as
-    ccache counts failed compilations; nothing when there is no cache to count in."""
-    if settings is None or settings.disable or settings.read_only:
-        return
-    from ..cache.tiers import open_store
-
-    try:
-        store = open_store(dataclasses.replace(settings, remote=""))
-    except LowercacheError:
-        return
-    try:
-        store.add_counts({"failed": {why: 1}})
-    finally:
-        store.close()
-
-
-def _fail_input(e: LowercacheError) -> None:
+def _fail_input(e: LowercacheError, as_json: bool = False) -> None:
     """The one line of an error in the user's input; under ``LOWERCACHE_DEBUG`` first the traceback of what caused it
     (a factory that raised, a model file that failed to import)."""
     if os.environ.get("LOWERCACHE_DEBUG") and e.__cause__ is not None:
         traceback.print_exception(e.__cause__, file=sys.stderr)
-    _fail(str(e), 2)
+    _fail(str(e), 2, as_json)
 
 
-def _fail_lowering(e: BaseException) -> None:
+def _fail_lowering(e: BaseException, as_json: bool = False) -> None:
     """One line naming the innermost cause: ExecuTorch's pass manager wraps it in a message listing every pass run."""
     if os.environ.get("LOWERCACHE_DEBUG"):
         raise e
@@ -171,7 +150,7 @@ def _fail_lowering(e: BaseException) -> None:
     where = user_line(root, text)
     if where is not None:
         message += f" (at {where})"
-    _fail(f"lowering failed: {message}", 1)
+    _fail(f"lowering failed: {message}", 1, as_json)
 
 
 @contextlib.contextmanager
@@ -215,87 +194,31 @@ def lower(
     min_snr: Optional[float] = MinSnr,
 ) -> None:
     """Lower MODEL for a target, serving unchanged work from the cache."""
-    global _json_errors
-    from .. import api, direct
-    from ..config import check_with_min_snr, parse_check
-    from ..lowering import loading, numerics_report
-    from ..lowering.flow import import_stack
-    from ..lowering.targets import resolve
+    from ..direct import Request
+    from ..lowerer import lower as lowered
 
-    _json_errors = as_json
-
-    settings = None
+    request = Request(model=model, target=target, out_dir=str(out_dir), per_tensor=per_tensor,
+                      calibration=str(calibration) if calibration is not None else None,
+                      cache_dir=str(cache_dir) if cache_dir is not None else None, no_cache=no_cache, remote=remote,
+                      no_direct=no_direct, as_json=as_json, system_config=system_config, memory_mode=memory_mode, check=check,
+                      min_snr=min_snr)
     try:
-        settings = _settings(cache_dir, disable=True if no_cache else None, remote=remote, direct=False if no_direct else None,
-                             check=parse_check(check, "--check") if check is not None else None)
-        settings.check = check_with_min_snr(settings.check, min_snr)
-        resolve(target, system_config=system_config, memory_mode=memory_mode)
-        api.check_output_dir(out_dir)
-        if not settings.disable:
-            api.open_store(settings).close()  # fail early on an unusable cache directory
-        recorder = direct.start(model, target, out_dir, per_tensor, calibration, settings, system_config, memory_mode,
-                                before=import_stack)  # what the factory reads
-        with phases.progress(err, phases.planned(resolve(target).quantized, settings.check)) as timed:
-            timed.begin("load")
-            loaded = direct.recorded(recorder, loading.load_model, model)
-            samples = None
-            if calibration is not None:
-                samples = loading.load_calibration(str(calibration))
-                loading.check_calibration(samples, loaded.example_inputs, str(calibration))
-            artifacts = api.lower(
-                loaded.program if loaded.program is not None else loaded.module,
-                loaded.example_inputs,
-                target=target,
-                calibration=samples,
-                per_channel=not per_tensor,
-                name=loaded.name,
-                listener=direct.listening(recorder, timed.listener),
-                settings=settings,
-                system_config=system_config,
-                memory_mode=memory_mode,
-                check=settings.check,
-            )
-        direct.finish(recorder, artifacts.records, artifacts.manifest)
-        written = api.write_artifacts(artifacts, out_dir)
+        said = lowered(request, err, _verbose)
     except LowercacheError as e:
-        _counted_failure(settings, "input")
-        _fail_input(e)
+        _fail_input(e, as_json)
     except Exception as e:  # a failure inside torch.export or ExecuTorch
-        _counted_failure(settings, "lowering")
-        _fail_lowering(e)
-    grid, total = phases.table(timed, artifacts.records, _verbose)
-    err.print(grid)
-    err.print(total, markup=False, highlight=False)
-    said, summarized = estimates.outcome(artifacts.delegation, out_dir, target)
-    for line in said + numerics_report.lines(artifacts.numerics):
+        _fail_lowering(e, as_json)
+    err.print(said.table)
+    err.print(said.total, markup=False, highlight=False)
+    for line in said.lines:
         err.print(f"lowercache: {line}", markup=False, highlight=False, soft_wrap=True)
-    short = numerics_report.below(artifacts.numerics, min_snr)
     if as_json:
-        print(json.dumps({**_run_summary(artifacts, written, out_dir), **summarized, **numerics_report.json_part(artifacts.numerics, short)},
-                         indent=2, sort_keys=True))
+        print(json.dumps(said.summary, indent=2, sort_keys=True))
     else:
-        out.print(f"wrote {counted(len(written), 'file')} to {out_dir}")
-    if short is not None:
-        print(f"lowercache: error: {short}", file=sys.stderr)
+        out.print(said.wrote)
+    if said.short is not None:
+        print(f"lowercache: error: {said.short}", file=sys.stderr)
         raise typer.Exit(1)
-
-
-def _run_summary(artifacts: Any, written: list[Path], out_dir: Path) -> dict[str, Any]:
-    """What ``--json`` prints: the outcome, step counts, time and files of one lowering."""
-    from ..cache.steps import outcome_counts
-
-    flow = next((r for r in artifacts.records if r["kind"] == "flow"), None)
-    manifest = artifacts.manifest
-    return {
-        "model": manifest.get("model"),
-        "target": manifest.get("target"),
-        "out": str(out_dir),
-        "flow": flow["outcome"] if flow else None,
-        "step_counts": outcome_counts(artifacts.records),
-        "seconds": round(sum(artifacts.stages.values()), 4),
-        "saved_seconds": round(sum(r["saved"] for r in artifacts.records if r["outcome"] == "hit"), 4),
-        "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
-    }
 
 
 def _vela_args(system_config: Optional[str], memory_mode: Optional[str]) -> list[str]:
@@ -768,27 +691,6 @@ def _settings_problem() -> Optional[str]:
     except LowercacheError as e:
         return str(e)
     return None
-
-
-def confirm_record(args: List[str]) -> str:
-    """Confirm the direct-mode record of the ``lower`` command line ``args`` without lowering (the warm server, when
-    idle): the factory and the export run as ``lower`` runs them, with the recorder listening (``direct.confirm``)."""
-    from .. import api, direct
-    from ..lowering import loading
-
-    def key_of(recorder: Any) -> Optional[str]:
-        request = recorder.request
-        loaded = direct.recorded(recorder, loading.load_model, request.model)
-        samples = None
-        if request.calibration is not None:
-            samples = loading.load_calibration(request.calibration)
-            loading.check_calibration(samples, loaded.example_inputs, request.calibration)
-        return api.flow_key(loaded.program if loaded.program is not None else loaded.module, loaded.example_inputs,
-                            target=request.target, settings=recorder.settings, calibration=samples,
-                            per_channel=not request.per_tensor, listener=direct.listening(recorder, lambda *_: None),
-                            system_config=request.system_config, memory_mode=request.memory_mode)
-
-    return direct.confirm(args, key_of)
 
 
 def run_in_process(args: List[str]) -> object:

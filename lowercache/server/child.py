@@ -105,8 +105,8 @@ def confirm(message: dict[str, Any], parent: int, inherited: list[int], warm: Wa
     try:
         _become_client(message, warm)
         pyexec.reseed()
-        from ..cli.commands import confirm_record
         from ..errors import new_command
+        from ..lowerer import confirm as confirm_record
 
         new_command()
         said = confirm_record([str(a) for a in message["argv"]])

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from rich.console import Console
 from rich.table import Table
 
-from ..output import STEP_WORDS, counted, served
+from .output import STEP_WORDS, counted, served
 
 # Stage names as the flow gives them, and as a user reads them (ExecuTorch's own API names where it has one).
 NAMES = {"load": "load the model", "export": "export", "backend": "import the Arm backend", "hash": "cache lookup",
@@ -80,7 +80,7 @@ class Phases:
 
 def table(phases: Phases, records: list[dict[str, Any]], verbose: bool) -> tuple[Table, str]:
     """The table at the end, its rows the phases in the order they ran, and the line under it (total, work saved)."""
-    from ..cache.steps import BULK_KINDS, listed, outcome_counts
+    from .cache.steps import BULK_KINDS, listed, outcome_counts
 
     steps = listed(records)
     grid = Table(title="lowercache: where the time went")
@@ -128,7 +128,7 @@ def progress(console: Console, plan: list[str]) -> Any:
             return
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-        from ..record.recorder import own_thread
+        from .record.recorder import own_thread
 
         before = set(threading.enumerate())
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
