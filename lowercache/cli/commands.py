@@ -31,6 +31,7 @@ from .. import estimates
 from . import phases
 from ..errors import INTERRUPTED, LowercacheError, by_ctrl_c, interrupted, user_line
 from ..output import counted
+from ..targets import help_text
 
 class _Command(TyperCommand):
     """Usage lines as users read them (``lower [OPTIONS] MODEL``): typer braces a required argument (``{MODEL}``)."""
@@ -53,7 +54,7 @@ CacheDir = typer.Option(None, "--cache-dir", help=r"Cache directory \[env: LOWER
 
 def _complete_target(incomplete: str) -> list[str]:
     """Shell completion for --target (no torch import: the names are plain data)."""
-    from ..lowering.targets import TARGETS
+    from ..targets import TARGETS
 
     return [t for t in TARGETS if t.startswith(incomplete)]
 
@@ -62,7 +63,7 @@ TargetOption = typer.Option(
     ...,
     "--target",
     "-t",
-    help="tosa-int, tosa-fp, ethos-u55-32/64/128/256, ethos-u65-256/512, ethos-u85-128/256/512/1024/2048.",
+    help=help_text(),
     autocompletion=_complete_target,
 )
 RemoteUrl = typer.Option(
@@ -220,7 +221,7 @@ def lower(
     from ..config import check_with_min_snr, parse_check
     from ..lowering import loading, numerics_report
     from ..lowering.flow import import_stack
-    from ..lowering.targets import resolve
+    from ..targets import resolve
 
     _json_errors = as_json
 
@@ -317,7 +318,7 @@ def verify(
 ) -> None:
     """Lower with and without the cache (and in a fresh cache); fail on any byte difference."""
     from ..lowering import loading
-    from ..lowering.targets import resolve
+    from ..targets import resolve
     from ..verify import Progress, expected, served_now
     from ..verify import verify as run_verify
 
@@ -475,7 +476,7 @@ def explain(
     """Say which named key parts changed for the last miss of MODEL on a target."""
     from .. import direct
     from ..cache import history
-    from ..lowering.targets import resolve
+    from ..targets import resolve
 
     try:
         name = _model_name(model)
