@@ -42,7 +42,7 @@ def main(model, target, out):
         prepared = prepare_pt2e(ep.module(check_guards=False), quantizer)
         prepared(*example)
         ep = torch.export.export(convert_pt2e(prepared), example)
-    edge = to_edge_transform_and_lower(ep, partitioner=[partitioner])
+    edge = to_edge_transform_and_lower(ep, partitioner=[partitioner(spec)])  # after quantization, as stock
     with open(out, "wb") as f:
         f.write(edge.to_executorch().buffer)
 

@@ -60,7 +60,7 @@ def arm_ethosu(target):
     spec = EthosUCompileSpec(target)
     quantizer = EthosUQuantizer(spec)
     quantizer.set_global(get_symmetric_quantization_config())
-    return spec, quantizer, EthosUPartitioner(spec)
+    return spec, quantizer, EthosUPartitioner
 '''
 
     def quantized(self, target: Target) -> bool:

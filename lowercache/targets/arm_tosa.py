@@ -41,7 +41,7 @@ def arm_tosa(target):
     if target != "tosa-fp":
         quantizer = TOSAQuantizer(spec)
         quantizer.set_global(get_symmetric_quantization_config())
-    return spec, quantizer, TOSAPartitioner(spec)
+    return spec, quantizer, TOSAPartitioner
 '''
 
     def quantized(self, target: Target) -> bool:

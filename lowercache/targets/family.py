@@ -58,7 +58,9 @@ class Family(Protocol):
     steps: tuple[str, ...]  # the per-partition steps (first: the one a partition's tensor names come from)
     speedups: tuple[str, ...]  # the speed-ups that act on this family only
     renamed_under: tuple[str, ...]  # speed-ups with which a served .tosa may differ from stock's in names (verify)
-    stock_script: str  # ``def <name with _>(target)`` -> (spec, quantizer or None, partitioner), for the stock script
+    # ``def <name with _>(target)`` -> (spec, quantizer or None, partitioner class), for the benchmark's stock script: the
+    # partitioner is made after quantization, which can change the spec it serializes (docs/design.md, The flow)
+    stock_script: str
 
     def quantized(self, target: Target) -> bool: ...
 
