@@ -94,7 +94,7 @@ def compare(model: str, target_name: str, canonical: type) -> dict[str, Any]:
     import pass_census as census  # beside this script
     from lowercache.lowering import quantize
     from lowercache.lowering.flow import export
-    from lowercache.lowering.targets import resolve
+    from lowercache.targets import resolve
 
     target = resolve(target_name, True)
     module, example = models.MODELS[model]()

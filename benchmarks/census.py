@@ -25,7 +25,7 @@ def _census(model: str, target_name: str, store: object) -> dict:
     from lowercache.bench.models import EDITED_BLOCKS, MODELS
     from lowercache.cache.steps import Session
     import pass_census as census  # beside this script
-    from lowercache.lowering.targets import resolve
+    from lowercache.targets import resolve
 
     module, example_inputs = MODELS[model]()
     depth = len(EDITED_BLOCKS[model].split("."))

@@ -83,7 +83,7 @@ def _speedups(text: str) -> Iterator[None]:
 def stock(module: Any, example: Any, target: str) -> bytes | None:
     """Stock's .pte, in this process, no lowercache patch on; None if its partitions went in another order."""
     from lowercache.lowering import flow, partitionorder
-    from lowercache.lowering.targets import resolve
+    from lowercache.targets import resolve
 
     orders: list[list[str]] = []
     pte = flow.run_stock(flow.export(module, example), resolve(target), tuple(example), [tuple(example)], partition_orders=orders)

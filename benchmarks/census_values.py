@@ -424,7 +424,7 @@ def observed_flow(module: torch.nn.Module, example: tuple[Any, ...], target_name
     from executorch.exir import to_edge_transform_and_lower
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    from lowercache.lowering.targets import resolve
+    from lowercache.targets import resolve
 
     target = resolve(target_name)
     with observing(observer):

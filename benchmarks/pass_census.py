@@ -49,7 +49,7 @@ import torch
 from lowercache.cache.steps import Session
 from lowercache.cache.store import Entry
 from lowercache.lowering import quantize, regions
-from lowercache.lowering.targets import Target
+from lowercache.targets import Target
 
 CENSUS_VERSION = "census:v1"
 LOCAL, GIVEN_FACTS, GLOBAL, UNEXERCISED = "local", "local given facts", "global", "not exercised"

@@ -40,7 +40,7 @@ from lowercache.cache.hashing import program_parts
 from lowercache.bench.models import MODELS, calibration_samples
 from lowercache.cache.steps import Session, activate
 from lowercache.cache.store import Store
-from lowercache.lowering.targets import resolve
+from lowercache.targets import resolve
 
 
 def _pte(program: torch.export.ExportedProgram, target, spec) -> bytes:

@@ -18,7 +18,7 @@ import lowercache
 from lowercache.lowering import flow
 from lowercache.bench import models
 from lowercache.config import Settings
-from lowercache.lowering.targets import resolve
+from lowercache.targets import resolve
 
 
 def main(url: str, model: str = "mobilenet_v2", target: str = "ethos-u55-128", repeat: int = 3) -> None:

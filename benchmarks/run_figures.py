@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from lowercache.bench.process import timed
-from lowercache.lowering.targets import TOSA_TARGETS
+from lowercache.targets.arm_tosa import PROFILES as TOSA_TARGETS
 
 MODELS = Path(__file__).resolve().parent.parent / "lowercache" / "bench" / "models.py"
 PHASES = ("cold", "warm, first re-run", "warm (replayed)", "one block edited")

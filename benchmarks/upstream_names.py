@@ -150,7 +150,7 @@ def lower(model: str, target_name: str, stage1: Callable[[Any], None] | None = N
 
     from lowercache.bench.models import MODELS
     from lowercache.lowering import quantize
-    from lowercache.lowering.targets import resolve
+    from lowercache.targets import resolve
 
     module, example = MODELS[model](seed=0)
     if edit is not None:

@@ -132,7 +132,7 @@ def stock_pte(module: Any, example: Any, target: str) -> bytes | None:
     """Stock's .pte in this process (none of lowercache's patches is on outside its lowering); None when
     stock lowered its partitions in another order than discovery order (``lowering/partitionorder.py``)."""
     from lowercache.lowering import flow, partitionorder
-    from lowercache.lowering.targets import resolve
+    from lowercache.targets import resolve
 
     orders: list[list[str]] = []
     pte = flow.run_stock(flow.export(module, example), resolve(target), tuple(example), [tuple(example)], partition_orders=orders)

@@ -28,6 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from lowercache.bench import stockscript
 from lowercache.bench.process import lowercache_command, model_source, timed
 
 HERE = Path(__file__).resolve().parent
@@ -48,7 +49,7 @@ def main() -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="lcz", dir="/tmp"))  # short: a socket path holds about 100 bytes
     project = root / "project"
     project.mkdir()
-    shutil.copy(PACKAGE / "bench" / "stockscript.py", project / "export.py")
+    (project / "export.py").write_text(stockscript.source())
     shutil.copytree(PACKAGE, root / "src" / "lowercache", ignore=shutil.ignore_patterns("__pycache__"))
     (root / "config.toml").write_text("")
     user = {k: v for k, v in os.environ.items() if not k.startswith("LOWERCACHE_")}

@@ -25,7 +25,7 @@ from .output import check_output_dir, write_files
 from .lowering.flow import Artifacts
 from .cache.steps import Listener, Session, activate
 from .cache.tiers import open_store
-from .lowering.targets import resolve
+from .targets import resolve
 from .speedups import registry
 
 __all__ = ["lower", "cached", "write_artifacts", "open_store", "check_output_dir", "Artifacts"]

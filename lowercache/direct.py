@@ -36,7 +36,7 @@ from .cache.store import Entry
 from .config import Settings, check_with_min_snr, load_settings, parse_check
 from .errors import LowercacheError
 from .lowering import numerics_report
-from .lowering.targets import resolve
+from .targets import resolve
 from .output import Report, check_output_dir, report, write_files
 from .record.places import Places, hop_dirs, project_root
 from .record.recorder import Recorder, initial_environ, keep_initial_environ, listen

@@ -54,7 +54,7 @@ def lower(model: str, target: str, out_dir: Path, console: Any, *, verbose: bool
 def _lower(request: direct.Request, settings: Settings, console: Any, verbose: bool) -> Report:
     from . import api
     from .lowering.flow import import_stack
-    from .lowering.targets import resolve
+    from .targets import resolve
 
     resolved = resolve(request.target, system_config=request.system_config, memory_mode=request.memory_mode)
     out_dir = Path(request.out_dir)

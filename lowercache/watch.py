@@ -33,7 +33,7 @@ from .cache.digests import stat_key
 from .config import Settings
 from .errors import LowercacheError
 from .lowering import numerics_report
-from .lowering.targets import resolve
+from .targets import resolve
 from .output import counted, served
 from .record.places import path_state
 

@@ -44,7 +44,7 @@ from ..api import lower
 from ..config import Settings
 from .models import MODELS, SMALL, scenario_calibration
 from ..cache.steps import Session, listed, outcome_counts
-from ..lowering.targets import resolve
+from ..targets import resolve
 from ..cache.toolchain import version
 
 SCENARIOS: tuple[str, ...] = (

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..lowering.targets import resolve
+from ..targets import resolve
+from . import stockscript
 from .redisserver import RedisServer
 
 HERE = Path(__file__).resolve().parent
@@ -63,7 +64,7 @@ class Mode:
     env: dict[str, str] = field(default_factory=dict)
     remote: bool = False  # a Redis row: warm only, each run into an empty local cache
     server: str = ""  # which of the repetition's servers it talks to ("": the default one)
-    ethos_u_only: bool = False  # a column only where its setting acts (regions act on Ethos-U targets only)
+    family_speedup: str = ""  # a column only for the families this speed-up acts on (regions: Ethos-U targets only)
 
 
 MODES: tuple[Mode, ...] = (
@@ -71,7 +72,7 @@ MODES: tuple[Mode, ...] = (
     Mode("warm server", (), {"LOWERCACHE_DIRECT": "0", "LOWERCACHE_SERVER": "1"}),
     Mode(
         "warm server, regions", (), {"LOWERCACHE_DIRECT": "0", "LOWERCACHE_SERVER": "1", "LOWERCACHE_SPEEDUPS": "all,regions"},
-        server="regions", ethos_u_only=True,
+        server="regions", family_speedup="regions",
     ),
     Mode("direct mode", (), {"LOWERCACHE_SERVER": "1"}),
     Mode("Redis, direct", ("--no-server",), {}, remote=True),
@@ -104,8 +105,8 @@ PHASE_LABELS: dict[str, str] = {
 
 def modes_for(target: str) -> tuple[Mode, ...]:
     """The lowercache columns that apply to ``target``."""
-    ethosu = resolve(target).is_ethosu
-    return tuple(m for m in MODES if ethosu or not m.ethos_u_only)
+    acting = resolve(target).family.speedups
+    return tuple(m for m in MODES if not m.family_speedup or m.family_speedup in acting)
 
 
 def model_source(model: str, edit: str | None) -> str:
@@ -162,7 +163,7 @@ class _Repetition:
         self.run_dirs = run_dirs
         self.project = root / "project"
         self.project.mkdir(parents=True)
-        shutil.copy(HERE / "stockscript.py", self.project / "export.py")
+        (self.project / "export.py").write_text(stockscript.source())
         src = root / "src"
         shutil.copytree(HERE.parent, src / "lowercache", ignore=shutil.ignore_patterns("__pycache__"))
         (root / "config.toml").write_text("")

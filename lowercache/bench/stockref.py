@@ -64,7 +64,7 @@ def reference(model: str, target: str, edit: str | None, custom_calibration: boo
 def main(argv: Sequence[str] | None = None) -> int:
     from ..lowering import flow
     from .models import MODELS, scenario_calibration
-    from ..lowering.targets import resolve
+    from ..targets import resolve
 
     parser = argparse.ArgumentParser(prog="python -m lowercache.bench.stockref")
     parser.add_argument("model")

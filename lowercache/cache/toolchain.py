@@ -31,7 +31,7 @@ from .digests import stat_key
 # package: whole rooms (a trailing "/") and single modules. Nothing else is hashed: a module added elsewhere shapes no
 # key until named here. tests/unit/test_toolchain.py checks that whatever these import from lowercache is named here
 # or below.
-BYTE_SHAPING = ("lowering/", "speedups/", "delegation.py", "cache/digests.py", "cache/hashing.py", "cache/records.py",
+BYTE_SHAPING = ("lowering/", "speedups/", "targets/", "delegation.py", "cache/digests.py", "cache/hashing.py", "cache/records.py",
                 "cache/steps.py", "cache/toolchain.py")
 # lowercache modules that byte-shaping code imports but that make no stored lowering, each with the reason.
 NOT_BYTE_SHAPING = {

@@ -29,6 +29,7 @@ from rich.table import Table
 
 from ..errors import INTERRUPTED, LowercacheError, by_ctrl_c, interrupted, user_line
 from ..output import counted
+from ..targets import help_text
 
 class _Command(TyperCommand):
     """Usage lines as users read them (``lower [OPTIONS] MODEL``): typer braces a required argument (``{MODEL}``)."""
@@ -51,7 +52,7 @@ CacheDir = typer.Option(None, "--cache-dir", help=r"Cache directory \[env: LOWER
 
 def _complete_target(incomplete: str) -> list[str]:
     """Shell completion for --target (no torch import: the names are plain data)."""
-    from ..lowering.targets import TARGETS
+    from ..targets import TARGETS
 
     return [t for t in TARGETS if t.startswith(incomplete)]
 
@@ -60,7 +61,7 @@ TargetOption = typer.Option(
     ...,
     "--target",
     "-t",
-    help="tosa-int, tosa-fp, ethos-u55-32/64/128/256, ethos-u65-256/512, ethos-u85-128/256/512/1024/2048.",
+    help=help_text(),
     autocompletion=_complete_target,
 )
 RemoteUrl = typer.Option(
@@ -236,7 +237,7 @@ def verify(
 ) -> None:
     """Lower with and without the cache (and in a fresh cache); fail on any byte difference."""
     from ..lowering import loading
-    from ..lowering.targets import resolve
+    from ..targets import resolve
     from ..verify import Progress, expected, served_now
     from ..verify import verify as run_verify
 
@@ -394,7 +395,7 @@ def explain(
     """Say which named key parts changed for the last miss of MODEL on a target."""
     from .. import direct
     from ..cache import history
-    from ..lowering.targets import resolve
+    from ..targets import resolve
 
     try:
         name = _model_name(model)

@@ -48,12 +48,14 @@ from .specdigest import compile_spec_digest, pass_insertions_digest
 from .. import delegation
 from ..speedups import registry
 from ..speedups.patching import Patch
-from .hookpoints import ETHOSU_MODULE, HOOK_MODULES, TOSA_MODULE
+from ..targets.arm_ethosu import ETHOSU_MODULE
+from ..targets.arm_tosa import TOSA_MODULE
 from ..cache.hashing import Unhashable, digest, digest_json, program_parts
 from ..cache.steps import current_session
 from ..cache.store import Entry
 from ..cache.toolchain import toolchain_parts
 
+HOOK_MODULES = (TOSA_MODULE, ETHOSU_MODULE)  # the Arm families' hook points (targets/arm_*.py)
 _lock = threading.Lock()
 _originals: dict[str, Any] = {}
 _naming = threading.local()  # .modules: the TOSA tensor name -> module path map of the partition this thread lowers

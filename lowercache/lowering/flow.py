@@ -20,20 +20,20 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import arm, numerics, numerics_layers, partitionorder, quantize
+from . import numerics, numerics_layers, partitionorder, quantize
 from .. import delegation as delegation_report
 from ..speedups import fastcopy, registry, retrace
 from ..speedups.gcfreeze import frozen_heap
 from ..cache.hashing import Unhashable, digest, digest_json, inputs_digest, program_parts
 from ..cache.steps import Session, activate, listed, outcome_counts, step_key
 from ..cache.store import Entry, Store
-from .targets import Target
+from ..targets import FAMILIES, Target
 from ..cache.toolchain import toolchain_parts
 
-# The Arm stack a lowering imports (thousands of modules): the warm server imports it once; an in-process ``lower``
-# that records (direct mode) imports it before the backstop below Python starts, which would trace each import.
-STACK = ("executorch.exir", "executorch.backends.arm.ethosu", "executorch.backends.arm.quantizer",
-         "executorch.backends.arm.tosa.partitioner", "torchao.quantization.pt2e.quantize_pt2e", "torch.export")
+# The stack a lowering imports (thousands of modules), every family's: the warm server imports it once; an in-process
+# ``lower`` that records (direct mode) imports it before the backstop below Python starts, which would trace each import.
+STACK = ("executorch.exir", *dict.fromkeys(m for f in FAMILIES for m in f.stack), "torchao.quantization.pt2e.quantize_pt2e",
+         "torch.export")
 
 
 def import_stack() -> None:
@@ -86,6 +86,11 @@ class Stages:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
+def backend(target: Target) -> Any:
+    """The lowercache module that hooks ``target``'s backend: its family's ``hooks`` (``arm.py`` for the Arm families)."""
+    return importlib.import_module(target.family.hooks)
+
+
 def export(module: torch.nn.Module, example_inputs: Inputs) -> torch.export.ExportedProgram:
     return torch.export.export(module, tuple(example_inputs))
 
@@ -104,7 +109,7 @@ def target_spec_digest(target: Target, store: Store | None) -> str:
     remembered = store.get_record(name) if store is not None else None
     if isinstance(remembered, str) and re.fullmatch(r"[0-9a-f]{32}", remembered):
         return remembered
-    value = arm.compile_spec_digest(target.compile_spec())
+    value = backend(target).compile_spec_digest(target.compile_spec())
     if store is not None:
         store.put_record(name, value)
     return value
@@ -124,7 +129,7 @@ def flow_parts(
         parts["calibration"] = inputs_digest(calibration) if target.quantized else "unused"
     except Unhashable:
         return None
-    insertions = arm.pass_insertions_digest()
+    insertions = backend(target).pass_insertions_digest()
     if insertions is None:
         return None
     parts["quantizer"] = target.quantization_config
@@ -217,26 +222,19 @@ def lower_program(
         # Hooks only around the computation: installing them imports the Arm
         # backend (seconds), which a hit does not need.
         # A stage of its own so that its seconds in a new process are not said to be quantize's.
-        stages.run("backend", arm.import_backend)
+        stages.run("backend", backend(target).import_backend)
         found: list[dict[str, Any]] = []
-        with arm.hooks(), activate(session):
-            before = {k: len(session.outputs.get(k, [])) for k in ("tosa", "vela")}
+        with backend(target).hooks(), activate(session):
+            before = {k: len(session.outputs.get(k, [])) for k in target.family.steps}
             pte = run_stock(program, target, example_inputs, calibration, stages, session, parts, delegation=found, programs=programs,
                             quantized=quantized)
         blobs = {"model.pte": bytes(pte)}
-        tensor_modules = []
-        for i, entry in enumerate(session.outputs.get("tosa", [])[before["tosa"] :]):
-            blobs[f"partition_{i}.tosa"] = entry.blobs["tosa"]
-            tensor_modules.append(entry.meta.get("tensor_modules", {}))
+        made = {kind: session.outputs.get(kind, [])[before[kind] :] for kind in target.family.steps}
+        for kind, entries in made.items():
+            for i, entry in enumerate(entries):
+                blobs.update(target.family.files(kind, i, entry.blobs))
+        tensor_modules = [entry.meta.get("tensor_modules", {}) for entry in made[target.family.steps[0]]]
         summary = {**found[0], "kernels": delegation_report.kernels(blobs["model.pte"]), "tensor_modules": tensor_modules}
-        for i, entry in enumerate(session.outputs.get("vela", [])[before["vela"] :]):
-            for name, data in entry.blobs.items():
-                if name == "command_stream":
-                    blobs[f"partition_{i}.vela.bin"] = data
-                elif name == "summary.txt":
-                    blobs[f"partition_{i}.vela_summary.txt"] = data
-                elif name.startswith("output/"):
-                    blobs[f"partition_{i}.vela_{name[len('output/'):]}"] = data
         return Entry(meta={"delegation": summary}, blobs=blobs)
 
     retrace.reset_stats()
@@ -248,7 +246,7 @@ def lower_program(
 
         def lowered() -> tuple[Any, dict[str, bytes]]:
             if not programs:  # the flow was a hit: lower again, its inner steps served from the cache
-                with arm.hooks(), activate(session):
+                with backend(target).hooks(), activate(session):
                     run_stock(program, target, example_inputs, calibration, stages, session, parts, programs=programs, quantized=quantized)
             return programs[-1], dict(entry.blobs)
 
@@ -256,7 +254,7 @@ def lower_program(
             if not target.quantized or quantized is None:
                 return None
             if not quantized:  # the flow and the outputs check were hits: the quantize step, served from the cache
-                with arm.hooks(), activate(session):
+                with backend(target).hooks(), activate(session):
                     spec = target.compile_spec()
                     quantized.append(quantize.quantize(program, target, spec, example_inputs, calibration, quantize.quantize_parts(parts), session)[0])
             return quantized[-1]

@@ -100,11 +100,14 @@ def _process_session() -> Any:
 
 
 def activate_in_process() -> None:
-    """Arrange for the Arm hook modules to be wrapped when (or if) they are imported."""
-    from ..lowering.hookpoints import HOOK_MODULES
+    """Arrange for every target family's hook modules to be wrapped (by the family's hooks) when (or if) they are imported."""
+    import importlib
+
+    from ..targets import FAMILIES
+
+    hooked_by = {m: f.hooks for f in FAMILIES for m in f.hook_modules}
 
     def on_import(name: str) -> None:
-        from ..lowering import arm
         from ..cache import steps
 
         from ..config import load_settings
@@ -114,14 +117,14 @@ def activate_in_process() -> None:
 
         registry.select(load_settings().speedups)
         steps.set_fallback(_process_session)
-        arm.install_permanently(name)
+        importlib.import_module(hooked_by[name]).install_permanently(name)
         if not reexport.script_patch.originals:
             from . import ahead
 
             reexport.run_ahead_with(ahead)
             reexport.script_patch.enable()  # the script's own re-export after convert_pt2e, as a step
 
-    already = [m for m in HOOK_MODULES if m in sys.modules]
+    already = [m for m in hooked_by if m in sys.modules]
     for name in already:
         on_import(name)
-    sys.meta_path.insert(0, _AfterImport(tuple(m for m in HOOK_MODULES if m not in already), on_import))
+    sys.meta_path.insert(0, _AfterImport(tuple(m for m in hooked_by if m not in already), on_import))

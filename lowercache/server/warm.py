@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from .. import environment, startup
 from ..cache.digests import stat_key
 from ..config import load_settings
+from ..targets import FAMILIES
 
 
 @dataclass
@@ -123,4 +124,5 @@ def _import_and_lower(warm: Warm) -> None:
     with quiet.captured(), tempfile.TemporaryDirectory(prefix="lowercache-warmup-") as scratch:
         module, example = models.tiny_cnn()
         settings = load_settings(cache_dir=scratch, disable=False, read_only=False, remote="")
-        api.lower(module, example, target="ethos-u55-128", settings=settings)
+        for target in (t for family in FAMILIES for t in family.warm_up):
+            api.lower(module, example, target=target, settings=settings)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from ..config import parse_size
 from ..errors import LowercacheError
-from ..lowering.targets import resolve
+from ..targets import resolve
 
 BUILD_FILE = "lowercache.toml"
 PYPROJECT = "pyproject.toml"

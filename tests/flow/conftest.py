@@ -7,7 +7,7 @@ import pytest
 from lowercache import api
 from lowercache.bench import models
 from lowercache.config import Settings
-from lowercache.lowering.targets import ETHOSU_TARGETS
+from lowercache.targets.arm_ethosu import TARGETS as ETHOSU_TARGETS
 
 from tests.helpers.tosa import FAMILIES, MODELS
 

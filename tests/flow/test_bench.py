@@ -76,4 +76,4 @@ def test_the_regions_column_is_only_for_ethos_u_targets():
 
     assert "warm server, regions" in [m.name for m in modes_for("ethos-u85-256")]
     assert "warm server, regions" not in [m.name for m in modes_for("tosa-int")]
-    assert [m.name for m in modes_for("tosa-int")] == [m.name for m in modes_for("ethos-u55-128") if not m.ethos_u_only]
+    assert [m.name for m in modes_for("tosa-int")] == [m.name for m in modes_for("ethos-u55-128") if not m.family_speedup]

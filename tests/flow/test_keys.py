@@ -14,7 +14,7 @@ from lowercache.lowering import flow
 from lowercache.bench import models
 from lowercache.cache import toolchain
 from lowercache.cache.steps import step_key
-from lowercache.lowering.targets import resolve
+from lowercache.targets import resolve
 
 
 def parts_of(module, example, target="ethos-u55-128", calibration=None, per_channel=True):
@@ -93,7 +93,7 @@ def test_renaming_a_local_variable_keeps_the_key():
 def test_key_is_independent_of_pythonhashseed():
     code = (
         "from lowercache.lowering import flow; from lowercache.bench import models; from lowercache.cache.steps import step_key;"
-        "from lowercache.lowering.targets import resolve;"
+        "from lowercache.targets import resolve;"
         "m, e = models.tiny_cnn(); p = flow.flow_parts(flow.export(m, e), resolve('tosa-int'), e, [e]);"
         "print(step_key('flow', p))"
     )
@@ -188,7 +188,7 @@ from lowercache.bench import models
 from benchmarks import pass_census as census
 from lowercache.lowering.arm import tosa_parts
 from lowercache.lowering.flow import export
-from lowercache.lowering.targets import resolve
+from lowercache.targets import resolve
 
 target = resolve("ethos-u55-128", True)
 seen = []

@@ -59,7 +59,7 @@ def test_a_convolution_whose_batch_norm_is_folded_has_no_row_and_its_block_has_a
     import torch
 
     from lowercache.lowering import numerics_layers, quantize
-    from lowercache.lowering.targets import resolve
+    from lowercache.targets import resolve
 
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())

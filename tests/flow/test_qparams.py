@@ -103,7 +103,7 @@ def test_fast_histogram_search_equals_torchao_on_a_real_model():
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
     from lowercache.speedups.paramsearch import fast_non_linear_param_search
-    from lowercache.lowering.targets import resolve
+    from lowercache.targets import resolve
 
     module, example = models.residual_cnn()
     target = resolve("ethos-u55-128")

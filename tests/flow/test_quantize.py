@@ -63,7 +63,7 @@ def test_quantize_key_sees_calibration_and_per_channel(cache_dir, new_flow_versi
 
 
 def test_stored_form_round_trips_without_pickle():
-    from lowercache.lowering.targets import resolve
+    from lowercache.targets import resolve
 
     module, example = models.tiny_cnn()
     target = resolve("tosa-int")
@@ -85,7 +85,7 @@ def test_decode_runs_without_cyclic_collections_and_restores_the_collector(monke
     import contextlib
     import gc
 
-    from lowercache.lowering.targets import resolve
+    from lowercache.targets import resolve
 
     module, example = models.tiny_cnn()
     target = resolve("tosa-int")
@@ -183,7 +183,7 @@ def test_schema_conversion_equals_torch():
     from torch._export.serde import schema
     from torch._export.serde import serialize as serde
 
-    from lowercache.lowering.targets import resolve
+    from lowercache.targets import resolve
 
     module, example = models.transformer_block()
     target = resolve("tosa-int")
@@ -216,7 +216,7 @@ def test_fast_tensor_meta_builds_the_values_torch_does(monkeypatch):
     """decode's direct FakeTensor construction gives what the deserializer's fake-mode dispatch gives."""
     import contextlib
 
-    from lowercache.lowering.targets import resolve
+    from lowercache.targets import resolve
 
     module, example = models.transformer_block()
     target = resolve("ethos-u55-128")
@@ -261,7 +261,7 @@ def test_stored_json_equals_torchs_serializer_and_the_patches_are_undone():
     from torch._export.serde import serialize as serde
     from torch._export.serde.union import _Union
 
-    from lowercache.lowering.targets import resolve
+    from lowercache.targets import resolve
 
     create, to_dict = vars(_Union)["create"], serde._dataclass_to_dict
     module, example = models.transformer_block()

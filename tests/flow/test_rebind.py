@@ -16,7 +16,7 @@ from lowercache.cache import history
 from lowercache.cache.hashing import without_process_marks
 from lowercache.cache.store import Entry, Store
 from lowercache.lowering import arm, quantize, rebind
-from lowercache.lowering.targets import resolve
+from lowercache.targets import resolve
 from lowercache.speedups import registry
 
 from tests.helpers.oracle import stock_pte

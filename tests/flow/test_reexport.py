@@ -13,7 +13,7 @@ from lowercache.lowering import flow, programstore, quantize, reexport
 from lowercache.bench import models
 from lowercache.cache.store import Store
 from lowercache.cache.hashing import canon, node_form
-from lowercache.lowering.targets import resolve
+from lowercache.targets import resolve
 
 from tests.helpers.graphs import without_varying_meta
 from tests.helpers.oracle import reference

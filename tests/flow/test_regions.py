@@ -12,7 +12,7 @@ from lowercache.bench.models import EDITED_BLOCKS, MODELS
 from lowercache.cache.steps import Session
 from lowercache.cache.store import Store
 from lowercache.lowering import regions
-from lowercache.lowering.targets import resolve
+from lowercache.targets import resolve
 
 from tests.helpers import ROOT
 

@@ -13,7 +13,7 @@ from lowercache.bench.models import MODELS
 from lowercache.cache.store import Entry
 from lowercache.lowering import regionsplice, regionstore
 from lowercache.lowering.programstore import FormatError
-from lowercache.lowering.targets import resolve
+from lowercache.targets import resolve
 
 from tests.helpers.graphs import describe
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from lowercache.lowering.targets import ETHOSU_TARGETS, vela_sections
+from lowercache.targets.arm_ethosu import TARGETS as ETHOSU_TARGETS, vela_sections
 
 from tests.helpers.tosa import FAMILIES, MODELS, constants_reordered, one_weight_changed, renamed, shuffled, vela
 

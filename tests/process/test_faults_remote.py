@@ -338,7 +338,7 @@ def test_write_only_refresh_re_signs_memo_records(tmp_path, redis_url):
 
 def test_memo_value_that_is_not_a_digest_is_recomputed(tmp_path):
     from lowercache.lowering import arm, flow
-    from lowercache.lowering.targets import resolve
+    from lowercache.targets import resolve
 
     target = resolve("tosa-fp")
     store = Store(tmp_path / "c")

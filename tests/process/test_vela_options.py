@@ -10,7 +10,8 @@ import pytest
 from lowercache import direct
 from lowercache.zoo import buildfile
 from lowercache.errors import LowercacheError
-from lowercache.lowering.targets import resolve, vela_sections
+from lowercache.targets import resolve
+from lowercache.targets.arm_ethosu import vela_sections
 
 from tests.helpers.cli import TINY, cli, error_lines, stock_tiny_with
 

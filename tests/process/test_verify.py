@@ -5,7 +5,7 @@ from __future__ import annotations
 from lowercache.lowering import flow
 from lowercache.cache.steps import step_key
 from lowercache.cache.store import Entry, Store
-from lowercache.lowering.targets import resolve
+from lowercache.targets import resolve
 
 from tests.helpers.cli import TINY, cli
 

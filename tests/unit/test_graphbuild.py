@@ -11,7 +11,7 @@ import torch
 from lowercache.lowering import graphbuild, programstore, quantize
 from lowercache.bench import models
 from lowercache.cache.hashing import program_parts
-from lowercache.lowering.targets import resolve
+from lowercache.targets import resolve
 
 
 class OpZoo(torch.nn.Module):

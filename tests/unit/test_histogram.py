@@ -72,7 +72,7 @@ def test_calibrated_observers_are_bit_identical(model):
     from torchao.quantization.pt2e.observer import HistogramObserver
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
 
-    from lowercache.lowering.targets import resolve
+    from lowercache.targets import resolve
 
     module, example = models.MODELS[model]()
     target = resolve("ethos-u55-128")
