@@ -42,16 +42,22 @@ def lower(model: str, target: str, out_dir: Path, console: Any, *, verbose: bool
     settings = None
     try:
         settings = request.settings()
-        return _lower(request, settings, console, verbose)
+        artifacts, written, timed = _lower(request, settings, console)
     except LowercacheError:
         _count_failure(settings, "input")
         raise
     except Exception:  # a failure inside torch.export or ExecuTorch
         _count_failure(settings, "lowering")
         raise
+    out_dir = Path(request.out_dir)
+    said = report(_run_summary(artifacts, written, out_dir), estimates.outcome(artifacts.delegation, out_dir, request.target),
+                  artifacts.numerics, written, out_dir, min_snr)
+    said.table, said.total = phases.table(timed, artifacts.records, verbose)
+    return said
 
 
-def _lower(request: direct.Request, settings: Settings, console: Any, verbose: bool) -> Report:
+def _lower(request: direct.Request, settings: Settings, console: Any) -> tuple[Any, list[Path], phases.Phases]:
+    """The lowering itself: its artifacts, the files written, the phases as timed."""
     from . import api
     from .lowering.flow import import_stack
     from .targets import resolve
@@ -79,12 +85,7 @@ def _lower(request: direct.Request, settings: Settings, console: Any, verbose: b
                 check=settings.check,
             )
         direct.finish(recorder, artifacts.records, artifacts.manifest)
-    written = api.write_artifacts(artifacts, out_dir)
-    min_snr = float(request.min_snr) if request.min_snr is not None else None
-    said = report(_run_summary(artifacts, written, out_dir), estimates.outcome(artifacts.delegation, out_dir, request.target),
-                  artifacts.numerics, written, out_dir, min_snr)
-    said.table, said.total = phases.table(timed, artifacts.records, verbose)
-    return said
+    return artifacts, api.write_artifacts(artifacts, out_dir), timed
 
 
 def confirm(args: list[str]) -> str:
