@@ -34,7 +34,7 @@ from .cache.digests import digest, digest_json
 from .cache.store import Entry
 from .config import Settings, check_with_min_snr, load_settings
 from .errors import LowercacheError
-from .lowering import numerics_report
+from .lowering.check import numerics_report
 from .targets import resolve
 from .output import check_output_dir, counted, write_files
 from .record.places import Places, hop_dirs, project_root
@@ -75,7 +75,7 @@ class Request:
     as_json: bool = False
     system_config: str | None = None
     memory_mode: str | None = None
-    check: str = ""  # the numerics check, "outputs" or "layers" (lowering/numerics.py): its own record, which names the check's entries
+    check: str = ""  # the numerics check, "outputs" or "layers" (lowering/check/numerics.py): its own record, which names the check's entries
     min_snr: str | None = None
     cwd: str = field(default_factory=os.getcwd)
 

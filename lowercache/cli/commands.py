@@ -219,7 +219,8 @@ def lower(
     global _json_errors
     from .. import api, direct
     from ..config import check_with_min_snr, parse_check
-    from ..lowering import loading, numerics_report
+    from ..lowering import loading
+    from ..lowering.check import numerics_report
     from ..lowering.flow import import_stack
     from ..targets import resolve
 
