@@ -78,7 +78,7 @@ def scramble(program: Any, original: set[str]) -> int:
 
 
 def form(program: Any) -> dict[str, Any]:
-    from lowercache.lowering import regions
+    from lowercache.lowering.replay import regions
 
     whole = regions.whole_form(program)
     placeholders = [n.name for n in program.graph_module.graph.nodes if n.op == "placeholder" and n.users]

@@ -20,7 +20,7 @@ after every step:
 - ``to_edge_transform_and_lower``: each ``run_decompositions`` call, the edge
   program, the partitioner's tags, each partition's input to the TOSA
   backend, each pass of the TOSA pipeline, and the serialized TOSA
-  (canonical form, ``lowering/tosacanon.py``); the lowered program.
+  (canonical form, ``lowering/replay/tosacanon.py``); the lowered program.
 
 Each observation is split into a *skeleton* (operators, targets, argument
 structure, node names and references, shapes, dtypes, metadata kinds) and
@@ -145,7 +145,7 @@ def program_form(program: Any) -> list[Any]:
 
 def tosa_form(tosa: bytes) -> list[Any]:
     """The serialized TOSA in canonical form, with operator codes, references and shapes as structure."""
-    from lowercache.lowering import tosacanon
+    from lowercache.lowering.replay import tosacanon
 
     def tensor(t: Any) -> Any:
         if isinstance(t, list) and t and t[0] == "tensor" and len(t) == 7:

@@ -5,7 +5,7 @@ that runs on it acts within the region, or reads across its boundary only
 facts that can be checked. The census finds out, pass by pass, on a real
 model: it runs the TOSA backend pipeline on the partition's edge program one
 pass at a time, as stock does, and before each pass cuts the graph into
-regions (``lowercache/lowering/regions.py``) and runs the same pass (a fresh instance from a
+regions (``lowercache/lowering/replay/regions.py``) and runs the same pass (a fresh instance from a
 pipeline built for the region) on each region extracted as a standalone
 program. It then compares each region's nodes in the whole graph's result
 with the standalone result (operators, arguments, metadata, constants'
@@ -48,7 +48,8 @@ import torch
 
 from lowercache.cache.steps import Session
 from lowercache.cache.store import Entry
-from lowercache.lowering import quantize, regions
+from lowercache.lowering import quantize
+from lowercache.lowering.replay import regions
 from lowercache.targets import Target
 
 CENSUS_VERSION = "census:v1"

@@ -124,7 +124,8 @@ def _timed_convert(program: Any, target: Any, spec: Any, calibration: Any) -> An
 
 def _install(depth: list[int]) -> None:
     """Time the quantization stage's parts; note the region parts of each partition's pipeline input (untimed)."""
-    from lowercache.lowering import arm, quantize, regions
+    from lowercache.lowering import arm, quantize
+    from lowercache.lowering.replay import regions
 
     quantize.convert = _timed_convert
     original = arm.tosa_parts

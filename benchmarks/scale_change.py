@@ -8,7 +8,7 @@ change (docs/regions.md, the edit's floor). Serving those blocks again would
 need their lowering to differ from the base's in values only. For each
 model, this lowers the base and the weights edit (``region_edit.BUILDERS``)
 for Ethos-U55-128 in fresh caches and compares the first partition's TOSA
-in canonical form (``lowering/tosacanon.py``, names replaced by position):
+in canonical form (``lowering/replay/tosacanon.py``, names replaced by position):
 whether the operators, their order and every tensor's shape and type are the
 same, how many operators read a constant whose bytes changed, and which
 operators' attributes changed. Research code: evidence on these models,
@@ -24,7 +24,7 @@ import tempfile
 from typing import Any
 
 from lowercache import api
-from lowercache.lowering import tosacanon
+from lowercache.lowering.replay import tosacanon
 
 from region_edit import BUILDERS
 

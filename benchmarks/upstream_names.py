@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/upstream_names.py \\
         --models tiny_cnn,residual_cnn,transformer_block,mobilenet_v2 --targets ethos-u55-128,ethos-u85-256
 
-Region replay splices inside the TOSA pass pipeline today (``lowering/regionsplice.py``). A splice further upstream
+Region replay splices inside the TOSA pass pipeline today (``lowering/replay/regionsplice.py``). A splice further upstream
 (the quantization stage's re-export, ``to_edge``'s decompositions and partitioning) would hand on a program equal to
 stock's up to node names, which are minted from whole-graph counters. This script lowers each model with the stock
 flow (plain ExecuTorch calls, no lowercache cache: export, ``prepare_pt2e``, calibrate on the example inputs,

@@ -84,7 +84,7 @@ class Settings:
     server_timeout: int = 3600  # seconds one request may run before its process is killed; 0: no limit
     # lowercache run: a copy of the script goes on non-strictly from its first strict export (run/ahead.py).
     run_ahead: bool = True
-    check: str = ""  # lower: the numerics check after each lowering: "", "outputs" or "layers" (lowering/numerics.py, docs/numerics.md)
+    check: str = ""  # lower: the numerics check after each lowering: "", "outputs" or "layers" (lowering/check/numerics.py, docs/numerics.md)
     origin: dict[str, str] = field(default_factory=dict)  # where each value came from
 
 

@@ -35,7 +35,7 @@ from .cache.digests import digest, digest_json
 from .cache.store import Entry
 from .config import Settings, check_with_min_snr, load_settings, parse_check
 from .errors import LowercacheError
-from .lowering import numerics_report
+from .lowering.check import numerics_report
 from .targets import resolve
 from .output import Report, check_output_dir, report, write_files
 from .record.places import Places, hop_dirs, project_root
@@ -77,7 +77,7 @@ class Request:
     system_config: str | None = None
     memory_mode: str | None = None
     check: str | None = None  # as given (None: the setting's); then the check the run makes, "" (none), "outputs" or "layers"
-    # (lowering/numerics.py): its own record, which names the check's entries
+    # (lowering/check/numerics.py): its own record, which names the check's entries
     min_snr: str | float | None = None
     cwd: str = field(default_factory=os.getcwd)
 

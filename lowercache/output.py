@@ -63,7 +63,7 @@ def report(run: dict[str, Any], outcome: tuple[list[str], dict[str, Any]], numer
            written: list[Path], out_dir: Any, min_snr: Optional[float]) -> Report:
     """The report of a lowering or a hit: ``run``, its part of the ``--json`` summary; ``outcome``, what the delegation
     and Vela's estimate say (``estimates.outcome``); ``numerics``, the check's figures, if it ran."""
-    from .lowering import numerics_report
+    from .lowering.check import numerics_report
 
     said, summarized = outcome
     short = numerics_report.below(numerics, min_snr)

@@ -87,7 +87,7 @@ def expected(mismatches: list[Mismatch], target: str) -> tuple[list[Mismatch], l
     """The mismatches that fail verification, and those the ``regions`` speed-up is documented to give.
 
     With ``regions`` on, an Ethos-U partition's TOSA is stock's graph but for
-    tensor names and constant order (``lowering/regionsplice.py``); its
+    tensor names and constant order (``lowering/replay/regionsplice.py``); its
     ``.pte`` holds Vela's stream, which those do not reach, and is still
     compared byte for byte. Any other difference fails.
     """
@@ -100,7 +100,7 @@ def expected(mismatches: list[Mismatch], target: str) -> tuple[list[Mismatch], l
 
 
 def _equal_up_to_names(a: bytes, b: bytes) -> bool:
-    from .lowering.tosacanon import equal_up_to_names
+    from .lowering.replay.tosacanon import equal_up_to_names
 
     try:
         return equal_up_to_names(a, b)

@@ -32,7 +32,7 @@ from . import delegation, direct, estimates
 from .cache.digests import stat_key
 from .config import Settings
 from .errors import LowercacheError
-from .lowering import numerics_report
+from .lowering.check import numerics_report
 from .targets import resolve
 from .output import counted, served
 from .record.places import path_state

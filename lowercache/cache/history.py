@@ -84,7 +84,7 @@ def explain(store: Store, model: str, target: str) -> list[str]:
         return [f"no recorded runs of {model} for {target}"]
     lines = []
     latest = runs[-1]
-    # Region replay's verdicts (lowering/regionsplice.py): spliced, or the full pipeline and why.
+    # Region replay's verdicts (lowering/replay/regionsplice.py): spliced, or the full pipeline and why.
     for s in latest["steps"]:
         if s["kind"] == "regions":
             lines.append(f"TOSA pipeline by region: {s['outcome']}: {s['name']}")

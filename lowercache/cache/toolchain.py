@@ -35,9 +35,9 @@ BYTE_SHAPING = ("lowering/", "speedups/", "targets/", "delegation.py", "cache/di
                 "cache/steps.py", "cache/toolchain.py")
 # lowercache modules that byte-shaping code imports but that make no stored lowering, each with the reason.
 NOT_BYTE_SHAPING = {
-    "lowering/numerics.py": "the numerics check reads a lowering; its own key holds its code, so an edit re-runs checks",
-    "lowering/numerics_layers.py": "part of the numerics check (as lowering/numerics.py)",
-    "lowering/numerics_report.py": "part of the numerics check (as lowering/numerics.py)",
+    "lowering/check/numerics.py": "the numerics check reads a lowering; its own key holds its code, so an edit re-runs checks",
+    "lowering/check/numerics_layers.py": "part of the numerics check (as lowering/check/numerics.py)",
+    "lowering/check/numerics_report.py": "part of the numerics check (as lowering/check/numerics.py)",
     "cache/store.py": "moves and checks bytes other code made: every entry is read back against its digest",
     "errors.py": "exception types: a step that raises stores nothing",
     "config.py": "reads settings; those that shape bytes (target, speed-ups, options) are key parts of their own",

@@ -43,7 +43,8 @@ import tempfile
 import threading
 from typing import Any
 
-from . import partitionorder, passes, qparams, rebind, regionsplice
+from . import partitionorder, passes, qparams, rebind
+from .replay import regionsplice
 from .specdigest import compile_spec_digest, pass_insertions_digest
 from .. import delegation
 from ..speedups import registry

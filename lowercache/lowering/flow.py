@@ -20,7 +20,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import numerics, numerics_layers, partitionorder, quantize
+from .check import numerics, numerics_layers
+from . import partitionorder, quantize
 from .. import delegation as delegation_report
 from ..speedups import fastcopy, registry, retrace
 from ..speedups.gcfreeze import frozen_heap

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import LowercacheError, user_line
-from .savedprogram import load_saved_program
+from .stored.savedprogram import load_saved_program
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .programstore import FORMAT, FormatError, decode, encode_or_note
+from .stored.programstore import FORMAT, FormatError, decode, encode_or_note
 from ..speedups.gcfreeze import frozen_heap
 from ..cache.steps import Session
 from ..cache.store import Entry

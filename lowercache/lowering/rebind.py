@@ -37,8 +37,9 @@ from typing import Any, Callable
 
 import torch
 
-from . import regionstore, reexport
-from .programstore import FormatError, tensor_record
+from .replay import regionstore
+from . import reexport
+from .stored.programstore import FormatError, tensor_record
 from ..cache.hashing import Unhashable, canon, digest_json, node_form, signature_digest
 from ..cache.steps import Session, current_session
 from ..cache.store import Entry

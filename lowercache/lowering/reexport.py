@@ -51,7 +51,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from . import programstore
+from .stored import programstore
 from ..cache.hashing import (
     IGNORED_META,
     Unhashable,

@@ -177,7 +177,7 @@ class Recorder:
         self.settings = settings
         self.places = Places(root)
         self.covered = tuple(d + os.sep for d in (*stdlib_dirs(), *self.places.anchors.values()) if d != self.places.anchors["root"])
-        self.covered += tuple(os.path.join(_PACKAGE, room) + os.sep for room in ("cache", "lowering", "speedups"))
+        self.covered += tuple(os.path.join(_PACKAGE, room) + os.sep for room in ("cache", "lowering", "speedups", "targets"))
         self.memos = memo_prefixes()  # found once: each write the window makes is checked against them
         self.covered += self.memos
         self._paused = True

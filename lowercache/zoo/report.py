@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import estimates
-from ..lowering import numerics_report
+from ..lowering.check import numerics_report
 from ..errors import LowercacheError
 from ..output import counted
 

@@ -176,8 +176,8 @@ def test_a_code_edit_outside_the_byte_shaping_modules_keeps_the_key(package_copy
     """The Redis transport, the CLI and the store move or check bytes; the numerics checks read a lowering and key their
     steps by their own code; they make none, so editing them keeps every key."""
     copy, before = package_copy
-    for module in ("cache/remote/redis.py", "cli/commands.py", "cache/store.py", "lowering/numerics.py", "lowering/numerics_layers.py",
-                   "lowering/numerics_report.py"):
+    for module in ("cache/remote/redis.py", "cli/commands.py", "cache/store.py", "lowering/check/numerics.py", "lowering/check/numerics_layers.py",
+                   "lowering/check/numerics_report.py"):
         _edit(copy / module, "\nfrom __future__ import annotations\n", "\nfrom __future__ import annotations\n\nEDITED = 1\n")
     assert toolchain.package_digest(str(copy), remember=False) == before
 

@@ -1,4 +1,4 @@
-"""The numerics check (``lower --check``, lowering/numerics.py) in process: figures as ExecuTorch's own Arm tester gets them on
+"""The numerics check (``lower --check``, lowering/check/numerics.py) in process: figures as ExecuTorch's own Arm tester gets them on
 the same TOSA, cached, keyed by what they depend on, rejected and killed partitions reported, no lowered byte changed."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 import lowercache
 from lowercache.bench import models
-from lowercache.lowering import numerics, numerics_report
+from lowercache.lowering.check import numerics, numerics_report
 
 
 def kinds(artifacts, kind: str) -> list[str]:

@@ -1,11 +1,11 @@
-"""The per-layer check (``lower --check=layers``, lowering/numerics_layers.py) in process: it names the layer where the
+"""The per-layer check (``lower --check=layers``, lowering/check/numerics_layers.py) in process: it names the layer where the
 error enters, is cached, serves the same figures however the quantized program was had, and changes no lowered byte."""
 
 from __future__ import annotations
 
 import lowercache
 from tests.helpers import lossy
-from lowercache.lowering import numerics_report
+from lowercache.lowering.check import numerics_report
 
 
 def kinds(artifacts, kind: str) -> list[str]:
@@ -58,7 +58,8 @@ def test_a_convolution_whose_batch_norm_is_folded_has_no_row_and_its_block_has_a
     program, so comparing it there would show a false drop."""
     import torch
 
-    from lowercache.lowering import numerics_layers, quantize
+    from lowercache.lowering.check import numerics_layers
+    from lowercache.lowering import quantize
     from lowercache.targets import resolve
 
     torch.manual_seed(0)
@@ -76,7 +77,7 @@ def test_a_convolution_whose_batch_norm_is_folded_has_no_row_and_its_block_has_a
 
 
 def test_a_failing_per_layer_check_is_said_not_stored_and_never_fails_the_lowering(tmp_path, monkeypatch):
-    from lowercache.lowering import numerics_layers
+    from lowercache.lowering.check import numerics_layers
 
     def broken(*args):
         raise RuntimeError("an operator the interpreter cannot run")

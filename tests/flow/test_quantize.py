@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import lowercache
-from lowercache.lowering import flow, programstore, quantize
+from lowercache.lowering import flow, quantize
+from lowercache.lowering.stored import programstore
 from lowercache.bench import models
 from lowercache.cache.store import Entry, Store
 
@@ -198,7 +199,7 @@ def test_schema_conversion_equals_torch():
 
 
 def _graphbuild_unsupported(*args, **kwargs):
-    from lowercache.lowering import graphbuild
+    from lowercache.lowering.stored import graphbuild
 
     raise graphbuild.Unsupported("test")
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import lowercache
-from lowercache.lowering import flow, programstore, quantize, reexport
+from lowercache.lowering import flow, quantize, reexport
+from lowercache.lowering.stored import programstore
 from lowercache.bench import models
 from lowercache.cache.store import Store
 from lowercache.cache.hashing import canon, node_form

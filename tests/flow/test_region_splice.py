@@ -2,7 +2,7 @@
 
 For Ethos-U targets only; the ``.pte`` must be stock's byte for byte and each
 ``partition_N.tosa`` equal to stock's up to names and constant order
-(``lowering/tosacanon.py``). Cold, then one block edited into the same cache,
+(``lowering/replay/tosacanon.py``). Cold, then one block edited into the same cache,
 as a user edits; an unprovable case falls back and says why.
 """
 
@@ -14,7 +14,7 @@ import lowercache
 from lowercache.bench import models
 from lowercache.cache.history import explain
 from lowercache.cache.store import Store
-from lowercache.lowering.tosacanon import equal_up_to_names
+from lowercache.lowering.replay.tosacanon import equal_up_to_names
 
 from tests.helpers.oracle import stock_pte
 

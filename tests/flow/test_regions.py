@@ -11,7 +11,7 @@ from benchmarks import pass_census as census
 from lowercache.bench.models import EDITED_BLOCKS, MODELS
 from lowercache.cache.steps import Session
 from lowercache.cache.store import Store
-from lowercache.lowering import regions
+from lowercache.lowering.replay import regions
 from lowercache.targets import resolve
 
 from tests.helpers import ROOT

@@ -1,4 +1,4 @@
-"""The stored form of a region's state at the split (``lowering/regionstore.py``): a round trip keeps every node,
+"""The stored form of a region's state at the split (``lowering/replay/regionstore.py``): a round trip keeps every node,
 argument and piece of metadata a later pass or the TOSA graph reads, and a tampered entry is refused, not run."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from benchmarks import pass_census as census
 from lowercache.bench.models import MODELS
 from lowercache.cache.store import Entry
-from lowercache.lowering import regionsplice, regionstore
-from lowercache.lowering.programstore import FormatError
+from lowercache.lowering.replay import regionsplice, regionstore
+from lowercache.lowering.stored.programstore import FormatError
 from lowercache.targets import resolve
 
 from tests.helpers.graphs import describe

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lowercache.lowering.tosacanon import canonical, equal_up_to_names
+from lowercache.lowering.replay.tosacanon import canonical, equal_up_to_names
 
 from tests.helpers.tosa import MODELS, constants_reordered, one_weight_changed, renamed, shuffled
 

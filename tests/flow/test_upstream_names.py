@@ -1,6 +1,6 @@
 """An Ethos-U .pte does not depend on node names upstream of the TOSA pass pipeline.
 
-A region splice further upstream than today's (``lowering/regionsplice.py``) would hand on a program equal to
+A region splice further upstream than today's (``lowering/replay/regionsplice.py``) would hand on a program equal to
 stock's up to node names, which are minted from whole-graph counters. Two stages are checked, on tiny_cnn for
 Ethos-U55-128 (``benchmarks/upstream_names.py`` measures more models and targets, ``docs/regions.md``):
 

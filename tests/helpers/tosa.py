@@ -74,7 +74,7 @@ def shuffled(tosa: bytes, seed: int) -> bytes:
 
 def constants_reordered(tosa: bytes, seed: int) -> bytes:
     """Each block's CONST operators in another order among themselves (the operator vector's offsets permuted in place):
-    a region splice lists constants in another order than stock (``lowering/regionsplice.py``)."""
+    a region splice lists constants in another order than stock (``lowering/replay/regionsplice.py``)."""
     from tosa.Op import Op
 
     out = _permuted(tosa, seed, 6, lambda block, j: block.Operators(j).Op() == Op.CONST)

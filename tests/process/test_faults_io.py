@@ -164,7 +164,7 @@ def test_hostile_pt2_is_refused_in_one_line_and_runs_nothing(case, saved_tiny, t
 
 def test_built_program_calling_a_non_operator_is_refused(saved_tiny):
     """The check after building, for a target the text check would let through: it must not reach a run."""
-    from lowercache.lowering import savedprogram
+    from lowercache.lowering.stored import savedprogram
 
     program = savedprogram.load_saved_program(str(saved_tiny))
     next(n for n in program.graph.nodes if n.op == "call_function").target = os.system
@@ -173,7 +173,7 @@ def test_built_program_calling_a_non_operator_is_refused(saved_tiny):
 
 
 def test_saved_program_loads_as_torch_loads_it(saved_tiny):
-    from lowercache.lowering.savedprogram import load_saved_program
+    from lowercache.lowering.stored.savedprogram import load_saved_program
 
     ours, theirs = load_saved_program(str(saved_tiny)), torch.export.load(saved_tiny)
     assert str(ours.graph) == str(theirs.graph)

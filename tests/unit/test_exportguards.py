@@ -10,7 +10,7 @@ from torch._dynamo import guards
 
 from lowercache.bench import models
 from lowercache.cache.hashing import canon, node_form
-from lowercache.lowering import programstore
+from lowercache.lowering.stored import programstore
 from lowercache.speedups import exportguards
 
 from tests.helpers.graphs import without_varying_meta

@@ -8,7 +8,8 @@ import logging
 import pytest
 import torch
 
-from lowercache.lowering import graphbuild, programstore, quantize
+from lowercache.lowering.stored import graphbuild, programstore
+from lowercache.lowering import quantize
 from lowercache.bench import models
 from lowercache.cache.hashing import program_parts
 from lowercache.targets import resolve

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lowercache.lowering import numerics, numerics_report
+from lowercache.lowering.check import numerics, numerics_report
 
 
 def test_figures_of_an_exact_match_and_of_a_zero_output():

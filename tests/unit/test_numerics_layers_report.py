@@ -11,7 +11,7 @@ from lowercache.cache.store import Entry
 from lowercache.cli import check_spelled
 from lowercache.config import parse_check
 from lowercache.errors import LowercacheError
-from lowercache.lowering import numerics_report
+from lowercache.lowering.check import numerics_report
 
 
 def _rows():

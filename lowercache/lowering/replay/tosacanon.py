@@ -25,7 +25,7 @@ import importlib
 import inspect
 from typing import Any
 
-from ..cache.digests import digest
+from ...cache.digests import digest
 
 _CONST = 67  # tosa.Op.CONST (checked against the installed tosa-tools in canonical())
 

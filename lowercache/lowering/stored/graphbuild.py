@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..speedups.patching import AttributePatch
+from ...speedups.patching import AttributePatch
 
 
 class Unsupported(Exception):

@@ -26,9 +26,9 @@ from typing import Any, Callable
 import torch
 
 from . import graphbuild
-from ..cache.hashing import dtype_name, tensor_bytes, tensor_from_bytes
-from ..cache.store import Entry
-from ..speedups.patching import AttributePatch
+from ...cache.hashing import dtype_name, tensor_bytes, tensor_from_bytes
+from ...cache.store import Entry
+from ...speedups.patching import AttributePatch
 
 log = logging.getLogger("lowercache")
 

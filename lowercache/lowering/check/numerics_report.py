@@ -9,9 +9,9 @@ import math
 import os
 from typing import Any
 
-from ..cache.digests import digest
-from ..cache.store import Entry
-from ..cache.toolchain import version
+from ...cache.digests import digest
+from ...cache.store import Entry
+from ...cache.toolchain import version
 
 # Part of the check's key; v1: outputs against the eager float model.
 NUMERICS_VERSION = "numerics:v1"
@@ -108,7 +108,7 @@ def stored(store: Any, recorded: Any, flow_key: str, mode: str = "outputs") -> t
     """The check a direct-mode record names, read without torch: its section and entry, or None (not stored, or the
     reference model or this module changed since, or the record is malformed). ``mode`` "layers": the per-layer
     entry it names too."""
-    from ..cache.steps import step_key
+    from ...cache.steps import step_key
 
     parts = recorded.get("key_parts") if isinstance(recorded, dict) else None
     if not isinstance(parts, dict) or parts.get("flow") != flow_key or not isinstance(parts.get("inputs"), str):
@@ -129,7 +129,7 @@ def stored(store: Any, recorded: Any, flow_key: str, mode: str = "outputs") -> t
 
 
 def _stored_layers(store: Any, recorded: Any, flow_key: str, inputs: str) -> dict[str, Any] | None:
-    from ..cache.steps import step_key
+    from ...cache.steps import step_key
 
     now = layers_parts(flow_key, inputs)
     if not isinstance(recorded, dict) or recorded.get("key_parts") != now:

@@ -41,8 +41,8 @@ import tempfile
 import time
 from typing import Any, Callable, Iterator, Sequence
 
-from ..cache.digests import digest, digest_json
-from ..cache.store import Entry
+from ...cache.digests import digest, digest_json
+from ...cache.store import Entry
 from .numerics_report import check_parts, code_version, reference_model_version, section
 
 # -- running the lowered program ---------------------------------------------------------------------
@@ -133,7 +133,7 @@ class Partitions:
 
     def run(self, lowered: Any, inputs: Sequence[Any]) -> list[Any]:
         """One delegate call: the partition's TOSA on the reference model, from the cache when it ran on these inputs."""
-        from ..cache.hashing import dtype_name, tensor_bytes, tensor_digest, tensor_from_bytes
+        from ...cache.hashing import dtype_name, tensor_bytes, tensor_digest, tensor_from_bytes
 
         i = self.index(lowered)
         tosa = self.tosa[i]
@@ -429,7 +429,7 @@ def compute(program: Any, files: dict[str, bytes], float_ref: list[list[Any]], s
 
 def inputs_key(samples: Sequence[Sequence[Any]]) -> str | None:
     """The check's inputs as a key part; None when they cannot be hashed (the check then runs uncached)."""
-    from ..cache.hashing import Unhashable, inputs_digest
+    from ...cache.hashing import Unhashable, inputs_digest
 
     try:
         return inputs_digest(samples)

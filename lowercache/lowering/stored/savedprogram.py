@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..errors import LowercacheError
+from ...errors import LowercacheError
 
 MODEL = "model"  # the program torch.export.save writes and torch.export.load returns
 

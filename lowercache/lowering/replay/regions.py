@@ -33,9 +33,9 @@ from typing import Any, Iterable
 
 import torch
 
-from ..cache.digests import digest_json
-from ..cache.hashing import IGNORED_META, Unhashable, canon, op_name, tensor_digest, without_process_marks
-from ..cache.toolchain import toolchain_parts
+from ...cache.digests import digest_json
+from ...cache.hashing import IGNORED_META, Unhashable, canon, op_name, tensor_digest, without_process_marks
+from ...cache.toolchain import toolchain_parts
 
 TOP = "(top)"
 

@@ -18,10 +18,10 @@ import logging
 from typing import Any
 
 from . import regions, regionstore
-from .programstore import FormatError
-from ..cache.digests import digest_json
-from ..cache.steps import Session, StepRecord, step_key
-from ..cache.toolchain import toolchain_parts
+from ..stored.programstore import FormatError
+from ...cache.digests import digest_json
+from ...cache.steps import Session, StepRecord, step_key
+from ...cache.toolchain import toolchain_parts
 
 log = logging.getLogger("lowercache")
 

@@ -29,9 +29,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .programstore import FormatError, tensor_from_record, tensor_record
-from ..cache.hashing import dtype_name, tensor_bytes
-from ..cache.store import Entry
+from ..stored.programstore import FormatError, tensor_from_record, tensor_record
+from ...cache.hashing import dtype_name, tensor_bytes
+from ...cache.store import Entry
 
 FORMAT = "region-state:v1"
 

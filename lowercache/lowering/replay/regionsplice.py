@@ -34,10 +34,10 @@ from typing import Any, Callable
 import torch
 
 from . import regioncache, regions, regionstore
-from .programstore import FormatError
-from .specdigest import compile_spec_digest, pass_insertions_digest
-from ..cache.toolchain import toolchain_parts
-from ..speedups.patching import Patch
+from ..stored.programstore import FormatError
+from ..specdigest import compile_spec_digest, pass_insertions_digest
+from ...cache.toolchain import toolchain_parts
+from ...speedups.patching import Patch
 
 SPLIT_PASS = "FuseViewCopyTransformPass"  # the first layout pass: entries before it run per region
 TAIL = "(dirty tail)"  # the regions after the served ones, extracted as one
@@ -585,7 +585,7 @@ def _pipeline(self: Any, exported_program: Any, graph_module: Any) -> Any:
     original = _originals["pipeline"]
     if not getattr(_state, "ethosu", False) or graph_module is not exported_program.graph_module:
         return original(self, exported_program, graph_module)
-    from ..cache.steps import StepRecord, current_session
+    from ...cache.steps import StepRecord, current_session
 
     session = current_session()
     start = time.perf_counter()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from ..cache.store import Entry
+from ...cache.store import Entry
 from .numerics import Unstored, figures, inputs_key
 from .numerics_report import layers_parts, layers_section
 
