@@ -75,7 +75,7 @@ def test_direct_mode_parses_the_check_mode_and_keys_its_record_by_it():
     base = ["lower", "m.py:f", "-t", "tosa-int", "-o", "out"]
     plain, outputs = direct.parse_lower(base), direct.parse_lower([*base, "--check"])
     layers = direct.parse_lower([*base, "--check=layers"])
-    assert (plain.check, outputs.check, layers.check) == ("", "outputs", "layers")
+    assert (plain.check, outputs.check, layers.check) == (None, "outputs", "layers")  # None: the setting decides
     assert outputs.key() == direct.parse_lower([*base, "--check=outputs"]).key()
     assert len({plain.key(), outputs.key(), layers.key()}) == 3
     assert direct.parse_lower([*base, "--check=other"]) is None and direct.parse_lower([*base, "--check", "--check"]) is None

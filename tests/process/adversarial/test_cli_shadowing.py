@@ -73,20 +73,16 @@ def test_the_factory_in_the_same_process_gets_the_users_module(tmp_path):
     assert (tmp_path / "out" / "model.pte").read_bytes() == stock.stdout
 
 
-def test_a_module_nobody_shadows_is_kept():
+def test_a_module_nobody_shadows_is_kept(tmp_path):
     """Only modules the user's path resolves elsewhere are forgotten: the rest stay imported once."""
     code = ("import sys; from lowercache.shadowing import own_imports\n"
             "with own_imports():\n    import colorsys, wave\n"
             "print('colorsys' in sys.modules, 'wave' in sys.modules)\n"
             "import colorsys; print(colorsys.WIDTH)\n")
-    user = Path(__file__).parent / "_shadow_fixture"
-    user.mkdir(exist_ok=True)
-    try:
-        (user / "colorsys.py").write_text(USER_COLORSYS)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(user), str(ROOT)])}
-        result = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=60)
-    finally:
-        (user / "colorsys.py").unlink()
-        user.rmdir()
+    user = tmp_path / "user"  # the interpreter writes its bytecode beside the user's module: never in the checkout
+    user.mkdir()
+    (user / "colorsys.py").write_text(USER_COLORSYS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(user), str(ROOT)])}
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "True", "12"]
