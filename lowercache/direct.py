@@ -37,7 +37,7 @@ from .config import Settings, check_with_min_snr, load_settings, parse_check
 from .errors import LowercacheError
 from .lowering.check import numerics_report
 from .targets import resolve
-from .output import Report, check_output_dir, report, write_files
+from .output import Report, check_output_dir, report, run_summary, write_files
 from .record.places import Places, hop_dirs, project_root
 from .record.recorder import Recorder, initial_environ, keep_initial_environ, listen
 from .record.trust import (UNSEEN, Words, check_inputs, elsewhere, identity, identity_changed, inputs_changed, put_status, status_lines,
@@ -551,17 +551,8 @@ def command_seconds() -> float | None:
 def _report(request: Request, manifest: dict[str, Any], written: list[Path], seconds: float, min_snr: float | None) -> Report:
     """Print what a hit says (as a full lowering's report, with the line on direct mode for its table) and return it."""
     took = command_seconds()
-    run = {
-        "model": manifest.get("model"),
-        "target": manifest.get("target"),
-        "out": request.out_dir,
-        "flow": "hit",
-        "direct": "hit",
-        "step_counts": manifest["step_counts"],
-        "seconds": round(seconds, 4),
-        "saved_seconds": manifest["steps"][0]["saved"],
-        "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
-    }
+    run = run_summary(manifest, request.out_dir, written, flow="hit", direct="hit", step_counts=manifest["step_counts"],
+                      seconds=round(seconds, 4), saved_seconds=manifest["steps"][0]["saved"])
     said = report(run, estimates.outcome(manifest.get("delegation"), Path(request.out_dir), request.target), manifest.get("numerics"),
                   written, request.out_dir, min_snr)
     print(f"lowercache: direct mode: served from the record, no factory run{f' ({took:.2f} s)' if took is not None else ''}",

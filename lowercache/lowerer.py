@@ -22,7 +22,7 @@ from typing import Any, Optional
 from . import direct, estimates, phases
 from .config import Settings
 from .errors import LowercacheError
-from .output import Report, report
+from .output import Report, report, run_summary
 
 
 def lower(model: str, target: str, out_dir: Path, console: Any, *, verbose: bool = False, cache_dir: Optional[Path] = None,
@@ -127,17 +127,9 @@ def _run_summary(artifacts: Any, written: list[Path], out_dir: Path) -> dict[str
     from .cache.steps import outcome_counts
 
     flow = next((r for r in artifacts.records if r["kind"] == "flow"), None)
-    manifest = artifacts.manifest
-    return {
-        "model": manifest.get("model"),
-        "target": manifest.get("target"),
-        "out": str(out_dir),
-        "flow": flow["outcome"] if flow else None,
-        "step_counts": outcome_counts(artifacts.records),
-        "seconds": round(sum(artifacts.stages.values()), 4),
-        "saved_seconds": round(sum(r["saved"] for r in artifacts.records if r["outcome"] == "hit"), 4),
-        "files": {p.name: manifest["files"].get(p.name, {}) for p in written},
-    }
+    return run_summary(artifacts.manifest, out_dir, written, flow=flow["outcome"] if flow else None,
+                       step_counts=outcome_counts(artifacts.records), seconds=round(sum(artifacts.stages.values()), 4),
+                       saved_seconds=round(sum(r["saved"] for r in artifacts.records if r["outcome"] == "hit"), 4))
 
 
 def _count_failure(settings: Optional[Settings], why: str) -> None:

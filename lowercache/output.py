@@ -44,6 +44,13 @@ def served(counts: dict[str, dict[str, int]]) -> str:
     return "; ".join(said)
 
 
+def run_summary(manifest: dict[str, Any], out: Any, written: list[Path], **outcome: Any) -> dict[str, Any]:
+    """The ``--json`` summary's part that a lowering and a direct-mode hit share: what was lowered, where, and the files
+    written, around ``outcome`` (the flow's outcome, step counts, seconds)."""
+    return {"model": manifest.get("model"), "target": manifest.get("target"), "out": str(out), **outcome,
+            "files": {p.name: manifest["files"].get(p.name, {}) for p in written}}
+
+
 @dataclass
 class Report:
     """What ``lower`` says at the end, ready to print: a full lowering's table of phases and the line under it (a
