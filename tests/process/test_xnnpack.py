@@ -7,11 +7,14 @@ no lowercache code, for every model and target the tests lower.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
+from importlib import metadata
 
 import pytest
 
@@ -20,6 +23,7 @@ from lowercache.bench.stockscript import source
 
 from tests.helpers.cli import cli
 from tests.helpers.isolation import isolate
+from tests.helpers.oracle import DIRECTORY
 
 MODELS = textwrap.dedent('''
     import torch
@@ -78,9 +82,24 @@ def load(path, factory):
     return getattr(module, factory)()
 
 
+def _stock_key() -> str:
+    """Everything the stock bytes depend on: the installed toolchain and the texts that make them."""
+    versions = [f"{d}={metadata.version(d)}" for d in ("torch", "executorch", "torchao")]
+    return hashlib.sha256(json.dumps([versions, source(), MODELS, DRIVER, LOWERINGS]).encode()).hexdigest()
+
+
 @pytest.fixture(scope="module")
 def stock(tmp_path_factory):
-    """Stock bytes by (edit, factory, target), from the benchmark's stock script in one fresh process."""
+    """Stock bytes by (edit, factory, target), from the benchmark's stock script in one fresh process; kept beside the
+    oracle's entries (each checked against its digest), so xdist's workers and later runs lower them once."""
+    name = f"xnnpack-{_stock_key()}.json"
+    try:
+        kept = json.loads((DIRECTORY / name).read_text()) if DIRECTORY is not None else None
+        found = {tuple(k): bytes.fromhex(v) for k, v, d in kept if hashlib.sha256(bytes.fromhex(v)).hexdigest() == d}
+        if len(found) == len(LOWERINGS):
+            return found
+    except (OSError, ValueError, TypeError):
+        pass
     base = tmp_path_factory.mktemp("stock")
     (base / "export.py").write_text(source())
     (base / "base.py").write_text(MODELS)
@@ -88,7 +107,16 @@ def stock(tmp_path_factory):
     run = subprocess.run([sys.executable, str(base / "driver.py"), str(base), str(base / "base.py"), json.dumps(LOWERINGS)],
                          capture_output=True, text=True, cwd=base, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    return {tuple(key): (base / f"stock_{i}.pte").read_bytes() for i, key in enumerate(LOWERINGS)}
+    found = {tuple(key): (base / f"stock_{i}.pte").read_bytes() for i, key in enumerate(LOWERINGS)}
+    try:
+        if DIRECTORY is not None:
+            DIRECTORY.mkdir(parents=True, exist_ok=True)
+            partial = DIRECTORY / f".tmp-{os.getpid()}-{name}"
+            partial.write_text(json.dumps([[list(k), v.hex(), hashlib.sha256(v).hexdigest()] for k, v in found.items()]))
+            os.replace(partial, DIRECTORY / name)
+    except OSError:
+        pass  # a read-only or full disk only costs the next run a stock lowering
+    return found
 
 
 def test_the_cli_serves_stock_bytes_cold_hit_direct_and_after_a_weight_edit(tmp_path, monkeypatch, stock):
@@ -146,3 +174,16 @@ def test_an_int8_edit_misses_gives_stock_bytes_then_hits(tmp_path, edit, stock):
     assert [r["outcome"] for r in edited.records if r["kind"] == "flow"] == ["miss"]
     again = lowercache.lower(module, example, target="xnnpack-int8", cache_dir=cache)
     assert again.pte == edited.pte and [r["outcome"] for r in again.records] == ["hit"]
+
+
+def test_a_quantize_hit_under_a_flow_miss_gives_stock_bytes(tmp_path, monkeypatch, stock):
+    """The stage's hit path asks the family's backend module what stock's stage imports and does to the spec."""
+    from lowercache.lowering import flow
+
+    write_models(tmp_path / "models.py")
+    module, example = load(tmp_path / "models.py", "mlp")
+    lowercache.lower(module, example, target="xnnpack-int8", cache_dir=tmp_path / "cache")
+    monkeypatch.setattr(flow, "FLOW_VERSION", flow.FLOW_VERSION + ":another")  # the flow misses, its stage does not
+    again = lowercache.lower(module, example, target="xnnpack-int8", cache_dir=tmp_path / "cache")
+    assert [(r["kind"], r["outcome"]) for r in again.records if r["kind"] in ("flow", "quantize")] == [("quantize", "hit"), ("flow", "miss")]
+    assert again.pte == stock[None, "mlp", "xnnpack-int8"]
