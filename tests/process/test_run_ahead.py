@@ -62,6 +62,16 @@ SCRIPT = textwrap.dedent(
                 children = f.read().split()
             with open("children.txt", "w") as f:
                 f.write(" ".join(children))
+            mine, nice = os.nice(0), {}
+            for _ in range(50):  # the runner lowers its own priority as it starts
+                for pid in children:
+                    with open(f"/proc/{pid}/stat") as f:
+                        nice[pid] = int(f.read().rsplit(")", 1)[1].split()[16])
+                if all(n != mine for n in nice.values()):
+                    break
+                time.sleep(0.1)
+            with open("nice.txt", "w") as f:
+                f.write(" ".join(str(n) for n in (mine, *nice.values())))
             time.sleep(float(os.environ.get("LAG", "0")))
     spec = EthosUCompileSpec("ethos-u55-128")
     quantizer = EthosUQuantizer(spec)
@@ -110,6 +120,8 @@ def test_runner_serves_a_lagging_script_and_leaves_no_trace(server, tmp_path, ex
     assert result.stdout.count(b"after export") == 1
     children = [int(p) for p in (project / "children.txt").read_text().split()]
     assert children, "no runner was started"
+    mine, *runners = (int(n) for n in (project / "nice.txt").read_text().split())
+    assert runners == [min(19, mine + runahead.RUNNER_NICE)] * len(children)  # it yields to the script and the tracer
     for pid in children:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
