@@ -163,11 +163,14 @@ def test_off_by_setting(server, tmp_path, expected):
     assert _counters(project, "tosa") == (0, 1)
 
 
-def test_the_record_still_replays(server, tmp_path, expected):
-    """The fork is lowercache's, not the script's: it does not make the command unrecordable."""
+@pytest.mark.parametrize("run_ahead", ["1", "0"])
+def test_the_record_still_replays(server, tmp_path, expected, run_ahead):
+    """The fork is lowercache's, not the script's: it does not make the command unrecordable. Nor does a Vela compile
+    step's scratch in the temporary directory, inside the project here: the cold run makes it (without a runner, or with
+    one that is behind), the re-runs are served the step."""
     project = tmp_path / "project"
     for _ in range(3):
-        _run(server, project, "warm server")
+        _run(server, project, "warm server", LOWERCACHE_RUN_AHEAD=run_ahead)
         assert (project / "model.pte").read_bytes() == expected
     explained = _run(server, project, "warm server", "--explain").stdout.decode()
     assert "latest lookup: hit: replayed" in explained, explained
