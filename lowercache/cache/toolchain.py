@@ -92,8 +92,9 @@ def _stamp(path: str) -> list[int]:
         return []
 
 
-def source_digest(root: str, skip_dirs: frozenset[str] = frozenset({"test", "tests", "__pycache__"})) -> str:
-    """Digest of every .py file under ``root``: relative path and content, in sorted order.
+def source_digest(root: str, skip_dirs: frozenset[str] = frozenset({"test", "tests", "__pycache__"}),
+                  suffixes: tuple[str, ...] = (".py",)) -> str:
+    """Digest of every file under ``root`` whose name ends in one of ``suffixes``: relative path and content, in sorted order.
 
     Kept in a memo (``toolchain-parts.json``) under every file's stat: while
     none has moved, a walk and a stat per file answer without reading them
@@ -104,12 +105,13 @@ def source_digest(root: str, skip_dirs: frozenset[str] = frozenset({"test", "tes
     for directory, dirs, names in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d not in skip_dirs)
         for name in sorted(names):
-            if name.endswith(".py"):
+            if name.endswith(suffixes):
                 path = os.path.join(directory, name)
                 files.append((path[len(prefix):] if path.startswith(prefix) else os.path.relpath(path, root), path))
     listing = xxhash.xxh3_128_hexdigest(json.dumps([[rel, *_stamp(path)] for rel, path in files]).encode())
     memo = _PartsMemo()
-    known = memo.get("sources", root)
+    place = root if suffixes == (".py",) else f"{root}|{'|'.join(suffixes)}"
+    known = memo.get("sources", place)
     if isinstance(known, list) and len(known) == 2 and known[0] == listing and isinstance(known[1], str):
         return known[1]
     h = xxhash.xxh3_128()
@@ -117,7 +119,7 @@ def source_digest(root: str, skip_dirs: frozenset[str] = frozenset({"test", "tes
         h.update(rel.encode() + b"\0")
         with open(path, "rb") as f:
             h.update(f.read())
-    memo.put("sources", root, [listing, h.hexdigest()])
+    memo.put("sources", place, [listing, h.hexdigest()])
     return h.hexdigest()
 
 

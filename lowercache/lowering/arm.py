@@ -287,6 +287,23 @@ def _undo() -> None:
         _unwrap_modules()
 
 
+def spec_after_quantize(spec: Any) -> None:
+    """The one side effect of the stock quantization stage on the spec, which a hit on the stage reproduces: the Arm
+    quantizer materializes the compile spec's default pass-pipeline config (the partitioner serializes it)."""
+    spec._get_pass_pipeline_config()
+
+
+def import_quantizer() -> None:
+    """Import what the stock quantization stage imports, which a hit on the stage skips: the Arm quantizer, which loads
+    the quantized kernels' out variants that ``to_executorch`` needs."""
+    import executorch.backends.arm.quantizer  # noqa: F401
+
+
+def backend_source_parts() -> dict[str, str]:
+    """The Arm backend's sources are in every key already (``toolchain_parts``'s ``arm_backend_src``)."""
+    return {}
+
+
 def import_backend() -> None:
     """Import the Arm backend's modules the hooks wrap, and the speed-ups' patches: seconds in a new process, nothing in
     the warm server's child. Only on a miss: a hit needs none of it."""

@@ -142,6 +142,7 @@ def flow_parts(
     parts["pass_insertions"] = insertions
     parts["flow"] = FLOW_VERSION
     parts.update(toolchain_parts())
+    parts.update(backend(target).backend_source_parts())
     return parts
 
 
@@ -234,7 +235,8 @@ def lower_program(
         for kind, entries in made.items():
             for i, entry in enumerate(entries):
                 blobs.update(target.family.files(kind, i, entry.blobs))
-        tensor_modules = [entry.meta.get("tensor_modules", {}) for entry in made[target.family.steps[0]]]
+        first = made[target.family.steps[0]] if target.family.steps else []  # a partition's tensor names come from it
+        tensor_modules = [entry.meta.get("tensor_modules", {}) for entry in first]
         summary = {**found[0], "kernels": delegation_report.kernels(blobs["model.pte"]), "tensor_modules": tensor_modules}
         return Entry(meta={"delegation": summary}, blobs=blobs)
 

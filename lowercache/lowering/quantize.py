@@ -10,8 +10,8 @@ template.
 
 Its output is stored without pickle (``programstore.py``).
 
-One side effect of the stock stage is reproduced on a hit: the Arm
-quantizer materializes the compile spec's default pass-pipeline config,
+One side effect of the stock stage is reproduced on a hit (the family's
+``spec_after_quantize``): the Arm quantizer materializes the compile spec's default pass-pipeline config,
 which the partitioner later serializes into the .pte. The entry records the
 compile spec's digest after the stage; a hit applies the same
 materialization and checks the digest, and recomputes on any difference.
@@ -19,6 +19,7 @@ materialization and checks the digest, and recomputes on any difference.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any, Sequence
 
@@ -82,18 +83,17 @@ def quantize(
 ) -> tuple[torch.export.ExportedProgram, Any]:
     """The stage through the ``quantize`` step: the quantized program, and the
     compile spec as the stock stage leaves it (for the partitioner)."""
-    # The stock stage imports the Arm quantizer, which loads the quantized
-    # kernels' out variants that to_executorch needs; a hit must too.
-    import executorch.backends.arm.quantizer  # noqa: F401
+    from . import reexport
 
-    from . import arm, reexport
+    backend = importlib.import_module(target.family.hooks)  # the family's backend module (flow.backend)
+    backend.import_quantizer()  # what the stock stage imports; a hit must too
 
     computed: list[torch.export.ExportedProgram] = []
     storing = parts is not None and session.store is not None
 
     def compute() -> Entry:
         converted = convert(program, target, spec, calibration)
-        spec_digest = arm.compile_spec_digest(spec) if storing else ""
+        spec_digest = backend.compile_spec_digest(spec) if storing else ""
         result, stored = reexport.export(converted, example_inputs, spec_digest, session, storing)
         computed.append(result)
         return stored
@@ -102,8 +102,8 @@ def quantize(
     if computed:
         return computed[0], spec
     try:
-        spec._get_pass_pipeline_config()
-        if entry.meta.get("compile_spec_after") != arm.compile_spec_digest(spec):
+        backend.spec_after_quantize(spec)
+        if entry.meta.get("compile_spec_after") != backend.compile_spec_digest(spec):
             raise FormatError("the compile spec would differ from the stock stage's")
         return decode(entry), spec
     except Exception as err:  # a stored program that does not rebuild is a miss, never a crash
@@ -113,5 +113,5 @@ def quantize(
         fresh = target.compile_spec()
         result = run_stock(program, target, fresh, example_inputs, calibration)
         if stored and storing:
-            session.replace("quantize", parts, encode_or_note(result, arm.compile_spec_digest(fresh), storing))
+            session.replace("quantize", parts, encode_or_note(result, backend.compile_spec_digest(fresh), storing))
         return result, fresh

@@ -11,10 +11,10 @@ import re
 from typing import Optional
 
 from ..errors import LowercacheError
-from . import arm_ethosu, arm_tosa
+from . import arm_ethosu, arm_tosa, xnnpack
 from .family import Family, Target
 
-FAMILIES: tuple[Family, ...] = (arm_tosa.FAMILY, arm_ethosu.FAMILY)
+FAMILIES: tuple[Family, ...] = (arm_tosa.FAMILY, arm_ethosu.FAMILY, xnnpack.FAMILY)
 TARGETS: tuple[str, ...] = tuple(t for f in FAMILIES for t in f.targets)
 _FAMILY_OF = {t: f for f in FAMILIES for t in f.targets}
 

@@ -13,15 +13,16 @@ from lowercache.errors import LowercacheError
 from lowercache.targets import FAMILIES, TARGETS, family_of, help_text, resolve
 from lowercache.targets.family import Family
 
-HOOKS_API = ("import_backend", "hooks", "install_permanently", "compile_spec_digest", "pass_insertions_digest")
+HOOKS_API = ("import_backend", "hooks", "install_permanently", "compile_spec_digest", "pass_insertions_digest", "spec_after_quantize",
+             "import_quantizer", "backend_source_parts")
 
 
 @pytest.mark.quick
 def test_the_cli_lists_every_family_s_targets_in_the_registry_s_order():
     assert TARGETS == tuple(t for f in FAMILIES for t in f.targets)
     assert len(set(TARGETS)) == len(TARGETS), "a target name in two families"
-    assert help_text() == "tosa-int, tosa-fp, ethos-u55-32/64/128/256, ethos-u65-256/512, ethos-u85-128/256/512/1024/2048."
-    assert [family_of(t).name for t in ("tosa-fp", "ethos-u85-256")] == ["arm-tosa", "arm-ethosu"]
+    assert help_text() == "tosa-int, tosa-fp, ethos-u55-32/64/128/256, ethos-u65-256/512, ethos-u85-128/256/512/1024/2048, xnnpack, xnnpack-int8."
+    assert [family_of(t).name for t in ("tosa-fp", "ethos-u85-256", "xnnpack-int8")] == ["arm-tosa", "arm-ethosu", "xnnpack"]
 
 
 @pytest.mark.quick
@@ -38,7 +39,7 @@ def test_each_family_provides_the_protocol(family):
         assert hasattr(family, name), name
     for name in ("quantized", "quantization_config", "check_option", "compile_spec", "partitioner", "quantizer", "files"):
         assert callable(getattr(family, name)), name
-    assert family.steps and set(family.options) <= {"system_config", "memory_mode"}  # Target's option fields
+    assert isinstance(family.steps, tuple) and set(family.options) <= {"system_config", "memory_mode"}  # Target's option fields
     hooks = importlib.util.find_spec(family.hooks)
     assert hooks is not None and hooks.origin is not None, family.hooks
     body = ast.parse(open(hooks.origin).read()).body  # read, not imported: the hooks import torch
@@ -62,6 +63,10 @@ def test_quantization_is_each_family_s():
     assert [resolve(t).quantization_config for t in ("tosa-fp", "tosa-int", "ethos-u55-128")] == [
         "none", "get_symmetric_quantization_config(is_per_channel=True)", "get_symmetric_quantization_config(is_per_channel=True)"]
     assert resolve("ethos-u85-256", per_channel=False).quantization_config == "get_symmetric_quantization_config(is_per_channel=False)"
+    # XNNPACK's quantizer is another class with a function of the same name: the key part names it
+    assert [resolve(t, per_channel=c).quantization_config for t, c in (("xnnpack", True), ("xnnpack-int8", True), ("xnnpack-int8", False))] == [
+        "none", "XNNPACKQuantizer get_symmetric_quantization_config(is_per_channel=True)",
+        "XNNPACKQuantizer get_symmetric_quantization_config(is_per_channel=False)"]
 
 
 @pytest.mark.quick

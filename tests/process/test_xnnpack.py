@@ -1,0 +1,189 @@
+"""The XNNPACK family end to end: the CLI and the API serve exactly what the benchmark's stock script writes in a fresh process.
+
+Small seeded models only (a 2-layer MLP, a tiny CNN), fp32 and int8, and the two edits a user makes (one weight, one
+layer). The stock bytes come from one new process running ``lowercache/bench/stockscript.py``'s script, which imports
+no lowercache code, for every model and target the tests lower.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+
+import pytest
+
+import lowercache
+from lowercache.bench.stockscript import source
+
+from tests.helpers.cli import cli
+from tests.helpers.isolation import isolate
+from tests.helpers.oracle import DIRECTORY
+
+MODELS = textwrap.dedent('''
+    import torch
+
+    EDIT = None  # "weight": one weight of the MLP changed; "layer": its ReLU is a Hardtanh
+
+
+    def mlp():
+        torch.manual_seed(0)
+        act = torch.nn.Hardtanh() if EDIT == "layer" else torch.nn.ReLU()
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), act, torch.nn.Linear(16, 4)).eval()
+        if EDIT == "weight":
+            with torch.no_grad():
+                net[2].weight[1, 3] += 0.25
+        return net, (torch.randn(1, 8),)
+
+
+    def cnn():
+        torch.manual_seed(1)
+        net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, stride=2), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 5),
+        ).eval()
+        return net, (torch.randn(1, 3, 16, 16),)
+''')
+
+# (edit, factory, target): every lowering a test compares with stock
+LOWERINGS = [
+    (None, "mlp", "xnnpack"), ("weight", "mlp", "xnnpack"),
+    (None, "mlp", "xnnpack-int8"), ("layer", "mlp", "xnnpack-int8"), ("weight", "mlp", "xnnpack-int8"),
+    (None, "cnn", "xnnpack"), (None, "cnn", "xnnpack-int8"),
+]
+
+# Runs the stock script's main once per lowering in this one new process: the models file is rewritten per edit.
+DRIVER = textwrap.dedent('''
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    import export
+    base = open(sys.argv[2]).read()
+    for i, (edit, factory, target) in enumerate(json.loads(sys.argv[3])):
+        path = f"{sys.argv[1]}/models_{i}.py"
+        with open(path, "w") as f:
+            f.write(base.replace("EDIT = None", f"EDIT = {edit!r}"))
+        export.main(f"{path}:{factory}", target, f"{sys.argv[1]}/stock_{i}.pte")
+''')
+
+
+def write_models(path, edit=None):
+    path.write_text(MODELS.replace("EDIT = None", f"EDIT = {edit!r}"))
+
+
+def load(path, factory):
+    spec = importlib.util.spec_from_file_location(f"xnn_models_{abs(hash(path.read_text()))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, factory)()
+
+
+def _stock_key() -> str:
+    """Everything the stock bytes depend on: the installed toolchain and the texts that make them."""
+    versions = [f"{d}={metadata.version(d)}" for d in ("torch", "executorch", "torchao")]
+    return hashlib.sha256(json.dumps([versions, source(), MODELS, DRIVER, LOWERINGS]).encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory):
+    """Stock bytes by (edit, factory, target), from the benchmark's stock script in one fresh process; kept beside the
+    oracle's entries (each checked against its digest), so xdist's workers and later runs lower them once."""
+    name = f"xnnpack-{_stock_key()}.json"
+    try:
+        kept = json.loads((DIRECTORY / name).read_text()) if DIRECTORY is not None else None
+        found = {tuple(k): bytes.fromhex(v) for k, v, d in kept if hashlib.sha256(bytes.fromhex(v)).hexdigest() == d}
+        if len(found) == len(LOWERINGS):
+            return found
+    except (OSError, ValueError, TypeError):
+        pass
+    base = tmp_path_factory.mktemp("stock")
+    (base / "export.py").write_text(source())
+    (base / "base.py").write_text(MODELS)
+    (base / "driver.py").write_text(DRIVER)
+    run = subprocess.run([sys.executable, str(base / "driver.py"), str(base), str(base / "base.py"), json.dumps(LOWERINGS)],
+                         capture_output=True, text=True, cwd=base, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = {tuple(key): (base / f"stock_{i}.pte").read_bytes() for i, key in enumerate(LOWERINGS)}
+    try:
+        if DIRECTORY is not None:
+            DIRECTORY.mkdir(parents=True, exist_ok=True)
+            partial = DIRECTORY / f".tmp-{os.getpid()}-{name}"
+            partial.write_text(json.dumps([[list(k), v.hex(), hashlib.sha256(v).hexdigest()] for k, v in found.items()]))
+            os.replace(partial, DIRECTORY / name)
+    except OSError:
+        pass  # a read-only or full disk only costs the next run a stock lowering
+    return found
+
+
+def test_the_cli_serves_stock_bytes_cold_hit_direct_and_after_a_weight_edit(tmp_path, monkeypatch, stock):
+    isolate(monkeypatch, tmp_path)
+    cache, models = tmp_path / "cache", tmp_path / "models.py"
+    write_models(models)
+
+    def lower(out):
+        result = cli("lower", f"{models}:mlp", "--target", "xnnpack", "--out", tmp_path / out, cache_dir=cache)
+        assert result.returncode == 0, result.stderr
+        manifest = json.loads((tmp_path / out / "manifest.json").read_text()) if "direct mode" not in result.stderr else None
+        return (tmp_path / out / "model.pte").read_bytes(), manifest, result
+
+    cold, manifest, _ = lower("cold")
+    assert cold == stock[None, "mlp", "xnnpack"]
+    assert [s["outcome"] for s in manifest["steps"] if s["kind"] == "flow"] == ["miss"]
+    assert manifest["target"] == "xnnpack" and "xnnpack_backend_src" in manifest["key_parts"]
+    hit, manifest, _ = lower("hit")
+    assert hit == cold and [s["outcome"] for s in manifest["steps"]] == ["hit"]
+    direct, _, result = lower("direct")
+    assert direct == cold and "direct mode: served from the record" in result.stderr
+
+    write_models(models, "weight")
+    edited, manifest, _ = lower("edited")
+    assert edited == stock["weight", "mlp", "xnnpack"] != cold
+    assert [s["outcome"] for s in manifest["steps"] if s["kind"] == "flow"] == ["miss"]
+    explained = cli("explain", f"{models}:mlp", "--target", "xnnpack", cache_dir=cache)
+    assert explained.returncode == 0 and "program.constants" in explained.stdout, explained.stdout + explained.stderr
+    stats = cli("stats", cache_dir=cache)
+    assert stats.returncode == 0 and "whole lowering" in stats.stdout, stats.stderr
+
+
+@pytest.mark.parametrize("factory", ["mlp", "cnn"])
+@pytest.mark.parametrize("target", ["xnnpack", "xnnpack-int8"])
+def test_the_api_serves_stock_bytes_and_hits(tmp_path, factory, target, stock):
+    models = tmp_path / "models.py"
+    write_models(models)
+    module, example = load(models, factory)
+    first = lowercache.lower(module, example, target=target, cache_dir=tmp_path / "cache")
+    assert first.pte == stock[None, factory, target]
+    again = lowercache.lower(module, example, target=target, cache_dir=tmp_path / "cache")
+    assert again.pte == first.pte and [r["outcome"] for r in again.records] == ["hit"]
+
+
+@pytest.mark.parametrize("edit", ["weight", "layer"])
+def test_an_int8_edit_misses_gives_stock_bytes_then_hits(tmp_path, edit, stock):
+    cache, models = tmp_path / "cache", tmp_path / "models.py"
+    write_models(models)
+    module, example = load(models, "mlp")
+    before = lowercache.lower(module, example, target="xnnpack-int8", cache_dir=cache)
+    write_models(models, edit)
+    module, example = load(models, "mlp")
+    edited = lowercache.lower(module, example, target="xnnpack-int8", cache_dir=cache)
+    assert edited.pte == stock[edit, "mlp", "xnnpack-int8"] != before.pte
+    assert [r["outcome"] for r in edited.records if r["kind"] == "flow"] == ["miss"]
+    again = lowercache.lower(module, example, target="xnnpack-int8", cache_dir=cache)
+    assert again.pte == edited.pte and [r["outcome"] for r in again.records] == ["hit"]
+
+
+def test_a_quantize_hit_under_a_flow_miss_gives_stock_bytes(tmp_path, monkeypatch, stock):
+    """The stage's hit path asks the family's backend module what stock's stage imports and does to the spec."""
+    from lowercache.lowering import flow
+
+    write_models(tmp_path / "models.py")
+    module, example = load(tmp_path / "models.py", "mlp")
+    lowercache.lower(module, example, target="xnnpack-int8", cache_dir=tmp_path / "cache")
+    monkeypatch.setattr(flow, "FLOW_VERSION", flow.FLOW_VERSION + ":another")  # the flow misses, its stage does not
+    again = lowercache.lower(module, example, target="xnnpack-int8", cache_dir=tmp_path / "cache")
+    assert [(r["kind"], r["outcome"]) for r in again.records if r["kind"] in ("flow", "quantize")] == [("quantize", "hit"), ("flow", "miss")]
+    assert again.pte == stock[None, "mlp", "xnnpack-int8"]
