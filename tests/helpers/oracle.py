@@ -10,6 +10,8 @@ rebuilt if it does not match.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import io
@@ -17,6 +19,7 @@ import os
 import tempfile
 from importlib import metadata
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -130,11 +133,29 @@ def stock_pte(module, example_inputs, target: str, calibration=None, per_channel
     that runs the stock flow under a patch calls :func:`run_stock`."""
     ep = torch.export.export(module, example_inputs, strict=strict)
     name = key(ep, example_inputs, target, calibration, dict(per_channel=per_channel, strict=strict, **vela_options))
-    cached = _load(name)
-    if cached is None:
-        cached = _lower(ep, example_inputs, target, calibration, per_channel, strict, vela_options)
-        _save(name, cached)
+    with _locked(name):
+        cached = _load(name)
+        if cached is None:
+            cached = _lower(ep, example_inputs, target, calibration, per_channel, strict, vela_options)
+            _save(name, cached)
     return cached
+
+
+@contextlib.contextmanager
+def _locked(name: str) -> Iterator[None]:
+    """One lowering per key at a time: a second xdist worker that needs a reference the first is making waits for it and
+    reads it, instead of lowering it again (an empty oracle's first minutes). Without a usable directory, no lock."""
+    try:
+        if DIRECTORY is None:
+            raise FileNotFoundError
+        (DIRECTORY / ".locks").mkdir(parents=True, exist_ok=True)
+        lock = open(DIRECTORY / ".locks" / name, "w")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def run_stock(module, example_inputs, target: str, calibration=None, per_channel: bool = True, strict: bool = False,

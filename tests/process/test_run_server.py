@@ -21,8 +21,7 @@ from pathlib import Path
 
 
 from tests.helpers.runserver import both, explain, project_with, run
-from tests.helpers.server import Server
-from tests.helpers.server import alive
+from tests.helpers.server import WAIT, Server, alive, wait_until
 
 
 PY = sys.executable
@@ -245,19 +244,29 @@ def test_a_process_the_command_leaves_running_outlives_it_as_it_would_a_new_proc
         os.kill(pid, signal.SIGKILL)
 
 
+SLOW = """import os, time
+open("started", "w").close()
+while not os.path.exists("release"):
+    time.sleep(0.05)
+"""
+
+
 def test_a_wrapped_command_does_not_wait_for_a_lowering_slot(tmp_path):
     """server_jobs bounds lowerings; a script run by hand would not queue behind another, so a wrapped one does not either."""
     own = Server(tmp_path / "jobs1", LOWERCACHE_SERVER_JOBS="1")
     try:
         own.start()
-        project = project_with(tmp_path, {"slow.py": "import time\ntime.sleep(20)\n", "quick.py": "print('done')\n"})
+        project = project_with(tmp_path, {"slow.py": SLOW, "quick.py": "print('done')\n"})
         slow = subprocess.Popen([sys.executable, "-m", "lowercache.cli", "run", "--", PY, "slow.py"], cwd=project, env=own.env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(2)
-        started = time.monotonic()
-        quick = run(own, project, PY, "quick.py")
-        assert quick.stdout == b"done\n" and time.monotonic() - started < 15 and slow.poll() is None
-        assert "in a child of the warm server" in explain(own, project, PY, "quick.py")
+        try:
+            assert wait_until(lambda: (project / "started").exists(), WAIT)
+            # The slow one runs until released: a quick one queued behind it would never end (a timeout, not a pass).
+            quick = run(own, project, PY, "quick.py")
+            assert quick.stdout == b"done\n" and slow.poll() is None
+            assert "in a child of the warm server" in explain(own, project, PY, "quick.py")
+        finally:
+            (project / "release").touch()
         assert slow.wait(timeout=120) == 0
     finally:
         own.close()
