@@ -19,6 +19,7 @@ import functools
 import importlib.util
 import json
 import os
+import posix
 import sys
 import tempfile
 from typing import Any
@@ -85,9 +86,14 @@ def versions(dists: tuple[str, ...]) -> dict[str, str]:
 
 
 def _stamp(path: str) -> list[int]:
-    """A path's ``stat_key``, or ``[]`` when it cannot be stat'ed."""
+    """A path's ``stat_key``, or ``[]`` when it cannot be stat'ed.
+
+    Through ``posix.stat``, not ``os.stat``: a recorder listening in the process (``lowercache run``'s) watches
+    ``os.stat``, and these stats (of every ``sys.path`` entry, the script's directory among them) are the memo's, not
+    the command's; heard, the directory's mtime became an input, and a replay's write into it made the next run miss.
+    """
     try:
-        return stat_key(os.stat(path)) if path else []
+        return stat_key(posix.stat(path)) if path else []
     except OSError:
         return []
 

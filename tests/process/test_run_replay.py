@@ -286,3 +286,25 @@ def test_the_light_path_and_the_typer_command_give_the_same_errors(tmp_path, cac
         assert light.returncode == typed.returncode == 2 and light.stdout == typed.stdout == b""
         assert light.stderr == typed.stderr and light.stderr.startswith(expected) and len(light.stderr.splitlines()) == 1
     assert not (project / "out").exists()
+
+
+LOWERCACHE_INSIDE = textwrap.dedent(
+    """
+    from lowercache.cache import toolchain
+    toolchain.versions(("xxhash",))  # as lowercache's hooks do in a lowering: it stats every sys.path entry
+    with open("result.txt", "w") as f:  # in the script's directory, which a replay writes into atomically
+        f.write(open("in.txt").read().upper())
+    """
+)
+
+
+def test_lowercaches_own_stats_in_the_command_are_no_input(tmp_path, cache_dir):
+    """lowercache's toolchain memo stats the script's directory inside the command; heard, that directory's mtime was an
+    input, and the replay's atomic write into it made every other run miss."""
+    project = replay.project(tmp_path, LOWERCACHE_INSIDE)
+    outcomes = []
+    for _ in range(4):
+        assert replay.run(project, cache_dir).returncode == 0
+        outcomes.append(replay.explain(project, cache_dir).splitlines()[0])
+    assert [o.startswith("latest lookup: hit") for o in outcomes] == [False, False, True, True], outcomes
+    assert (project / "result.txt").read_text() == "ABC"
