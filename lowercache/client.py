@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from . import startup
+from . import startup, sweep
 from .process_state import capture as capture_process_state
 from .config import Settings, load_settings
 from .errors import LowercacheError, interrupted
@@ -344,6 +344,7 @@ def _terminal() -> dict[str, Any]:
         "lines": size.lines,
         "encoding": [sys.stdout.encoding, sys.stderr.encoding],
         "errors": [sys.stdout.errors, sys.stderr.errors],
+        "files": [None if f is None else list(f) for f in map(sweep.stream_file, (sys.stdout, sys.stderr))],
     }
 
 

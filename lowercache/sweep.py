@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import os
 import re
+import stat
+import sys
 import time
-from typing import Callable
+from typing import Callable, Collection, Optional
 
 # Suffixes of files native code commonly reads itself: weights, arrays, exported graphs, other frameworks' models.
 NATIVE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npy", ".npz", ".onnx", ".tflite", ".pb", ".h5",
@@ -38,12 +40,51 @@ LOCATION_NAMES = re.compile(
 )
 
 
-def sweep(root: str, beside: list[str], skip: list[str], user: Callable[[str], bool]) -> tuple[list[str], str | None]:
+FileId = tuple[int, int]  # a file by device and inode
+
+
+def file_id(st: os.stat_result) -> Optional[FileId]:
+    """A regular file's device and inode (None for a pipe, a terminal, a device)."""
+    return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+
+
+def stream_file(stream: object) -> Optional[FileId]:
+    """The regular file a standard stream writes to (``> build.log``), by device and inode, or None.
+
+    A server child's stream is a pipe to the client, and says which file the client's is (``terminal.Relayed.file``).
+    """
+    known = getattr(stream, "file", None)
+    if known is not None:
+        return int(known[0]), int(known[1])
+    try:
+        return file_id(os.fstat(stream.fileno()))  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):  # no stream, or one with no descriptor
+        return None
+
+
+def stream_files() -> list[FileId]:
+    """The files this process's stdout and stderr write to: the command's own output, which changes as it runs, so
+    never swept as an input (:func:`sweep`'s ``leave_out``). What code reads of one by path is heard as any read is."""
+    return [f for f in (stream_file(sys.stdout), stream_file(sys.stderr)) if f is not None]
+
+
+def _left_out(entry: os.DirEntry[str], leave_out: Collection[FileId]) -> bool:
+    if not leave_out:
+        return False
+    try:
+        return file_id(entry.stat()) in leave_out
+    except OSError:
+        return False
+
+
+def sweep(root: str, beside: list[str], skip: list[str], user: Callable[[str], bool],
+          leave_out: Collection[FileId] = ()) -> tuple[list[str], str | None]:
     """Files under ``root`` with a :data:`NATIVE_SUFFIXES` suffix, and every file (but Python sources) in ``beside``;
     every link among them too, not followed (``checkpoints/latest -> step_2``: native code may read through it).
 
     ``skip``: directories left out (the output, the cache); ``user``: whether a path is the user's (not
-    site-packages, not the standard library). Returns the paths, and why none can be trusted when a bound
+    site-packages, not the standard library); ``leave_out``: files (:func:`stream_files`) that are the command's own
+    output. Returns the paths, and why none can be trusted when a bound
     (:data:`MAX_FILES`, :data:`MAX_ENTRIES`, :data:`MAX_SECONDS`) was passed (None otherwise).
     """
     deadline = time.monotonic() + MAX_SECONDS
@@ -51,7 +92,8 @@ def sweep(root: str, beside: list[str], skip: list[str], user: Callable[[str], b
     found: set[str] = set()
     for directory in beside:
         for entry in _entries(directory):
-            if (entry.is_file() or entry.is_symlink()) and not entry.name.endswith((".py", ".pyc")) and not (entry.path + os.sep).startswith(skipped):
+            if ((entry.is_file() or entry.is_symlink()) and not entry.name.endswith((".py", ".pyc"))
+                    and not (entry.path + os.sep).startswith(skipped) and not _left_out(entry, leave_out)):
                 found.add(entry.path)
     pending, seen = [root], 0
     while pending:
@@ -67,7 +109,8 @@ def sweep(root: str, beside: list[str], skip: list[str], user: Callable[[str], b
             if entry.is_dir(follow_symlinks=False):
                 if entry.name not in _SKIPPED_DIRS:
                     pending.append(entry.path)
-            elif entry.is_symlink() or (entry.name.lower().endswith(NATIVE_SUFFIXES) and entry.is_file()):
+            elif (entry.is_symlink() or (entry.name.lower().endswith(NATIVE_SUFFIXES) and entry.is_file())) and not _left_out(
+                    entry, leave_out):
                 found.add(entry.path)
         if len(found) > MAX_FILES:
             return [], f"is in a project with more than {MAX_FILES} data files (weights and the like) native code could read unseen"

@@ -209,6 +209,7 @@ class Recorder:
         self.bytecode: dict[str, str] = {}  # source -> the .pyc that ran for it (``ran_bytecode``)
         self.initial_env = dict(initial_environ())
         self.stdlib = tuple(d + os.sep for d in stdlib_dirs())
+        self.streams = sweep.stream_files()  # the command's own output files, never swept (``> build.log``)
 
     @property
     def paused(self) -> bool:
@@ -443,7 +444,7 @@ class Recorder:
                 for how in ("stat", "lstat"):
                     which, fields = _META[how]
                     self.meta.setdefault(entry, {}).setdefault(which, set()).update(fields)
-        swept, why = sweep.sweep(root, self.beside(), self.unswept(), self._user)
+        swept, why = sweep.sweep(root, self.beside(), self.unswept(), self._user, leave_out=self.streams)
         if why is not None:
             self.refuse(why)
         native, native_listings = self.below_python(files | set(swept) | self.listings)

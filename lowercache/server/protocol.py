@@ -76,6 +76,15 @@ def _flags(value: Any) -> str | None:
     return None if isinstance(value, list) and len(value) == 2 and all(isinstance(v, bool) for v in value) else "two booleans"
 
 
+def _files(value: Any) -> str | None:
+    def one(v: Any) -> bool:
+        return v is None or (isinstance(v, list) and len(v) == 2
+                             and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in v))
+
+    return None if isinstance(value, list) and len(value) == 2 and all(one(v) for v in value) else (
+        "two files (a device and an inode each) or nulls")
+
+
 def _identity(value: Any) -> str | None:
     return None if isinstance(value, dict) else "an object"
 
@@ -87,7 +96,7 @@ _FIELDS: dict[str, dict[str, Any]] = {
     "status": {},
     "stop": {},
     "run": {**_COMMON, "path": _texts(), "tty": _flags, "columns": _whole(0, _MAX_COLUMNS), "lines": _whole(0, _MAX_COLUMNS),
-            "encoding": _codecs(codecs.lookup), "errors": _codecs(codecs.lookup_error)},
+            "encoding": _codecs(codecs.lookup), "errors": _codecs(codecs.lookup_error), "files": _files},
     "exec": {**_COMMON, "executable": _absolute},
 }
 _REQUIRED = {"run": ("argv", "cwd", "env", "path", "process"), "exec": ("argv", "cwd", "env", "executable", "process")}

@@ -122,6 +122,30 @@ def test_terminal_pipe_and_ci_log_runs_share_one_record_and_the_third_run_on_is_
     assert int(server.status()["served"]) == 2
 
 
+def into_a_log(server: Server, *args: str, **extra: str) -> tuple[int, str]:
+    """The command with its stdout and stderr written to ``build.log`` beside the model (``> build.log 2>&1``)."""
+    log = server.project / "build.log"
+    with open(log, "wb") as f:
+        code = subprocess.run([sys.executable, "-m", "lowercache.cli", *args], cwd=server.project, env={**server.env, **extra},
+                              stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, timeout=600).returncode
+    return code, log.read_text()
+
+
+@pytest.mark.parametrize("flags", [(), ("--no-server",)])
+def test_output_into_a_log_beside_the_model_is_no_input(own, tmp_path, flags):
+    """``lowercache lower ... > build.log 2>&1`` in the model's directory: the log changes while the command runs (the
+    command writes it), yet it is the command's output, never the factory's input; the third run on is a direct hit."""
+    server = own()
+    expected = stock(server, tmp_path / "stock")
+    for i in range(4):
+        code, shown = into_a_log(server, "lower", "model.py:model", "-t", TARGET, "-o", str(tmp_path / f"out{i}"), *flags)
+        assert code == 0, shown[-3000:]
+        assert (tmp_path / f"out{i}" / "model.pte").read_bytes() == expected
+        direct = json.loads((tmp_path / f"out{i}" / "manifest.json").read_text())["direct"]
+        if i >= 2:
+            assert direct.get("outcome") == "hit", (i, direct, shown[-2000:])
+
+
 def test_presentation_variables_never_turn_a_request_away_from_the_server(own, tmp_path):
     """``COLUMNS=80`` and the like go through the same warm server: no warning, no lowering in the client's process."""
     server = own()
