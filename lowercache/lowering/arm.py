@@ -49,7 +49,7 @@ from .specdigest import compile_spec_digest, pass_insertions_digest
 from .. import delegation
 from ..speedups import registry
 from ..speedups.patching import Patch
-from ..targets.arm_ethosu import ETHOSU_MODULE
+from ..targets.arm_ethosu import ETHOSU_MODULE, VELA_SCRATCH_PREFIX
 from ..targets.arm_tosa import TOSA_MODULE
 from ..cache.hashing import Unhashable, digest, digest_json, program_parts
 from ..cache.steps import current_session
@@ -186,7 +186,7 @@ def _vela_compile(
     index = len(session.outputs.get("vela", []))
 
     def compute() -> Entry:
-        with tempfile.TemporaryDirectory(prefix="lowercache-vela-") as tmp:
+        with tempfile.TemporaryDirectory(prefix=VELA_SCRATCH_PREFIX) as tmp:
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
                 result = original(tosa_flatbuffer, args, verbose, tmp, *extra)

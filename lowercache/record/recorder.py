@@ -515,6 +515,7 @@ class Recorder:
             self.refuse("ran a process")
         search = _search_dirs()
         installed = self._installed()
+        own_dirs = self.own_dirs()  # once: a call may stat (``realpath``), and every stat here stops for the tracer
         for path, hows in sorted(report.get("seen", {}).items()):
             own = set()
             for how in hows:
@@ -523,7 +524,7 @@ class Recorder:
                     own.add(what)
                 elif int(owner) not in exempt:
                     self.refuse("ran a process")
-            if not own or path.startswith(self.own_dirs()) or path + os.sep in self.own_dirs():
+            if not own or path.startswith(own_dirs) or path + os.sep in own_dirs:
                 continue
             if "mkdir" in own and path in self.remade_dirs:
                 own.discard("mkdir")  # heard by the audit hook too, as a directory that was there (``remade``)

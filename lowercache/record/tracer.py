@@ -267,10 +267,11 @@ class Tracer:
         if entry is None:
             return
         name, kind, paths, flags_at = entry
+        first = None  # the first path, read once: a stat's is read for a marker, then noted
         if kind in ("look", "lstat", "fstatat") and paths:
-            text = self.string(tid, args[paths[0][1]])
-            if text is not None and text.startswith(self.mark):
-                self.command(text[len(self.mark):])
+            first = self.string(tid, args[paths[0][1]])
+            if first is not None and first.startswith(self.mark):
+                self.command(first[len(self.mark):])
                 return
         if not self.recording:
             return
@@ -284,8 +285,8 @@ class Tracer:
         flags = args[flags_at] if flags_at is not None else 0
         if kind == "open2":
             flags = self.open_how(tid, args[2])
-        for dirfd_at, path_at in paths:
-            text = self.string(tid, args[path_at])
+        for i, (dirfd_at, path_at) in enumerate(paths):
+            text = first if i == 0 and first is not None else self.string(tid, args[path_at])
             if text is None:
                 continue
             if text == "" and kind == "fstatat" and flags & AT_EMPTY_PATH:

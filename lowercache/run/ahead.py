@@ -68,6 +68,10 @@ log = logging.getLogger("lowercache")
 
 # Seconds the script waits for a runner whose CPU time does not move before it computes the step itself.
 STALL_SECONDS = 1.0
+# The runner's nice value, the lowest priority: it is speculative work, and takes only a core nothing else wants. Under the
+# backstop (record/backstop.py) each path call of the script waits for the tracer process; at the script's priority the
+# runner, busy on the other core, made the tracer wait for a time slice at each of them.
+RUNNER_NICE = 19
 # The runner's scratch directory, in the temporary directory: lowercache's own, never the script's output.
 SCRATCH_PREFIX = "lowercache-runahead-"
 
@@ -323,6 +327,7 @@ def _become_runner(session: Any, write_fd: int, scratch: str, parent: int) -> No
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:
             os._exit(0)
+        os.nice(RUNNER_NICE)
         atexit.register(_exit_now)  # runs before every exit handler registered earlier: the script's and lowercache's
         silence_descriptors(keep=(write_fd,))
         cache_dir = os.path.realpath(session.store.directory)

@@ -44,6 +44,7 @@ from ..record.places import Places, hop_dirs, path_state, project_root
 from ..record.recorder import Recorder, listen, opens_to_write
 from ..record.trust import (UNSEEN, Words, check_inputs, elsewhere, identity, identity_changed, inputs_changed, put_status, status_lines,
                             verdict)
+from ..targets.arm_ethosu import VELA_SCRATCH_PREFIX
 from . import ahead, pyexec
 
 KIND = "run"
@@ -99,6 +100,11 @@ class CommandRecorder(Recorder):
         self.cache = cache
         self.covered += (cache,)  # lowercache's own store: reads are the cache's, writes its entries
         self.allowed = tuple(os.path.join(d, "") for d in allowed)
+        # lowercache's own scratch in the temporary directory, which can be inside the project: run ahead's runner's and a
+        # Vela compile's (found once: a realpath stats, and under the backstop every stat stops for the tracer)
+        where = tempfile.gettempdir()
+        self.own_scratch = tuple(os.path.join(d, prefix) for d in dict.fromkeys((where, os.path.realpath(where)))
+                                 for prefix in (ahead.SCRATCH_PREFIX, VELA_SCRATCH_PREFIX))
         self.outputs: set[str] = set()
         self.opened: set[str] = set()
         self.temporary: set[str] = set()
@@ -141,11 +147,9 @@ class CommandRecorder(Recorder):
         return [self.cache]
 
     def own_dirs(self) -> tuple[str, ...]:
-        """The store, the toolchain memos, and the runner's scratch (``ahead.py``), which the backstop below Python sees
-        made and removed, even with the temporary directory inside the project."""
-        where = tempfile.gettempdir()
-        return (self.cache, *self.memos, os.path.join(where, ahead.SCRATCH_PREFIX),
-                os.path.join(os.path.realpath(where), ahead.SCRATCH_PREFIX))
+        """The store, the toolchain memos, and lowercache's scratch (:attr:`own_scratch`), which the backstop below Python
+        sees made and removed, even with the temporary directory inside the project."""
+        return (self.cache, *self.memos, *self.own_scratch)
 
     def read_written(self, path: str) -> None:
         if path in self.outputs and os.path.isfile(path):
@@ -157,7 +161,8 @@ class CommandRecorder(Recorder):
 
     def wrote(self, path: str) -> None:
         self.written.add(path)
-        if "__pycache__" in path or path == os.devnull or (path + os.sep).startswith(self.cache) or path.startswith(self.memos):
+        if ("__pycache__" in path or path == os.devnull or (path + os.sep).startswith(self.cache)
+                or path.startswith((*self.memos, *self.own_scratch))):
             return
         if (path + os.sep).startswith(self.allowed):
             self.outputs.add(path)

@@ -34,6 +34,8 @@ TARGETS = (
     "ethos-u85-2048",
 )
 ETHOSU_MODULE = "executorch.backends.arm.ethosu.backend"  # vela_compile, imported by name
+# The temporary directory a Vela compile step writes its files in: lowercache's own, never a recorded command's output.
+VELA_SCRATCH_PREFIX = "lowercache-vela-"
 # The Vela config file ExecuTorch's EthosUCompileSpec names by default, and the section kind each option chooses from.
 VELA_CONFIG = "Arm/vela.ini"
 VELA_SECTIONS = {"system_config": "System_Config", "memory_mode": "Memory_Mode"}

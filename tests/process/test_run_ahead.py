@@ -62,6 +62,16 @@ SCRIPT = textwrap.dedent(
                 children = f.read().split()
             with open("children.txt", "w") as f:
                 f.write(" ".join(children))
+            mine, nice = os.nice(0), {}
+            for _ in range(50):  # the runner lowers its own priority as it starts
+                for pid in children:
+                    with open(f"/proc/{pid}/stat") as f:
+                        nice[pid] = int(f.read().rsplit(")", 1)[1].split()[16])
+                if all(n != mine for n in nice.values()):
+                    break
+                time.sleep(0.1)
+            with open("nice.txt", "w") as f:
+                f.write(" ".join(str(n) for n in (mine, *nice.values())))
             time.sleep(float(os.environ.get("LAG", "0")))
     spec = EthosUCompileSpec("ethos-u55-128")
     quantizer = EthosUQuantizer(spec)
@@ -110,6 +120,8 @@ def test_runner_serves_a_lagging_script_and_leaves_no_trace(server, tmp_path, ex
     assert result.stdout.count(b"after export") == 1
     children = [int(p) for p in (project / "children.txt").read_text().split()]
     assert children, "no runner was started"
+    mine, *runners = (int(n) for n in (project / "nice.txt").read_text().split())
+    assert runners == [min(19, mine + runahead.RUNNER_NICE)] * len(children)  # it yields to the script and the tracer
     for pid in children:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -151,11 +163,14 @@ def test_off_by_setting(server, tmp_path, expected):
     assert _counters(project, "tosa") == (0, 1)
 
 
-def test_the_record_still_replays(server, tmp_path, expected):
-    """The fork is lowercache's, not the script's: it does not make the command unrecordable."""
+@pytest.mark.parametrize("run_ahead", ["1", "0"])
+def test_the_record_still_replays(server, tmp_path, expected, run_ahead):
+    """The fork is lowercache's, not the script's: it does not make the command unrecordable. Nor does a Vela compile
+    step's scratch in the temporary directory, inside the project here: the cold run makes it (without a runner, or with
+    one that is behind), the re-runs are served the step."""
     project = tmp_path / "project"
     for _ in range(3):
-        _run(server, project, "warm server")
+        _run(server, project, "warm server", LOWERCACHE_RUN_AHEAD=run_ahead)
         assert (project / "model.pte").read_bytes() == expected
     explained = _run(server, project, "warm server", "--explain").stdout.decode()
     assert "latest lookup: hit: replayed" in explained, explained
