@@ -27,7 +27,7 @@ def counted(n: int, noun: str) -> str:
 
 
 # What each kind of cached step is, in a user's words; the passes, observers and decompositions are internals (``-v``).
-STEP_WORDS = {"flow": "whole lowering", "reexport": "re-export", "quantize": "quantized model", "tosa": "TOSA", "vela": "Vela",
+STEP_WORDS = {"flow": "whole lowering", "reexport": "re-export", "quantize": "quantized model", "tosa": "TOSA", "vela": "Vela", "xnnpack": "XNNPACK",
               "regions": "TOSA regions", "check": "numerics", "reference": "reference", "layers": "per-layer numerics"}
 
 

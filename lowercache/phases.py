@@ -27,7 +27,7 @@ NAMES = {"load": "load the model", "export": "export", "backend": "import the Ar
          "quantize": "quantize", "to_edge": "to_edge",
          "to_executorch": "to_executorch", "check": "numerics check", "layers": "per-layer check"}
 # The phase each kind of cached step runs in.
-PHASE_OF = {"reexport": "export", "flow": "hash", "quantize": "quantize", "tosa": "to_edge", "vela": "to_edge", "regions": "to_edge",
+PHASE_OF = {"reexport": "export", "flow": "hash", "quantize": "quantize", "tosa": "to_edge", "vela": "to_edge", "xnnpack": "to_edge", "regions": "to_edge",
             "check": "check", "reference": "check", "layers": "layers"}
 
 

@@ -78,7 +78,7 @@ add up to the measured total.
 OUTCOMES: tuple[str, ...] = ("hit", "miss", "skip", "bypass")
 PASS_OUTCOMES: tuple[str, ...] = ("skip", "noop", "ran")  # passes are observed, not cached (passes.py)
 
-STEP_KINDS: tuple[str, ...] = ("flow", "quantize", "reexport", "partition", "tosa", "pass", "vela")
+STEP_KINDS: tuple[str, ...] = ("flow", "quantize", "reexport", "partition", "tosa", "pass", "vela", "xnnpack")
 """Step kinds in report order, outermost first; kinds not listed follow alphabetically."""
 
 NODES_NOTE = (

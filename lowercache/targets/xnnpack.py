@@ -32,10 +32,10 @@ class Xnnpack:
     targets: tuple[str, ...] = ("xnnpack", "xnnpack-int8")
     options: dict[str, str] = {}
     stack = ("executorch.backends.xnnpack", QUANTIZER_MODULE)
-    hook_modules: tuple[str, ...] = ()  # no per-partition step yet: the whole flow and the quantize stage are cached
+    hook_modules: tuple[str, ...] = ()  # ``lowercache run`` does not wrap XNNPACK yet; ``lower`` and ``build`` do (hooks)
     hooks = "lowercache.lowering.xnnpack"
     warm_up: tuple[str, ...] = ()
-    steps: tuple[str, ...] = ()
+    steps: tuple[str, ...] = ("xnnpack",)  # each partition's XnnpackBackend.preprocess
     speedups: tuple[str, ...] = ()
     renamed_under: tuple[str, ...] = ()
     stock_script = '''

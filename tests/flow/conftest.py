@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import pytest
 
 from lowercache import api
@@ -12,9 +15,10 @@ from lowercache.targets.arm_ethosu import TARGETS as ETHOSU_TARGETS
 from tests.helpers.tosa import FAMILIES, MODELS
 
 
-@pytest.fixture(scope="module")
-def partitions(tmp_path_factory) -> dict[tuple[str, str], bytes]:
-    """Each model's first partition TOSA for one target of each family (the TOSA does not depend on the MAC count)."""
+@pytest.fixture(scope="session")
+def partitions(tmp_path_factory) -> Mapping[tuple[str, str], bytes]:
+    """Each model's first partition TOSA for one target of each family (the TOSA does not depend on the MAC count):
+    made once per worker for the modules that read it, and read-only."""
     cache = tmp_path_factory.mktemp("cache")
     found = {}
     for name in MODELS:
@@ -23,4 +27,4 @@ def partitions(tmp_path_factory) -> dict[tuple[str, str], bytes]:
             module, example = getattr(models, name)()
             artifacts = api.lower(module, example, target=target, settings=Settings(cache_dir=cache))
             found[name, family] = artifacts.files["partition_0.tosa"]
-    return found
+    return MappingProxyType(found)

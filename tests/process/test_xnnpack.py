@@ -1,7 +1,9 @@
 """The XNNPACK family end to end: the CLI and the API serve exactly what the benchmark's stock script writes in a fresh process.
 
-Small seeded models only (a 2-layer MLP, a tiny CNN), fp32 and int8, and the two edits a user makes (one weight, one
-layer). The stock bytes come from one new process running ``lowercache/bench/stockscript.py``'s script, which imports
+Small seeded models only (a 2-layer MLP, a tiny CNN, two linear layers with a layer norm XNNPACK does not take between
+them: two partitions), fp32 and int8, and the two edits a user makes (one weight, one layer). Each partition's
+``preprocess`` is a step of its own (``lowering/xnnpack.py``): served from the cache, it gives stock's bytes and only the
+partitions an edit touches re-run. The stock bytes come from one new process running ``lowercache/bench/stockscript.py``'s script, which imports
 no lowercache code, for every model and target the tests lower.
 """
 
@@ -20,6 +22,8 @@ import pytest
 
 import lowercache
 from lowercache.bench.stockscript import source
+from lowercache.cache import history
+from lowercache.cache.store import Entry, Store
 
 from tests.helpers.cli import cli
 from tests.helpers.isolation import isolate
@@ -48,6 +52,15 @@ MODELS = textwrap.dedent('''
             torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 5),
         ).eval()
         return net, (torch.randn(1, 3, 16, 16),)
+
+
+    def two():
+        torch.manual_seed(2)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)).eval()
+        if EDIT == "weight":
+            with torch.no_grad():
+                net[2].weight[1, 3] += 0.25
+        return net, (torch.randn(2, 8),)
 ''')
 
 # (edit, factory, target): every lowering a test compares with stock
@@ -55,6 +68,7 @@ LOWERINGS = [
     (None, "mlp", "xnnpack"), ("weight", "mlp", "xnnpack"),
     (None, "mlp", "xnnpack-int8"), ("layer", "mlp", "xnnpack-int8"), ("weight", "mlp", "xnnpack-int8"),
     (None, "cnn", "xnnpack"), (None, "cnn", "xnnpack-int8"),
+    (None, "two", "xnnpack"), ("weight", "two", "xnnpack"), (None, "two", "xnnpack-int8"), ("weight", "two", "xnnpack-int8"),
 ]
 
 # Runs the stock script's main once per lowering in this one new process: the models file is rewritten per edit.
@@ -149,16 +163,94 @@ def test_the_cli_serves_stock_bytes_cold_hit_direct_and_after_a_weight_edit(tmp_
     assert stats.returncode == 0 and "whole lowering" in stats.stdout, stats.stderr
 
 
-@pytest.mark.parametrize("factory", ["mlp", "cnn"])
+def outcomes(records, kind="xnnpack"):
+    return [(r["name"], r["outcome"]) for r in records if r["kind"] == kind]
+
+
+@pytest.fixture
+def results(monkeypatch):
+    """Every ``PreprocessResult`` stock made (stored on a miss) and the step served (on a hit), in order."""
+    from lowercache.lowering import xnnpack
+
+    made: dict[str, list] = {"stock": [], "served": []}
+    stored, served = xnnpack._stored, xnnpack._served
+    monkeypatch.setattr(xnnpack, "_stored", lambda result: made["stock"].append(result) or stored(result))
+    monkeypatch.setattr(xnnpack, "_served", lambda entry: made["served"].append(served(entry)) or made["served"][-1])
+    return made
+
+
+def same_result(served, stock):
+    """Every field equal, and the named data in stock's order (a dict's equality ignores it)."""
+    assert served == stock and type(served.processed_bytes) is type(stock.processed_bytes)
+    out, theirs = served.data_store_output, stock.data_store_output
+    assert list(out.pte_data.items()) == list(theirs.pte_data.items()) and out.buffers and out.buffers == theirs.buffers
+    assert [(k, list(v.items())) for k, v in out.external_data.items()] == [(k, list(v.items())) for k, v in theirs.external_data.items()]
+
+
+@pytest.mark.parametrize("factory", ["mlp", "cnn", "two"])
 @pytest.mark.parametrize("target", ["xnnpack", "xnnpack-int8"])
-def test_the_api_serves_stock_bytes_and_hits(tmp_path, factory, target, stock):
+def test_the_api_serves_stock_bytes_and_hits(tmp_path, monkeypatch, factory, target, stock, results):
+    """Cold, a whole-flow hit, then the flow missing over its steps: each partition's result served equal to stock's."""
+    from lowercache.lowering import flow
+
     models = tmp_path / "models.py"
     write_models(models)
     module, example = load(models, factory)
     first = lowercache.lower(module, example, target=target, cache_dir=tmp_path / "cache")
     assert first.pte == stock[None, factory, target]
+    partitions = len(results["stock"])
+    assert outcomes(first.records) == [(f"partition {i}", "miss") for i in range(partitions)] and partitions == (2 if factory == "two" else 1)
     again = lowercache.lower(module, example, target=target, cache_dir=tmp_path / "cache")
     assert again.pte == first.pte and [r["outcome"] for r in again.records] == ["hit"]
+    monkeypatch.setattr(flow, "FLOW_VERSION", flow.FLOW_VERSION + ":another")
+    steps = lowercache.lower(module, example, target=target, cache_dir=tmp_path / "cache")
+    assert outcomes(steps.records) == [(f"partition {i}", "hit") for i in range(partitions)] and outcomes(steps.records, "flow") == [(target, "miss")]
+    assert steps.pte == stock[None, factory, target]
+    for served, made in zip(results["served"], results["stock"], strict=True):
+        same_result(served, made)
+
+
+@pytest.mark.parametrize("target", ["xnnpack", "xnnpack-int8"])
+def test_an_edit_of_one_partition_re_runs_only_its_step(tmp_path, target, stock):
+    cache, models = tmp_path / "cache", tmp_path / "models.py"
+    write_models(models)
+    lowercache.lower(*load(models, "two"), target=target, cache_dir=cache)
+    write_models(models, "weight")  # the second linear layer: the second partition
+    edited = lowercache.lower(*load(models, "two"), target=target, cache_dir=cache)
+    assert outcomes(edited.records) == [("partition 0", "hit"), ("partition 1", "miss")]
+    assert edited.pte == stock["weight", "two", target] != stock[None, "two", target]
+    store = Store(cache)
+    explained = history.explain(store, "Sequential", target)
+    store.close()
+    assert any(line.startswith("xnnpack partition 1: missed; changed: program.") for line in explained), explained
+    assert not any(line.startswith("xnnpack partition 0") for line in explained), explained
+
+
+def test_a_damaged_or_malformed_step_entry_is_recomputed_to_the_same_bytes(tmp_path, monkeypatch, stock, caplog):
+    """One entry's stored record damaged, another's well-formed but naming a buffer it does not have: both recompute,
+    with a warning, to stock's bytes, and the second is overwritten, so the next run hits."""
+    from lowercache.lowering import flow
+
+    cache, models = tmp_path / "cache", tmp_path / "models.py"
+    write_models(models)
+    module, example = load(models, "two")
+    first = lowercache.lower(module, example, target="xnnpack", cache_dir=cache)
+    keys = [r["key"] for r in first.records if r["kind"] == "xnnpack"]
+    store = Store(cache)
+    raw = bytearray(store._entries.get(f"action/xnnpack/{keys[0]}"))
+    raw[-2] ^= 0x55
+    store._entries.set(f"action/xnnpack/{keys[0]}", bytes(raw))
+    good = store.get("xnnpack", keys[1])
+    store.put("xnnpack", keys[1], Entry(meta={**good.meta, "data_store": {**good.meta["data_store"], "buffers": 0}}, blobs=good.blobs))
+    store.close()
+    monkeypatch.setattr(flow, "FLOW_VERSION", flow.FLOW_VERSION + ":another")
+    again = lowercache.lower(module, example, target="xnnpack", cache_dir=cache)
+    assert outcomes(again.records) == [("partition 0", "miss"), ("partition 1", "hit")]
+    assert again.pte == stock[None, "two", "xnnpack"]
+    assert "cache entry xnnpack/" in caplog.text and "cached XNNPACK delegate unusable" in caplog.text
+    monkeypatch.setattr(flow, "FLOW_VERSION", flow.FLOW_VERSION + ":yet another")
+    last = lowercache.lower(module, example, target="xnnpack", cache_dir=cache)
+    assert outcomes(last.records) == [("partition 0", "hit"), ("partition 1", "hit")] and last.pte == again.pte
 
 
 @pytest.mark.parametrize("edit", ["weight", "layer"])

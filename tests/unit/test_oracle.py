@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from lowercache.bench import models
@@ -42,6 +44,30 @@ def test_a_damaged_entry_is_not_served(tmp_path, monkeypatch):
     (tmp_path / "k").write_bytes(bytes(data))
     assert oracle._load("k") is None
     assert oracle._load("missing") is None
+
+
+def test_one_lowering_per_key_at_a_time(tmp_path, monkeypatch):
+    """A second worker that needs the key the first is lowering waits for it (and then reads its entry); another key
+    does not wait."""
+    monkeypatch.setattr(oracle, "DIRECTORY", tmp_path)
+    order, inside = [], threading.Event()
+
+    def after(name):
+        inside.wait(timeout=60)
+        with oracle._locked(name):
+            order.append(name)
+
+    same, other = (threading.Thread(target=after, args=(name,), daemon=True) for name in ("k", "j"))
+    same.start()
+    other.start()
+    with oracle._locked("k"):
+        inside.set()
+        other.join(timeout=60)
+        same.join(timeout=0.5)
+        assert same.is_alive() and order == ["j"]
+        order.append("first")
+    same.join(timeout=60)
+    assert order == ["j", "first", "k"]
 
 
 def test_the_key_is_the_same_in_another_checkout(monkeypatch):
