@@ -41,6 +41,7 @@ LOCATION_NAMES = re.compile(
 
 
 FileId = tuple[int, int]  # a file by device and inode
+MAX_STREAM_FILES = 64  # files one standard stream is said to end in (``| tee a b c``), through the server
 
 
 def file_id(st: os.stat_result) -> Optional[FileId]:
@@ -48,24 +49,54 @@ def file_id(st: os.stat_result) -> Optional[FileId]:
     return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
 
 
-def stream_file(stream: object) -> Optional[FileId]:
-    """The regular file a standard stream writes to (``> build.log``), by device and inode, or None.
+def written_by(stream: object) -> list[FileId]:
+    """The regular files a standard stream's output ends in, by device and inode: the file itself (``> build.log``), or
+    for a pipe the files the process reading it has open for writing (``| tee build.log``).
 
-    A server child's stream is a pipe to the client, and says which file the client's is (``terminal.Relayed.file``).
+    A server child's stream is a pipe to the client, and says which files the client's ends in (``terminal.Relayed``).
     """
-    known = getattr(stream, "file", None)
+    known = getattr(stream, "files", None)
     if known is not None:
-        return int(known[0]), int(known[1])
+        return [(int(dev), int(ino)) for dev, ino in known]
     try:
-        return file_id(os.fstat(stream.fileno()))  # type: ignore[attr-defined]
+        st = os.fstat(stream.fileno())  # type: ignore[attr-defined]
     except (AttributeError, OSError, ValueError):  # no stream, or one with no descriptor
-        return None
+        return []
+    if stat.S_ISFIFO(st.st_mode):
+        return _tee_files(f"pipe:[{st.st_ino}]")
+    found = file_id(st)
+    return [found] if found is not None else []
+
+
+def _tee_files(pipe: str) -> list[FileId]:
+    """The regular files open for writing in the processes whose standard input is ``pipe`` (Linux's ``/proc``)."""
+    found: list[FileId] = []
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/0") != pipe:
+                continue
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or another user's
+            continue
+        for fd in fds:
+            try:
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
+                if flags & os.O_ACCMODE != os.O_RDONLY and (written := file_id(os.stat(f"/proc/{pid}/fd/{fd}"))):
+                    found.append(written)
+            except (OSError, StopIteration, ValueError, IndexError):
+                continue
+    return found
 
 
 def stream_files() -> list[FileId]:
-    """The files this process's stdout and stderr write to: the command's own output, which changes as it runs, so
-    never swept as an input (:func:`sweep`'s ``leave_out``). What code reads of one by path is heard as any read is."""
-    return [f for f in (stream_file(sys.stdout), stream_file(sys.stderr)) if f is not None]
+    """The files this process's stdout and stderr end in: the command's own output, which changes as it runs, so never
+    swept as an input (:func:`sweep`'s ``leave_out``). What code reads of one by path is heard as any read is."""
+    return [*written_by(sys.stdout), *written_by(sys.stderr)]
 
 
 def _left_out(entry: os.DirEntry[str], leave_out: Collection[FileId]) -> bool:

@@ -19,12 +19,12 @@ class Relayed(io.TextIOWrapper):
     """A server child's stdout or stderr: a pipe to the client, saying whether the client's stream is a terminal, and its size."""
 
     def __init__(self, fd: int, tty: bool, size: tuple[int, int], encoding: str | None, errors: str | None,
-                 line_buffering: bool, file: tuple[int, int] | None = None) -> None:
+                 line_buffering: bool, files: list[tuple[int, int]] | None = None) -> None:
         super().__init__(io.BufferedWriter(io.FileIO(fd, "w", closefd=False)), encoding=encoding, errors=errors,
                          line_buffering=line_buffering)
         self.tty = tty
         self.size = size
-        self.file = file  # the regular file the client's stream writes to (device, inode), if it is one
+        self.files = files or []  # the regular files the client's stream ends in (device, inode): sweep.written_by
 
     def isatty(self) -> bool:
         return self.tty

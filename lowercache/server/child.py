@@ -62,9 +62,9 @@ def run_cli(message: dict[str, Any], parent: int, out_w: int, err_w: int, inheri
     encodings = message.get("encoding") or ["utf-8", "utf-8"]
     errors = message.get("errors") or ["strict", "backslashreplace"]
     size = (int(message.get("columns") or 0), int(message.get("lines") or 0))
-    files = [tuple(f) if f is not None else None for f in message.get("files") or [None, None]]
-    sys.stdout = terminal.Relayed(1, ttys[0], size, encodings[0], errors[0], line_buffering=ttys[0], file=files[0])
-    sys.stderr = terminal.Relayed(2, ttys[1], size, encodings[1], errors[1], line_buffering=True, file=files[1])
+    files = [[(dev, ino) for dev, ino in f] for f in message.get("files") or [[], []]]
+    sys.stdout = terminal.Relayed(1, ttys[0], size, encodings[0], errors[0], line_buffering=ttys[0], files=files[0])
+    sys.stderr = terminal.Relayed(2, ttys[1], size, encodings[1], errors[1], line_buffering=True, files=files[1])
     try:
         _become_client(message, warm)
         pyexec.reseed()  # as a new process: an unseeded factory draws afresh, so a confirmation can tell

@@ -5,7 +5,7 @@ from __future__ import annotations
 import codecs
 from typing import Any
 
-from .. import process_state
+from .. import process_state, sweep
 from ..config import MAX_SECONDS
 
 
@@ -78,11 +78,12 @@ def _flags(value: Any) -> str | None:
 
 def _files(value: Any) -> str | None:
     def one(v: Any) -> bool:
-        return v is None or (isinstance(v, list) and len(v) == 2
-                             and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in v))
+        return (isinstance(v, list) and len(v) == 2
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in v))
 
-    return None if isinstance(value, list) and len(value) == 2 and all(one(v) for v in value) else (
-        "two files (a device and an inode each) or nulls")
+    return None if isinstance(value, list) and len(value) == 2 and all(
+        isinstance(files, list) and len(files) <= sweep.MAX_STREAM_FILES and all(one(f) for f in files) for files in value) else (
+        f"two lists of at most {sweep.MAX_STREAM_FILES} files (a device and an inode each)")
 
 
 def _identity(value: Any) -> str | None:

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import select
+import shlex
 import struct
 import subprocess
 import sys
@@ -131,14 +132,24 @@ def into_a_log(server: Server, *args: str, **extra: str) -> tuple[int, str]:
     return code, log.read_text()
 
 
-@pytest.mark.parametrize("flags", [(), ("--no-server",)])
-def test_output_into_a_log_beside_the_model_is_no_input(own, tmp_path, flags):
-    """``lowercache lower ... > build.log 2>&1`` in the model's directory: the log changes while the command runs (the
-    command writes it), yet it is the command's output, never the factory's input; the third run on is a direct hit."""
+def through_tee(server: Server, *args: str, **extra: str) -> tuple[int, str]:
+    """The command's stdout and stderr piped to ``tee build.log`` beside the model (``2>&1 | tee build.log``): the
+    exit code is tee's, so the caller checks what the command wrote."""
+    command = " ".join(shlex.quote(a) for a in (sys.executable, "-m", "lowercache.cli", *args))
+    code = subprocess.run(["sh", "-c", f"{command} 2>&1 | tee build.log >/dev/null"], cwd=server.project,
+                          env={**server.env, **extra}, stdin=subprocess.DEVNULL, timeout=600).returncode
+    return code, (server.project / "build.log").read_text()
+
+
+@pytest.mark.parametrize("how, flags", [(into_a_log, ()), (into_a_log, ("--no-server",)), (through_tee, ()),
+                                        (through_tee, ("--no-server",))])
+def test_output_into_a_log_beside_the_model_is_no_input(own, tmp_path, how, flags):
+    """``lowercache lower ... > build.log 2>&1`` (or ``| tee build.log``) in the model's directory: the log changes while
+    the command runs, yet it is the command's output, never the factory's input; the third run on is a direct hit."""
     server = own()
     expected = stock(server, tmp_path / "stock")
     for i in range(4):
-        code, shown = into_a_log(server, "lower", "model.py:model", "-t", TARGET, "-o", str(tmp_path / f"out{i}"), *flags)
+        code, shown = how(server, "lower", "model.py:model", "-t", TARGET, "-o", str(tmp_path / f"out{i}"), *flags)
         assert code == 0, shown[-3000:]
         assert (tmp_path / f"out{i}" / "model.pte").read_bytes() == expected
         direct = json.loads((tmp_path / f"out{i}" / "manifest.json").read_text())["direct"]
