@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Callable, Collection, Optional
 
+from .terminal import Relayed
+
 # Suffixes of files native code commonly reads itself: weights, arrays, exported graphs, other frameworks' models.
 NATIVE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npy", ".npz", ".onnx", ".tflite", ".pb", ".h5",
                    ".gguf", ".msgpack", ".data", ".raw", ".dat")
@@ -55,9 +57,8 @@ def written_by(stream: object) -> list[FileId]:
 
     A server child's stream is a pipe to the client, and says which files the client's ends in (``terminal.Relayed``).
     """
-    known = getattr(stream, "files", None)
-    if known is not None:
-        return [(int(dev), int(ino)) for dev, ino in known]
+    if isinstance(stream, Relayed):
+        return [(int(dev), int(ino)) for dev, ino in stream.files]
     try:
         st = os.fstat(stream.fileno())  # type: ignore[attr-defined]
     except (AttributeError, OSError, ValueError):  # no stream, or one with no descriptor

@@ -209,7 +209,9 @@ class Recorder:
         self.bytecode: dict[str, str] = {}  # source -> the .pyc that ran for it (``ran_bytecode``)
         self.initial_env = dict(initial_environ())
         self.stdlib = tuple(d + os.sep for d in stdlib_dirs())
-        self.streams = sweep.stream_files()  # the command's own output files, never swept (``> build.log``)
+        # The command's own output files, never swept (``> build.log``); found here, before the backstop attaches, since
+        # following a pipe reads /proc and each of those calls would stop for the tracer.
+        self.streams = sweep.stream_files()
 
     @property
     def paused(self) -> bool:

@@ -77,13 +77,15 @@ def _flags(value: Any) -> str | None:
 
 
 def _files(value: Any) -> str | None:
-    def one(v: Any) -> bool:
-        return (isinstance(v, list) and len(v) == 2
-                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in v))
+    def one(file: Any) -> bool:
+        return isinstance(file, list) and len(file) == 2 and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in file)
 
-    return None if isinstance(value, list) and len(value) == 2 and all(
-        isinstance(files, list) and len(files) <= sweep.MAX_STREAM_FILES and all(one(f) for f in files) for files in value) else (
-        f"two lists of at most {sweep.MAX_STREAM_FILES} files (a device and an inode each)")
+    def stream(files: Any) -> bool:
+        return isinstance(files, list) and len(files) <= sweep.MAX_STREAM_FILES and all(one(f) for f in files)
+
+    ok = isinstance(value, list) and len(value) == 2 and all(stream(files) for files in value)
+    return None if ok else f"two lists of at most {sweep.MAX_STREAM_FILES} files (a device and an inode each)"
 
 
 def _identity(value: Any) -> str | None:
