@@ -462,7 +462,7 @@ def run(
     explain: bool = typer.Option(False, "--explain", metavar="", help="Say what the latest run of this command did with its record, and why; run nothing."),
     no_server: bool = typer.Option(False, "--no-server", metavar="", help=r"Run the command as a new process, not in a child of the warm server \[env: LOWERCACHE_SERVER=0]."),
 ) -> None:
-    """Run a command (e.g. `lowercache run -- python export.py`): replayed from its record when nothing it read changed, else run with its Arm lowering cached, in a child of the warm server when that can stand in for a new python (docs/run.md)."""
+    """Run a command (e.g. `lowercache run -- python export.py`): replayed from its record when nothing it read changed, else run with its lowering steps cached (Arm, XNNPACK), in a child of the warm server when that can stand in for a new python (docs/run.md)."""
     if not ctx.args:
         _fail("nothing to run; usage: lowercache run -- python script.py", 2)
     if explain:

@@ -6,7 +6,8 @@ is wrapped (step kind ``xnnpack``), its result stored (the delegate's bytes,
 its debug-handle map, and the named data it hands the NamedDataStore: the
 serialized weights, each buffer and entry as stock made them) and keyed by
 the partition's program and compile specs, so an edit re-runs only the
-partitions it touches. No speed-up is installed. The key parts that are
+partitions it touches, under ``lower`` and ``build`` (``hooks``) and inside a
+script under ``lowercache run`` (``install_permanently``). No speed-up is installed. The key parts that are
 XNNPACK's own: the partitioner's configuration (:func:`compile_spec_digest`)
 and the backend's sources, its flatbuffer schema included
 (:func:`backend_source_parts`), which the common toolchain part does not hash.
@@ -228,5 +229,11 @@ _hooks = Patch(_apply, _undo)
 hooks = _hooks.active
 
 
+_permanent: list[bool] = []
+
+
 def install_permanently(module_name: str) -> None:
-    """``lowercache run`` does not wrap XNNPACK's module yet (the family lists no hook module): nothing to do."""
+    """Used by ``lowercache run``: wrap ``XnnpackBackend.preprocess`` for the life of the process (once)."""
+    if not _permanent:
+        _permanent.append(True)
+        _hooks.enable()

@@ -1,12 +1,15 @@
-"""``lowercache run``'s hook in the wrapped process: the Arm steps cached once the script imports them.
+"""``lowercache run``'s hook in the wrapped process: each target family's steps cached once the script imports them.
 
 The ``sitecustomize`` that ``lowercache run`` puts on the command's
 PYTHONPATH (``run/_site``) installs an import hook, so that when the script
-imports ExecuTorch's Arm backend, the TOSA preprocess and Vela steps are
-wrapped and record into one session for the process. Nothing is imported
-until the script itself imports the Arm backend. The same ``sitecustomize``
-starts the command-level recorder (``run/replay.py``) that lets a later
-unchanged run be replayed without running the script.
+imports a family's backend (``Family.hook_modules``: ExecuTorch's TOSA
+backend and Vela for Arm, ``XnnpackBackend`` for XNNPACK), the family's
+hooks module wraps them (``install_permanently``: the TOSA preprocess and
+Vela steps, each XNNPACK partition's preprocess) and they record into one
+session for the process. Nothing is imported until the script itself
+imports the backend. The same ``sitecustomize`` starts the command-level
+recorder (``run/replay.py``) that lets a later unchanged run be replayed
+without running the script.
 """
 
 from __future__ import annotations
@@ -17,39 +20,38 @@ import logging
 import sys
 from typing import Any
 
-_ARM = "executorch.backends.arm"
+
+def _inside(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == package or name.startswith(package + ".") for package in packages)
 
 
-def _is_arm(name: str) -> bool:
-    return name == _ARM or name.startswith(_ARM + ".")
-
-
-def _arm_initializing(finished: str) -> bool:
-    """Whether an Arm module other than ``finished`` is still executing (imported half way)."""
+def _initializing(finished: str, packages: tuple[str, ...]) -> bool:
+    """Whether a module of ``packages`` other than ``finished`` is still executing (imported half way)."""
     return any(
-        name != finished and _is_arm(name) and getattr(getattr(module, "__spec__", None), "_initializing", False)
+        name != finished and _inside(name, packages) and getattr(getattr(module, "__spec__", None), "_initializing", False)
         for name, module in list(sys.modules.items())
     )
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Calls back once a watched module, and the Arm import it was part of, has finished executing.
+    """Calls back once a watched module, and the import of its package it was part of, has finished executing.
 
-    A hook module can finish while the Arm module that imported it is still
-    executing (a script that imports ``tosa.partitioner`` first imports
-    ``tosa.backend`` half way through it); installing then would import the
-    half-made partitioner and fail the script. So every Arm module is
-    followed while a watched one is outstanding, and the callback waits
-    until no Arm module is half imported.
+    A hook module can finish while the module of its package that imported
+    it is still executing (a script that imports Arm's ``tosa.partitioner``
+    first imports ``tosa.backend`` half way through it); installing then
+    would import the half-made partitioner and fail the script. So every
+    module of the watched ``packages`` is followed while a watched one is
+    outstanding, and the callback waits until none of them is half imported.
     """
 
-    def __init__(self, watched: tuple[str, ...], callback: Any):
+    def __init__(self, watched: tuple[str, ...], packages: tuple[str, ...], callback: Any):
         self.watched = set(watched)
+        self.packages = packages
         self.pending: list[str] = []
         self.callback = callback
 
     def find_spec(self, fullname, path, target=None):
-        if not (self.watched or self.pending) or not _is_arm(fullname):
+        if not (self.watched or self.pending) or not _inside(fullname, self.packages):
             return None
         for finder in sys.meta_path:
             if finder is self:
@@ -71,7 +73,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if name in self.watched:
             self.watched.discard(name)
             self.pending.append(name)
-        if self.pending and not _arm_initializing(name):
+        if self.pending and not _initializing(name, self.packages):
             ready, self.pending = self.pending, []
             for module_name in ready:
                 try:
@@ -127,4 +129,5 @@ def activate_in_process() -> None:
     already = [m for m in hooked_by if m in sys.modules]
     for name in already:
         on_import(name)
-    sys.meta_path.insert(0, _AfterImport(tuple(m for m in hooked_by if m not in already), on_import))
+    packages = tuple(dict.fromkeys(f.package for f in FAMILIES if f.hook_modules))
+    sys.meta_path.insert(0, _AfterImport(tuple(m for m in hooked_by if m not in already), packages, on_import))

@@ -2,7 +2,7 @@
 
 Like ccache in front of a compiler, ``lowercache run -- python export.py``
 starts the script with ``lowercache/run/_site`` on PYTHONPATH, whose
-``sitecustomize`` records the process and caches its Arm steps
+``sitecustomize`` records the process and caches its lowering steps
 (``run/hook.py``); an unchanged command is replayed from its record
 (``run/replay.py``) without running it.
 """

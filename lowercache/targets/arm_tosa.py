@@ -25,6 +25,7 @@ class ArmTosa:
     options: dict[str, str] = {}
     stack = ("executorch.backends.arm.quantizer", "executorch.backends.arm.tosa.partitioner")
     hook_modules: tuple[str, ...] = (TOSA_MODULE,)
+    package = "executorch.backends.arm"
     hooks = "lowercache.lowering.arm"
     warm_up: tuple[str, ...] = ()  # Ethos-U's warm-up runs the TOSA pipeline too
     steps: tuple[str, ...] = ("tosa",)

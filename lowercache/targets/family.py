@@ -53,6 +53,7 @@ class Family(Protocol):
     options: dict[str, str]  # the target options it takes beyond ``per_channel`` (Target's fields), each with its flag
     stack: tuple[str, ...]  # the modules a lowering imports (the warm server imports them once)
     hook_modules: tuple[str, ...]  # the backend modules lowercache wraps, named only, so listing them is free
+    package: str  # the ExecuTorch package they live in: ``run`` wraps them once no module of it is half imported
     hooks: str  # the lowercache module that wraps them: import_backend, hooks, install_permanently, the spec digests
     warm_up: tuple[str, ...]  # the targets the warm server lowers a tiny model for once, so a child finds the flow warm
     steps: tuple[str, ...]  # the per-partition steps (first: the one a partition's tensor names come from)

@@ -32,7 +32,8 @@ class Xnnpack:
     targets: tuple[str, ...] = ("xnnpack", "xnnpack-int8")
     options: dict[str, str] = {}
     stack = ("executorch.backends.xnnpack", QUANTIZER_MODULE)
-    hook_modules: tuple[str, ...] = ()  # ``lowercache run`` does not wrap XNNPACK yet; ``lower`` and ``build`` do (hooks)
+    hook_modules: tuple[str, ...] = (XNNPACK_MODULE,)
+    package = "executorch.backends.xnnpack"
     hooks = "lowercache.lowering.xnnpack"
     warm_up: tuple[str, ...] = ()
     steps: tuple[str, ...] = ("xnnpack",)  # each partition's XnnpackBackend.preprocess

@@ -195,10 +195,10 @@ def test_executorchs_arm_op_tests_through_the_server_have_the_plain_outcomes(ser
     from tests.helpers import optests
     from tests.helpers.optests import OPS, PYTEST, outcomes
 
-    status, expected = optests.plain(tmp_path)
+    expected = optests.plain(tmp_path)
     for _ in ("cold", "warm"):
         result = run(server, Path(OPS), *PYTEST)
-        assert (result.returncode, outcomes(result)) == (status, expected)
+        assert (result.returncode, outcomes(result)) == (expected.status, expected.outcomes)
         assert "in a child of the warm server" in explain(server, Path(OPS), *PYTEST)
 
 
