@@ -45,7 +45,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .. import startup
+from .. import environment, startup
 
 @dataclass(frozen=True)
 class Invocation:
@@ -100,12 +100,112 @@ def why_not(invocation: Invocation, cwd: str, env: dict[str, str], start_env: di
     return startup.why_not(env, start_env, search, cwd, imported)
 
 
+STACK = ("torch", "executorch", "torchao")  # what the warm server imported for the command; each imports torch
+# What a command does that a new process would do again if the child backed out: a change on disk, a process, the network.
+_ACTS = frozenset({"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.truncate", "os.chmod", "os.chown", "os.link",
+                   "os.symlink", "os.utime", "shutil.rmtree", "shutil.move", "subprocess.Popen", "os.system", "os.exec",
+                   "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.spawn", "os.kill", "socket.connect",
+                   "socket.sendto", "socket.sendmsg"})
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+_PACKAGE = __name__.split(".")[0] + "."
+
+
+class EnvBeforeImport:
+    """A variable the command sets before it first imports torch (or ExecuTorch, or torchao, which import it).
+
+    A new process imports torch after the change, and native code reads the
+    new value as it loads (``os.environ["OMP_NUM_THREADS"] = "1"`` at the top
+    of a script, then ``import torch``: one thread); the warm child imported
+    it before the fork, under the server's. Which variables an import reads
+    cannot be listed (C code calls ``getenv``), so any change of an input
+    variable (``environment.inputs``) before that import means the child
+    cannot stand in: ``back_out`` is called with why (``sets X before...``) when nothing of the
+    command has been seen yet (no output written, nothing changed on disk, no
+    process, no network), and the command runs as a new process; otherwise
+    ``too_late`` is (the run goes on, and is not recorded). Installed just
+    before the command's code runs; imports made by lowercache's own code
+    are not the command's.
+    """
+
+    def __init__(self, back_out: Callable[[str], None], too_late: Callable[[str], None]):
+        self.back_out, self.too_late = back_out, too_late
+        self.watching = True
+        self.acted = False
+        self._import, self._import_module = builtins.__import__, importlib.import_module
+
+    def install(self) -> None:
+        sys.addaudithook(self._audit)
+        builtins.__import__ = self._watched_import
+        importlib.import_module = self._watched_import_module
+
+    def _watched_import(self, name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
+        if level == 0 and name.partition(".")[0] in STACK and not _ours(sys._getframe(1)):
+            self._stop()
+        return self._import(name, globals, locals, fromlist, level)
+
+    def _watched_import_module(self, name: str, package: str | None = None) -> Any:
+        if name.partition(".")[0] in STACK and not _ours(sys._getframe(1)):
+            self._stop()
+        return self._import_module(name, package)
+
+    def _stop(self) -> None:
+        """From the command's first import of the stack on, the child is what a new process would be."""
+        if self.watching:
+            self.watching = False
+            builtins.__import__, importlib.import_module = self._import, self._import_module
+
+    def _audit(self, event: str, args: tuple[Any, ...]) -> None:
+        if not self.watching:
+            return
+        if event in ("os.putenv", "os.unsetenv"):
+            name = os.fsdecode(args[0])
+            if environment.inputs({name: ""}) and not _ours(sys._getframe(1)):
+                self._stop()
+                why = f"sets {name} before it imports torch, which the server imported under its own value"
+                (self.too_late if self.acted or _output_written() else self.back_out)(why)
+        elif event in _ACTS or (event == "open" and _opens_to_write(args)):
+            self.acted = True
+
+
+def _ours(frame: Any) -> bool:
+    """Whether the first frame outside ``os`` (whose ``environ`` calls ``putenv``) is lowercache's own code."""
+    while frame is not None and frame.f_globals.get("__name__") in ("os", __name__):
+        frame = frame.f_back
+    return frame is not None and str(frame.f_globals.get("__name__", "")).startswith(_PACKAGE)
+
+
+def _opens_to_write(args: tuple[Any, ...]) -> bool:
+    flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+    mode = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
+    return bool(flags & _WRITE_FLAGS) or any(c in mode for c in "wax+")
+
+
+def _output_written() -> bool:
+    """Whether the command's output reached its standard streams (:func:`streams`' files): a child that backed out then
+    would show it twice."""
+    for stream in (sys.__stdout__, sys.__stderr__):
+        buffer = getattr(stream, "buffer", None)
+        if getattr(getattr(buffer, "raw", buffer), "written", True):
+            return True
+    return False
+
+
+class _Counted(io.FileIO):
+    """A standard stream's file, which says whether anything reached it."""
+
+    written = False
+
+    def write(self, b: Any) -> int | None:
+        self.written = True
+        return super().write(b)
+
+
 def streams(unbuffered: bool) -> None:
     """New standard streams on descriptors 0-2, as the interpreter makes them (pipes: block buffered; stderr: line buffered).
 
     Made before anything wraps them (``lowercache run``'s recorder watches ``sys.stdin``)."""
     def text(fd: int, mode: str, template: Any, buffered: bool, line: bool) -> io.TextIOWrapper:
-        raw = io.FileIO(fd, mode, closefd=False)
+        raw = _Counted(fd, mode, closefd=False) if mode == "wb" else io.FileIO(fd, mode, closefd=False)
         stream: Any = raw
         if buffered:
             stream = io.BufferedReader(raw) if mode == "rb" else io.BufferedWriter(raw)
