@@ -28,7 +28,6 @@ class ArmTosa:
     hooks = "lowercache.lowering.arm"
     warm_up: tuple[str, ...] = ()  # Ethos-U's warm-up runs the TOSA pipeline too
     steps: tuple[str, ...] = ("tosa",)
-    speedups: tuple[str, ...] = ()
     renamed_under: tuple[str, ...] = ()
     stock_script = '''
 def arm_tosa(target):

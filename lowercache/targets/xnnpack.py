@@ -36,7 +36,6 @@ class Xnnpack:
     hooks = "lowercache.lowering.xnnpack"
     warm_up: tuple[str, ...] = ()
     steps: tuple[str, ...] = ("xnnpack",)  # each partition's XnnpackBackend.preprocess
-    speedups: tuple[str, ...] = ()
     renamed_under: tuple[str, ...] = ()
     stock_script = '''
 def xnnpack(target):

@@ -9,25 +9,19 @@ no lowercache code, for every model and target the tests lower.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from importlib import metadata
 
 import pytest
 
 import lowercache
-from lowercache.bench.stockscript import source
 from lowercache.cache import history
 from lowercache.cache.store import Entry, Store
 
 from tests.helpers.cli import cli
 from tests.helpers.isolation import isolate
-from tests.helpers.oracle import DIRECTORY
+from tests.helpers.xnnstock import stock_bytes
 
 MODELS = textwrap.dedent('''
     import torch
@@ -71,20 +65,6 @@ LOWERINGS = [
     (None, "two", "xnnpack"), ("weight", "two", "xnnpack"), (None, "two", "xnnpack-int8"), ("weight", "two", "xnnpack-int8"),
 ]
 
-# Runs the stock script's main once per lowering in this one new process: the models file is rewritten per edit.
-DRIVER = textwrap.dedent('''
-    import json, sys
-    sys.path.insert(0, sys.argv[1])
-    import export
-    base = open(sys.argv[2]).read()
-    for i, (edit, factory, target) in enumerate(json.loads(sys.argv[3])):
-        path = f"{sys.argv[1]}/models_{i}.py"
-        with open(path, "w") as f:
-            f.write(base.replace("EDIT = None", f"EDIT = {edit!r}"))
-        export.main(f"{path}:{factory}", target, f"{sys.argv[1]}/stock_{i}.pte")
-''')
-
-
 def write_models(path, edit=None):
     path.write_text(MODELS.replace("EDIT = None", f"EDIT = {edit!r}"))
 
@@ -96,41 +76,10 @@ def load(path, factory):
     return getattr(module, factory)()
 
 
-def _stock_key() -> str:
-    """Everything the stock bytes depend on: the installed toolchain and the texts that make them."""
-    versions = [f"{d}={metadata.version(d)}" for d in ("torch", "executorch", "torchao")]
-    return hashlib.sha256(json.dumps([versions, source(), MODELS, DRIVER, LOWERINGS]).encode()).hexdigest()
-
-
 @pytest.fixture(scope="module")
 def stock(tmp_path_factory):
-    """Stock bytes by (edit, factory, target), from the benchmark's stock script in one fresh process; kept beside the
-    oracle's entries (each checked against its digest), so xdist's workers and later runs lower them once."""
-    name = f"xnnpack-{_stock_key()}.json"
-    try:
-        kept = json.loads((DIRECTORY / name).read_text()) if DIRECTORY is not None else None
-        found = {tuple(k): bytes.fromhex(v) for k, v, d in kept if hashlib.sha256(bytes.fromhex(v)).hexdigest() == d}
-        if len(found) == len(LOWERINGS):
-            return found
-    except (OSError, ValueError, TypeError):
-        pass
-    base = tmp_path_factory.mktemp("stock")
-    (base / "export.py").write_text(source())
-    (base / "base.py").write_text(MODELS)
-    (base / "driver.py").write_text(DRIVER)
-    run = subprocess.run([sys.executable, str(base / "driver.py"), str(base), str(base / "base.py"), json.dumps(LOWERINGS)],
-                         capture_output=True, text=True, cwd=base, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = {tuple(key): (base / f"stock_{i}.pte").read_bytes() for i, key in enumerate(LOWERINGS)}
-    try:
-        if DIRECTORY is not None:
-            DIRECTORY.mkdir(parents=True, exist_ok=True)
-            partial = DIRECTORY / f".tmp-{os.getpid()}-{name}"
-            partial.write_text(json.dumps([[list(k), v.hex(), hashlib.sha256(v).hexdigest()] for k, v in found.items()]))
-            os.replace(partial, DIRECTORY / name)
-    except OSError:
-        pass  # a read-only or full disk only costs the next run a stock lowering
-    return found
+    """Stock bytes by (edit, factory, target) (``helpers/xnnstock.py``)."""
+    return stock_bytes(MODELS, LOWERINGS, tmp_path_factory.mktemp("stock"))
 
 
 def test_the_cli_serves_stock_bytes_cold_hit_direct_and_after_a_weight_edit(tmp_path, monkeypatch, stock):
