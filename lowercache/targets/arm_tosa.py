@@ -21,6 +21,7 @@ class ArmTosa:
 
     name = "arm-tosa"
     title = "TOSA"
+    backend = "Arm"
     targets: tuple[str, ...] = tuple(PROFILES)
     options: dict[str, str] = {}
     stack = ("executorch.backends.arm.quantizer", "executorch.backends.arm.tosa.partitioner")

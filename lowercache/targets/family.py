@@ -51,6 +51,7 @@ class Family(Protocol):
 
     name: str  # "arm-ethosu"
     title: str  # how a message names its targets: "Ethos-U"
+    backend: str  # the ExecuTorch backend that lowers them, as a user reads it: "Arm"
     targets: tuple[str, ...]  # the names ``--target`` takes, in the order ``--help`` lists them
     options: dict[str, str]  # the target options it takes beyond ``per_channel`` (Target's fields), each with its flag
     stack: tuple[str, ...]  # the modules a lowering imports (the warm server imports them once)

@@ -29,6 +29,7 @@ class Xnnpack:
 
     name = "xnnpack"
     title = "XNNPACK"
+    backend = "XNNPACK"
     targets: tuple[str, ...] = ("xnnpack", "xnnpack-int8")
     options: dict[str, str] = {}
     stack = ("executorch.backends.xnnpack", QUANTIZER_MODULE)

@@ -16,6 +16,7 @@ import textwrap
 import pytest
 
 import lowercache
+from lowercache import delegation
 from lowercache.cache import history
 from lowercache.cache.store import Entry, Store
 
@@ -93,8 +94,9 @@ def test_the_cli_serves_stock_bytes_cold_hit_direct_and_after_a_weight_edit(tmp_
         manifest = json.loads((tmp_path / out / "manifest.json").read_text()) if "direct mode" not in result.stderr else None
         return (tmp_path / out / "model.pte").read_bytes(), manifest, result
 
-    cold, manifest, _ = lower("cold")
+    cold, manifest, result = lower("cold")
     assert cold == stock[None, "mlp", "xnnpack"]
+    assert "] import the XNNPACK backend: " in result.stderr and "Arm" not in result.stderr, result.stderr
     assert [s["outcome"] for s in manifest["steps"] if s["kind"] == "flow"] == ["miss"]
     assert manifest["target"] == "xnnpack" and "xnnpack_backend_src" in manifest["key_parts"]
     hit, manifest, _ = lower("hit")
@@ -148,6 +150,9 @@ def test_the_api_serves_stock_bytes_and_hits(tmp_path, monkeypatch, factory, tar
     first = lowercache.lower(module, example, target=target, cache_dir=tmp_path / "cache")
     assert first.pte == stock[None, factory, target]
     partitions = len(results["stock"])
+    if factory == "two":  # the layer norm between the two linear layers of a Sequential: named by its class and index
+        assert delegation.line(first.delegation) == ("partially delegated (2 partitions); outside the delegate: "
+                                                     "aten.native_layer_norm (1 node: LayerNorm model[1])")
     assert outcomes(first.records) == [(f"partition {i}", "miss") for i in range(partitions)] and partitions == (2 if factory == "two" else 1)
     again = lowercache.lower(module, example, target=target, cache_dir=tmp_path / "cache")
     assert again.pte == first.pte and [r["outcome"] for r in again.records] == ["hit"]
@@ -228,3 +233,12 @@ def test_a_quantize_hit_under_a_flow_miss_gives_stock_bytes(tmp_path, monkeypatc
     again = lowercache.lower(module, example, target="xnnpack-int8", cache_dir=tmp_path / "cache")
     assert [(r["kind"], r["outcome"]) for r in again.records if r["kind"] in ("flow", "quantize")] == [("quantize", "hit"), ("flow", "miss")]
     assert again.pte == stock[None, "mlp", "xnnpack-int8"]
+
+
+def test_the_numerics_check_says_why_an_xnnpack_delegate_is_not_compared(tmp_path, stock):
+    """The check runs TOSA on the TOSA reference model: an XNNPACK delegate has none, and the report says so; bytes stay stock's."""
+    write_models(tmp_path / "models.py")
+    checked = lowercache.lower(*load(tmp_path / "models.py", "mlp"), target="xnnpack", cache_dir=tmp_path / "cache", check=True)
+    assert checked.pte == stock[None, "mlp", "xnnpack"] and checked.numerics["outputs"] == []
+    assert checked.numerics["error"] == ("not compared: the check runs TOSA partitions on the TOSA reference model, and "
+                                         "this XnnpackBackend delegate holds no TOSA")
