@@ -110,61 +110,100 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 _PACKAGE = __name__.split(".")[0] + "."
 
 
-class EnvBeforeImport:
-    """A variable the command sets before it first imports torch (or ExecuTorch, or torchao, which import it).
+class ImportWatch:
+    """What the command changes, before its own import of a module the server had imported, that the import reads.
 
-    A new process imports torch after the change, and native code reads the
-    new value as it loads (``os.environ["OMP_NUM_THREADS"] = "1"`` at the top
-    of a script, then ``import torch``: one thread); the warm child imported
-    it before the fork, under the server's. Which variables an import reads
-    cannot be listed (C code calls ``getenv``), so any change of an input
-    variable (``environment.inputs``) before that import means the child
-    cannot stand in: ``back_out`` is called with why (``sets X before...``) when nothing of the
-    command has been seen yet (no output written, nothing changed on disk, no
-    process, no network), and the command runs as a new process; otherwise
-    ``too_late`` is (the run goes on, and is not recorded). Installed just
-    before the command's code runs; imports made by lowercache's own code
-    are not the command's.
+    The warm child imported torch (and what it brings) before the fork; a new
+    process imports each such module when the command first does, under the
+    state of that moment:
+
+    - a variable: ``os.environ["OMP_NUM_THREADS"] = "1"`` at the top of a
+      script, then ``import torch``, gives one thread in a new process, since
+      native code reads it as torch loads. Which variables an import reads
+      cannot be listed (C code calls ``getenv``), so any change of an input
+      variable (``environment.inputs``) before the command first imports
+      torch, ExecuTorch or torchao (each imports torch) counts;
+    - the search path: ``sys.path.insert(0, "vendor")`` and then ``import
+      tabulate`` imports ``vendor/tabulate.py`` in a new process, where the
+      child would hand over the server's. So at the command's first import of
+      each module the server imported, a search path changed since the start
+      is asked where that name is found now.
+
+    Either means the child cannot stand in: ``back_out`` is called with why
+    (``sets X before...``) when nothing of the command has been seen yet (no
+    output written, nothing changed on disk, no process, no network), and the
+    command runs as a new process; otherwise ``too_late`` is (the run goes on,
+    and is not recorded). Installed just before the command's code runs;
+    imports and variables lowercache's own code makes are not the command's.
     """
 
     def __init__(self, back_out: Callable[[str], None], too_late: Callable[[str], None]):
         self.back_out, self.too_late = back_out, too_late
-        self.watching = True
+        self.env_watched = True  # until the command's first import of the stack
         self.acted = False
+        self.decided = False
+        self.preloaded = {name for name in sys.modules if "." not in name}
+        self.seen: set[str] = set()
+        self.path = list(sys.path)
         self._import, self._import_module = builtins.__import__, importlib.import_module
 
     def install(self) -> None:
+        self.path = list(sys.path)
         sys.addaudithook(self._audit)
         builtins.__import__ = self._watched_import
         importlib.import_module = self._watched_import_module
 
     def _watched_import(self, name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
-        if level == 0 and name.partition(".")[0] in STACK and not _ours(sys._getframe(1)):
-            self._stop()
+        if level == 0:
+            self._importing(name.partition(".")[0])
         return self._import(name, globals, locals, fromlist, level)
 
     def _watched_import_module(self, name: str, package: str | None = None) -> Any:
-        if name.partition(".")[0] in STACK and not _ours(sys._getframe(1)):
-            self._stop()
+        if not name.startswith("."):
+            self._importing(name.partition(".")[0])
         return self._import_module(name, package)
 
-    def _stop(self) -> None:
-        """From the command's first import of the stack on, the child is what a new process would be."""
-        if self.watching:
-            self.watching = False
-            builtins.__import__, importlib.import_module = self._import, self._import_module
+    def _importing(self, top: str) -> None:
+        if top in self.seen or top not in self.preloaded or self.decided or _ours(sys._getframe(2)):
+            return
+        self.seen.add(top)
+        if top in STACK:
+            self.env_watched = False
+        if sys.path != self.path:
+            where = _found_elsewhere(top)
+            if where is not None:
+                self._cannot(f"puts {where} on sys.path before it imports {top}, which the server imported from its own")
 
     def _audit(self, event: str, args: tuple[Any, ...]) -> None:
-        if not self.watching:
+        if self.decided:
             return
         if event in ("os.putenv", "os.unsetenv"):
             name = os.fsdecode(args[0])
-            if environment.inputs({name: ""}) and not _ours(sys._getframe(1)):
-                self._stop()
-                why = f"sets {name} before it imports torch, which the server imported under its own value"
-                (self.too_late if self.acted or _output_written() else self.back_out)(why)
+            if self.env_watched and environment.inputs({name: ""}) and not _ours(sys._getframe(1)):
+                self._cannot(f"sets {name} before it imports torch, which the server imported under its own value")
         elif event in _ACTS or (event == "open" and _opens_to_write(args)):
             self.acted = True
+
+    def _cannot(self, why: str) -> None:
+        self.decided = True
+        builtins.__import__, importlib.import_module = self._import, self._import_module
+        (self.too_late if self.acted or _output_written() else self.back_out)(why)
+
+
+def _found_elsewhere(top: str) -> str | None:
+    """The directory on today's ``sys.path`` where ``top`` is found, when it is not where the loaded module came from."""
+    module = sys.modules.get(top)
+    origin = getattr(module, "__file__", None)
+    if not isinstance(origin, str):
+        return None  # built in, frozen or a namespace package: nothing on the path replaces it
+    try:
+        spec = importlib.machinery.PathFinder.find_spec(top, sys.path)
+    except (ImportError, ValueError):
+        return None
+    found = getattr(spec, "origin", None)
+    if not isinstance(found, str) or os.path.realpath(found) == os.path.realpath(origin):
+        return None
+    return os.path.dirname(os.path.dirname(found) if os.path.basename(found) == "__init__.py" else found)
 
 
 def _ours(frame: Any) -> bool:

@@ -163,8 +163,8 @@ def run_python(message: dict[str, Any], parent: int, fds: list[int], inherited: 
         refuse_listening(why)
 
     def now_started() -> None:
-        os.write(started, b"S")  # the pipe stays open: the child may still back out (``EnvBeforeImport``)
-        pyexec.EnvBeforeImport(back_out, too_late).install()
+        os.write(started, b"S")  # the pipe stays open: the child may still back out (``ImportWatch``)
+        pyexec.ImportWatch(back_out, too_late).install()
 
     return pyexec.run(invocation, [str(a) for a in message["argv"]], str(message["executable"]), warm.base_path,
                       warm.installed, dump, now_started)

@@ -161,6 +161,20 @@ def test_a_variable_set_before_importing_torch_runs_a_new_process(server, tmp_pa
     assert "in a child of the warm server" in explain(server, project, PY, "after.py")
 
 
+def test_a_path_put_first_before_importing_a_module_the_server_imported_runs_a_new_process(server, tmp_path):
+    """``sys.path.insert(0, "vendor")`` then ``import tabulate`` (which the server imported): a new process imports the
+    vendored copy, so the child backs out; appended after site-packages, the installed copy wins in both."""
+    first = 'import sys\nsys.path.insert(0, "vendor")\nimport tabulate\nprint(getattr(tabulate, "MINE", "installed"))\n'
+    last = first.replace("sys.path.insert(0, ", "sys.path.append(")
+    project = project_with(tmp_path, {"first.py": first, "last.py": last, "vendor/tabulate.py": "MINE = 'vendored'\n"})
+    new, served = both(server, project, PY, "first.py")
+    assert new == served and served[:3] == (0, b"vendored\n", b""), served
+    assert "as a new process (the command puts " in explain(server, project, PY, "first.py")
+    new, served = both(server, project, PY, "last.py")
+    assert new == served and served[:3] == (0, b"installed\n", b""), served
+    assert "in a child of the warm server" in explain(server, project, PY, "last.py")
+
+
 def test_a_variable_set_before_importing_torch_after_output_is_a_warning_and_no_record(server, tmp_path):
     """Once the command has written output, the child can no longer back out unseen: it says so and records nothing."""
     script = 'print("starting", flush=True)\nimport os\nos.environ["MY_SETTING"] = "x"\nimport torch\nprint("done")\n'
