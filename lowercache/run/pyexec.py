@@ -142,8 +142,7 @@ class ImportWatch:
         self.env_watched = True  # until the command's first import of the stack
         self.acted = False
         self.decided = False
-        self.preloaded = {name for name in sys.modules if "." not in name}
-        self.seen: set[str] = set()
+        self.unseen = {name for name in sys.modules if "." not in name}  # the server's, not yet imported by the command
         self.path = list(sys.path)
         self._import, self._import_module = builtins.__import__, importlib.import_module
 
@@ -154,19 +153,19 @@ class ImportWatch:
         importlib.import_module = self._watched_import_module
 
     def _watched_import(self, name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
-        if level == 0:
+        if level == 0 and name.partition(".")[0] in self.unseen:  # one set lookup per import statement otherwise
             self._importing(name.partition(".")[0])
         return self._import(name, globals, locals, fromlist, level)
 
     def _watched_import_module(self, name: str, package: str | None = None) -> Any:
-        if not name.startswith("."):
+        if not name.startswith(".") and name.partition(".")[0] in self.unseen:
             self._importing(name.partition(".")[0])
         return self._import_module(name, package)
 
     def _importing(self, top: str) -> None:
-        if top in self.seen or top not in self.preloaded or self.decided or _ours(sys._getframe(2)):
+        if self.decided or _ours(sys._getframe(2)):
             return
-        self.seen.add(top)
+        self.unseen.discard(top)
         if top in STACK:
             self.env_watched = False
         if sys.path != self.path:
