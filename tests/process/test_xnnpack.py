@@ -242,3 +242,25 @@ def test_the_numerics_check_says_why_an_xnnpack_delegate_is_not_compared(tmp_pat
     assert checked.pte == stock[None, "mlp", "xnnpack"] and checked.numerics["outputs"] == []
     assert checked.numerics["error"] == ("not compared: the check runs TOSA partitions on the TOSA reference model, and "
                                          "this XnnpackBackend delegate holds no TOSA")
+
+
+def test_a_second_machine_lowers_xnnpack_int8_from_redis(tmp_path, monkeypatch, redis_url, stock):
+    """Two empty local caches sharing one Redis (``--remote``): the second lowers nothing, and its bytes are stock's."""
+    isolate(monkeypatch, tmp_path)
+    models = tmp_path / "models.py"
+    write_models(models)
+
+    def lower(machine):
+        result = cli("lower", f"{models}:mlp", "--target", "xnnpack-int8", "--remote", redis_url, "--out", tmp_path / machine,
+                     cache_dir=tmp_path / f"cache-{machine}", env={"LOWERCACHE_HMAC_KEY": "team-secret"})
+        assert result.returncode == 0, result.stderr
+        manifest = json.loads((tmp_path / machine / "manifest.json").read_text())
+        return (tmp_path / machine / "model.pte").read_bytes(), manifest
+
+    first, manifest = lower("a")
+    assert first == stock[None, "mlp", "xnnpack-int8"]
+    assert [s["outcome"] for s in manifest["steps"] if s["kind"] == "flow"] == ["miss"]
+    second, manifest = lower("b")
+    assert second == stock[None, "mlp", "xnnpack-int8"]
+    assert [(s["outcome"], s.get("tier")) for s in manifest["steps"]] == [("hit", "remote")]
+    assert manifest["remote"]["hits"] > 0 and manifest["remote"]["bytes_read"] > 0
