@@ -1,4 +1,5 @@
-"""The XNNPACK family end to end: the CLI and the API serve exactly what the benchmark's stock script writes in a fresh process.
+"""The XNNPACK family end to end: the CLI (``lower``, a shared Redis remote, ``watch``) and the API serve exactly what the
+benchmark's stock script writes in a fresh process.
 
 Small seeded models only (a 2-layer MLP, a tiny CNN, two linear layers with a layer norm XNNPACK does not take between
 them: two partitions), fp32 and int8, and the two edits a user makes (one weight, one layer). Each partition's
@@ -11,6 +12,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -242,3 +246,54 @@ def test_the_numerics_check_says_why_an_xnnpack_delegate_is_not_compared(tmp_pat
     assert checked.pte == stock[None, "mlp", "xnnpack"] and checked.numerics["outputs"] == []
     assert checked.numerics["error"] == ("not compared: the check runs TOSA partitions on the TOSA reference model, and "
                                          "this XnnpackBackend delegate holds no TOSA")
+
+
+def test_a_second_machine_lowers_xnnpack_int8_from_redis(tmp_path, monkeypatch, redis_url, stock):
+    """Two empty local caches sharing one Redis (``--remote``): the second lowers nothing, and its bytes are stock's."""
+    isolate(monkeypatch, tmp_path)
+    models = tmp_path / "models.py"
+    write_models(models)
+
+    def lower(machine):
+        result = cli("lower", f"{models}:mlp", "--target", "xnnpack-int8", "--remote", redis_url, "--out", tmp_path / machine,
+                     cache_dir=tmp_path / f"cache-{machine}", env={"LOWERCACHE_HMAC_KEY": "team-secret"})
+        assert result.returncode == 0, result.stderr
+        manifest = json.loads((tmp_path / machine / "manifest.json").read_text())
+        return (tmp_path / machine / "model.pte").read_bytes(), manifest
+
+    first, manifest = lower("a")
+    assert first == stock[None, "mlp", "xnnpack-int8"]
+    assert [s["outcome"] for s in manifest["steps"] if s["kind"] == "flow"] == ["miss"]
+    second, manifest = lower("b")
+    assert second == stock[None, "mlp", "xnnpack-int8"]
+    assert [(s["outcome"], s.get("tier")) for s in manifest["steps"]] == [("hit", "remote")]
+    assert manifest["remote"]["hits"] > 0 and manifest["remote"]["bytes_read"] > 0
+
+
+def test_watch_relowers_an_xnnpack_target_on_an_edit_to_stock_bytes(tmp_path, monkeypatch, stock):
+    """``lowercache watch`` for ``xnnpack``: the first round and the round after a weight edit each write stock's bytes."""
+    isolate(monkeypatch, tmp_path)
+    models = tmp_path / "models.py"
+    write_models(models)
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "lowercache.cli", "watch", "models.py:mlp", "-t", "xnnpack", "-o", "out", "--no-server",
+         "--max-runs", "2", "--interval", "0.2"],
+        cwd=tmp_path, env={**os.environ, "LOWERCACHE_DIR": str(tmp_path / "cache")}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        lines = []
+        for line in watch.stdout:  # the first round ends with the line that says what is watched
+            lines.append(line)
+            if "] watching " in line:
+                break
+        assert (tmp_path / "out" / "model.pte").read_bytes() == stock[None, "mlp", "xnnpack"], "".join(lines)
+        write_models(models, "weight")
+        rest = watch.stdout.read()
+        assert watch.wait(timeout=600) == 0, "".join(lines) + rest
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+    assert "changed: models.py" in rest and "xnnpack: lowered in" in rest, rest
+    assert (tmp_path / "out" / "model.pte").read_bytes() == stock["weight", "mlp", "xnnpack"]
