@@ -2,8 +2,9 @@
 
 - :func:`lower`: lower a module (or exported program) for a target, through
   the cache; returns the artifacts.
-- :func:`cached`: a context manager that serves the Arm preprocess and Vela
-  steps of unchanged stock ExecuTorch calls inside it from the cache.
+- :func:`cached`: a context manager that serves the per-partition steps of
+  every target family (Arm's preprocess and Vela, XNNPACK's preprocess) of
+  unchanged stock ExecuTorch calls inside it from the cache.
 - :func:`write_artifacts`: write artifacts and manifest to a directory,
   staged inside it and renamed into place (a failed write removes what it staged).
 """
@@ -11,13 +12,14 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from .lowering import arm, flow
+from .lowering import flow
 from .cache import history
 from .config import Settings, load_settings, parse_check
 from .errors import LowercacheError
@@ -25,7 +27,7 @@ from .output import check_output_dir, write_files
 from .lowering.flow import Artifacts
 from .cache.steps import Listener, Session, activate
 from .cache.tiers import open_store
-from .targets import resolve
+from .targets import FAMILIES, resolve
 from .speedups import registry
 
 __all__ = ["lower", "cached", "write_artifacts", "open_store", "check_output_dir", "Artifacts"]
@@ -122,10 +124,11 @@ def write_artifacts(artifacts: Artifacts, out_dir: str | os.PathLike) -> list[Pa
 
 @contextlib.contextmanager
 def cached(cache_dir: str | os.PathLike | None = None, *, read_only: bool | None = None) -> Iterator[Session]:
-    """Serve the Arm steps of stock ExecuTorch calls inside the block from the cache.
+    """Serve the per-partition steps of stock ExecuTorch calls inside the block from the cache, for every target family.
 
-    Inside the block, every partition's TOSA lowering (the Arm pass pipeline)
-    and every Vela compile go through the cache; the rest of
+    Inside the block, each family's hooks are on (``Family.hooks``): every
+    partition's TOSA lowering (the Arm pass pipeline), every Vela compile and
+    every XNNPACK ``preprocess`` go through the cache; the rest of
     ``to_edge_transform_and_lower`` and ``to_executorch`` run as usual. The
     yielded session records what was hit.
     """
@@ -134,8 +137,11 @@ def cached(cache_dir: str | os.PathLike | None = None, *, read_only: bool | None
     store = open_store(settings)
     session = Session(store)
     try:
-        with arm.hooks(), activate(session):
-            yield session
+        with contextlib.ExitStack() as hooks:
+            for module in dict.fromkeys(family.hooks for family in FAMILIES):  # the Arm families share one module
+                hooks.enter_context(importlib.import_module(module).hooks())
+            with activate(session):
+                yield session
     finally:
         session.flush_counts()
         if store is not None:

@@ -344,7 +344,7 @@ def _terminal() -> dict[str, Any]:
         "lines": size.lines,
         "encoding": [sys.stdout.encoding, sys.stderr.encoding],
         "errors": [sys.stdout.errors, sys.stderr.errors],
-        "files": [[list(f) for f in sweep.written_by(stream)][:sweep.MAX_STREAM_FILES] for stream in (sys.stdout, sys.stderr)],
+        "files": [[list(f) for f in files][:sweep.MAX_STREAM_FILES] for files in sweep.streams_written()],
     }
 
 

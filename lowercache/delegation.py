@@ -34,6 +34,18 @@ def module_path(node: Any) -> Optional[str]:
     return path if isinstance(path, str) and path else TOP_LEVEL
 
 
+def _where(node: Any) -> Optional[str]:
+    """:func:`module_path` as the delegation line says it: a child of a Sequential model, whose path is a bare index
+    (``1``), is named by its class and index (``LayerNorm model[1]``)."""
+    path = module_path(node)
+    if path is None or not path.isdigit():
+        return path
+    entry = list(node.meta["nn_module_stack"].values())[-1]
+    kind = entry[1] if isinstance(entry, (tuple, list)) and len(entry) > 1 else None
+    name = getattr(kind, "__name__", None) or str(kind or "").strip("<>'").removeprefix("class '").rpartition(".")[2]
+    return f"{name} model[{path}]" if name else f"model[{path}]"
+
+
 def _op_name(target: Any) -> str:
     """``aten.sort.default`` for an edge or aten operator; the name of anything else."""
     inner = getattr(target, "_op", target)  # an EdgeOpOverload wraps the aten OpOverload
@@ -53,7 +65,7 @@ def summarize(graph_module: Any) -> dict[str, Any]:
         name = _op_name(node.target)
         entry = outside.setdefault(name, {"op": name, "nodes": 0, "modules": []})
         entry["nodes"] += 1
-        path = module_path(node)
+        path = _where(node)
         if path is not None and path not in entry["modules"]:
             entry["modules"].append(path)
     return {"delegates": delegates, "outside": list(outside.values())}

@@ -68,7 +68,7 @@ def _lower(request: direct.Request, settings: Settings, console: Any) -> tuple[A
     if not settings.disable:
         api.open_store(settings).close()  # fail early on an unusable cache directory
     with direct.recording(request, settings, before=import_stack) as recorder:  # what the factory reads
-        with phases.progress(console, phases.planned(resolved.quantized, settings.check)) as timed:
+        with phases.progress(console, phases.planned(resolved.quantized, settings.check), resolved.family.backend) as timed:
             timed.begin("load")
             loaded, samples = _load(recorder, request)
             artifacts = api.lower(

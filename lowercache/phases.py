@@ -23,7 +23,7 @@ from rich.table import Table
 from .output import STEP_WORDS, counted, served
 
 # Stage names as the flow gives them, and as a user reads them (ExecuTorch's own API names where it has one).
-NAMES = {"load": "load the model", "export": "export", "backend": "import the Arm backend", "hash": "cache lookup",
+NAMES = {"load": "load the model", "export": "export", "backend": "import the backend", "hash": "cache lookup",
          "quantize": "quantize", "to_edge": "to_edge",
          "to_executorch": "to_executorch", "check": "numerics check", "layers": "per-layer check"}
 # The phase each kind of cached step runs in.
@@ -48,10 +48,15 @@ class Phases:
     seconds: dict[str, float] = field(default_factory=dict)
     running: str = ""
     started: float = 0.0
+    backend: str = ""  # the ExecuTorch backend the lowering imports, as its family names it ("Arm", "XNNPACK")
+
+    def label(self, name: str) -> str:
+        """How a user reads phase ``name``: the backend's import names the backend."""
+        return f"import the {self.backend} backend" if name == "backend" and self.backend else NAMES.get(name, name)
 
     def counter(self, name: str) -> str:
         index = self.plan.index(name) + 1 if name in self.plan else len(self.seconds) + 1
-        return f"[{index}/{max(len(self.plan), index)}] {NAMES.get(name, name)}"
+        return f"[{index}/{max(len(self.plan), index)}] {self.label(name)}"
 
     def begin(self, name: str) -> None:
         self.end()
@@ -89,7 +94,7 @@ def table(phases: Phases, records: list[dict[str, Any]], verbose: bool) -> tuple
     for name, seconds in phases.seconds.items():
         mine = [r for r in steps if PHASE_OF.get(r["kind"], "to_edge") == name]
         saved = sum(r["saved"] for r in mine if r["outcome"] == "hit")
-        grid.add_row(NAMES.get(name, name), f"{seconds:.2f}", _outcomes(mine), f"{saved:.2f}" if saved else "")
+        grid.add_row(phases.label(name), f"{seconds:.2f}", _outcomes(mine), f"{saved:.2f}" if saved else "")
         for r in mine if verbose else ():
             grid.add_row(f"  {r['kind']}: {r['name']}", f"{r['seconds']:.2f}", r["outcome"], f"{r['saved']:.2f}" if r["saved"] else "")
     for kind in sorted(BULK_KINDS) if verbose else ():  # passes, observers, decompositions: internals
@@ -113,8 +118,9 @@ def _outcomes(records: list[dict[str, Any]]) -> str:
     return served(counts)
 
 
-def progress(console: Console, plan: list[str]) -> Any:
-    """A context giving the :class:`Phases` of one lowering: a spinner with the counter at a terminal, plain lines in a log."""
+def progress(console: Console, plan: list[str], backend: str = "") -> Any:
+    """A context giving the :class:`Phases` of one lowering (through ``backend``'s family): a spinner with the counter at
+    a terminal, plain lines in a log."""
     import contextlib
 
     @contextlib.contextmanager
@@ -122,7 +128,7 @@ def progress(console: Console, plan: list[str]) -> Any:
         if not console.is_interactive:  # a log, or a terminal that cannot redraw (TERM=dumb)
             import sys
 
-            phases = Phases(plan, say=lambda line: print(f"lowercache: {line}", file=sys.stderr, flush=True))
+            phases = Phases(plan, say=lambda line: print(f"lowercache: {line}", file=sys.stderr, flush=True), backend=backend)
             yield phases  # a phase that fails is not said to end: its error line follows
             phases.end()
             return
@@ -137,7 +143,7 @@ def progress(console: Console, plan: list[str]) -> Any:
                 thread.name = "lowercache-progress"
                 own_thread(thread)
             task = bar.add_task(NAMES["load"], total=None)
-            phases = Phases(plan, show=lambda text: bar.update(task, description=text))
+            phases = Phases(plan, show=lambda text: bar.update(task, description=text), backend=backend)
             yield phases
             phases.end()
 

@@ -94,10 +94,25 @@ def _tee_files(pipe: str) -> list[FileId]:
     return found
 
 
+def streams_written() -> tuple[list[FileId], list[FileId]]:
+    """What stdout and stderr each end in (:func:`written_by`); one pipe both write (``2>&1 | tee``) is followed once."""
+    out = written_by(sys.stdout)
+    return out, list(out) if _one_pipe(sys.stdout, sys.stderr) else written_by(sys.stderr)
+
+
+def _one_pipe(a: object, b: object) -> bool:
+    try:
+        first, second = os.fstat(a.fileno()), os.fstat(b.fileno())  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return False
+    return stat.S_ISFIFO(first.st_mode) and (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
+
+
 def stream_files() -> list[FileId]:
     """The files this process's stdout and stderr end in: the command's own output, which changes as it runs, so never
     swept as an input (:func:`sweep`'s ``leave_out``). What code reads of one by path is heard as any read is."""
-    return [*written_by(sys.stdout), *written_by(sys.stderr)]
+    out, err = streams_written()
+    return [*out, *err]
 
 
 def _left_out(entry: os.DirEntry[str], leave_out: Collection[FileId]) -> bool:

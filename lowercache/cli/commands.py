@@ -540,11 +540,13 @@ def config(cache_dir: Optional[Path] = CacheDir) -> None:
 
 @app.command()
 def speedups() -> None:
-    """List the exact speed-ups: on, off by setting (LOWERCACHE_SPEEDUPS), or off because the installed source differs."""
+    """List the exact speed-ups: on, off by setting (LOWERCACHE_SPEEDUPS), or off because the installed source differs;
+    and for each target family, whether it is on for that family's lowerings (a dash: not proven on that family)."""
     from rich.table import Table
 
     from ..cache.toolchain import version
     from ..speedups import registry
+    from ..targets import FAMILIES
 
     try:
         registry.select(_settings(None).speedups)
@@ -554,12 +556,20 @@ def speedups() -> None:
     versions = ", ".join(f"{d} {version(d)}" for d in ("torch", "executorch", "tosa-tools", "ethos-u-vela"))
     out.print(f"installed: {versions}", markup=False, highlight=False)
     table = Table(show_header=True, header_style="bold")
-    for column in ("speed-up", "state", "why its bytes equal stock's"):
+    for column in ("speed-up", "state", *(f.title for f in FAMILIES), "why its bytes equal stock's"):
         table.add_column(column, overflow="fold")
+    on = {f.name: 0 for f in FAMILIES}
     for entry in registry.SPEEDUPS:
-        table.add_row(entry.name, states[entry.name], entry.why)
+        cells = []
+        for family in FAMILIES:
+            applies = registry.applies(entry.name, family.name)
+            on[family.name] += applies and states[entry.name] == "on"
+            cells.append("-" if not applies else "on" if states[entry.name] == "on" else "off")
+        table.add_row(entry.name, states[entry.name], *cells, entry.why)
     out.print(table)
-    out.print(f"{sum(s == 'on' for s in states.values())} of {len(states)} on; set LOWERCACHE_SPEEDUPS=all,-NAME to turn one off", markup=False, highlight=False)
+    counts = ", ".join(f"{on[f.name]} for {f.title}" for f in FAMILIES)
+    out.print(f"{sum(s == 'on' for s in states.values())} of {len(states)} on ({counts}); set LOWERCACHE_SPEEDUPS=all,-NAME "
+              "to turn one off", markup=False, highlight=False)
 
 
 server_app = typer.Typer(

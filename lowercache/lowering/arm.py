@@ -46,6 +46,7 @@ from typing import Any
 from . import partitionorder, passes, qparams, rebind
 from .replay import regionsplice
 from .specdigest import compile_spec_digest, pass_insertions_digest
+from .switches import Switches
 from .. import delegation
 from ..speedups import registry
 from ..speedups.patching import Patch
@@ -251,28 +252,9 @@ def _unwrap_modules() -> None:
 _FLOW_PATCHES = {"qparams": qparams, "passes": passes, "partitionorder": partitionorder}
 # Speed-ups that live with the flow (they use its regions or its steps), switched by the registry like the others.
 _FLOW_SPEEDUPS = {"regions": regionsplice, "rebind": rebind}
-# The order patches go on (and, reversed, come off): some wrap what others wrap.
-_ORDER = (
-    "provenance", "paramsearch", "qparams", "histogram", "passes", "retrace", "fastcopy", "lazycode", "attrnames",
-    "decompositions", "fakecache", "partitionorder", "signature", "treeiter", "dtypecheck", "callsite",
-    "deadcode", "ciaops", "exportguards", "propagate", "partitioner", "regions", "rebind",
-)
-_enabled: list[Any] = []  # what _apply turned on, so _undo turns off the same
-
-
-def _switch_on() -> None:
-    """The flow's patches and the exact speed-ups the registry has on (pins checked before any patch)."""
-    speedups = set(registry.active())
-    chosen = [_FLOW_PATCHES.get(name) or _FLOW_SPEEDUPS.get(name) or registry.module(name)
-              for name in _ORDER if name in _FLOW_PATCHES or name in speedups]
-    for patch in chosen:
-        patch.enable()
-        _enabled.append(patch)
-
-
-def _switch_off() -> None:
-    while _enabled:
-        _enabled.pop().disable()
+_switches = Switches(registry.ARM, _FLOW_PATCHES, _FLOW_SPEEDUPS)
+_switch_on = _switches.on
+_switch_off = _switches.off
 
 
 def _apply() -> None:

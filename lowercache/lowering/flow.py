@@ -315,7 +315,7 @@ def manifest(artifacts: Artifacts, target: Target, model: str) -> dict[str, Any]
         "target": target.name,
         "quantization": target.quantization_config,
         "toolchain": toolchain_parts(),
-        "speedups": registry.report(check=False),
+        "speedups": registry.report(check=False, family=target.family.name),
         "key_parts": artifacts.parts,
         "stages": {k: round(v, 4) for k, v in artifacts.stages.items()},
         "steps": listed(artifacts.records),

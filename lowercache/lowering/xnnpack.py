@@ -7,7 +7,9 @@ its debug-handle map, and the named data it hands the NamedDataStore: the
 serialized weights, each buffer and entry as stock made them) and keyed by
 the partition's program and compile specs, so an edit re-runs only the
 partitions it touches, under ``lower`` and ``build`` (``hooks``) and inside a
-script under ``lowercache run`` (``install_permanently``). No speed-up is installed. The key parts that are
+script under ``lowercache run`` (``install_permanently``). The hooks also turn on the exact speed-ups proven on
+XNNPACK's graphs (the registry's ``families``; docs/speedups.md#families),
+none of the Arm flow's own patches. The key parts that are
 XNNPACK's own: the partitioner's configuration (:func:`compile_spec_digest`)
 and the backend's sources, its flatbuffer schema included
 (:func:`backend_source_parts`), which the common toolchain part does not hash.
@@ -22,8 +24,9 @@ import logging
 import os
 from typing import Any
 
+from .switches import Switches
 from ..speedups.patching import Patch
-from ..targets.xnnpack import QUANTIZER_MODULE, XNNPACK_MODULE
+from ..targets.xnnpack import FAMILY, QUANTIZER_MODULE, XNNPACK_MODULE
 from ..cache.digests import digest_json
 from ..cache.hashing import Unhashable, canon, program_parts
 from ..cache.steps import current_session
@@ -37,8 +40,6 @@ BACKEND_SOURCES = (".py", ".fbs")  # the delegate's payload is serialized with t
 def compile_spec_digest(spec: Any) -> str:
     """Digest of the partitioner ``spec`` (its keyword arguments) makes: its configs and their enabled precisions, its
     mode, and the compile specs it hands the backend. What each config accepts is the backend's code (its source part)."""
-    from ..targets.xnnpack import FAMILY
-
     partitioner = FAMILY.partitioner(None, spec)  # type: ignore[arg-type]  # the target is not read
     return digest_json({
         "partitioner": type(partitioner).__qualname__,
@@ -211,6 +212,7 @@ def _preprocess(edge_program: Any, compile_specs: Any) -> Any:
 
 
 _originals: dict[str, Any] = {}
+_switches = Switches((FAMILY.name,), {}, {})
 
 
 def _apply() -> None:
@@ -218,9 +220,11 @@ def _apply() -> None:
     if "preprocess" not in _originals:
         _originals["preprocess"] = backend.preprocess
         backend.preprocess = staticmethod(_preprocess)
+    _switches.on()
 
 
 def _undo() -> None:
+    _switches.off()
     if "preprocess" in _originals:
         importlib.import_module(XNNPACK_MODULE).XnnpackBackend.preprocess = staticmethod(_originals.pop("preprocess"))
 

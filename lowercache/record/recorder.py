@@ -649,6 +649,12 @@ def _search_dirs() -> set[str]:
 _LISTING_FRAMES = {("<frozen _collections_abc>", "__iter__"), ("<frozen os>", "copy")}
 
 
+def refuse_listening(why: str) -> None:
+    """The record this process is making, if any, cannot be trusted (``why``)."""
+    if _active:
+        _active[-1].refuse(why)
+
+
 def _current() -> Recorder | None:
     return _active[-1] if _active and not _active[-1].paused else None
 

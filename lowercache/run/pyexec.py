@@ -45,7 +45,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .. import startup
+from .. import environment, startup
 
 @dataclass(frozen=True)
 class Invocation:
@@ -100,12 +100,150 @@ def why_not(invocation: Invocation, cwd: str, env: dict[str, str], start_env: di
     return startup.why_not(env, start_env, search, cwd, imported)
 
 
+STACK = ("torch", "executorch", "torchao")  # what the warm server imported for the command; each imports torch
+# What a command does that a new process would do again if the child backed out: a change on disk, a process, the network.
+_ACTS = frozenset({"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.truncate", "os.chmod", "os.chown", "os.link",
+                   "os.symlink", "os.utime", "shutil.rmtree", "shutil.move", "subprocess.Popen", "os.system", "os.exec",
+                   "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.spawn", "os.kill", "socket.connect",
+                   "socket.sendto", "socket.sendmsg"})
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+_PACKAGE = __name__.split(".")[0] + "."
+
+
+class ImportWatch:
+    """What the command changes, before its own import of a module the server had imported, that the import reads.
+
+    The warm child imported torch (and what it brings) before the fork; a new
+    process imports each such module when the command first does, under the
+    state of that moment:
+
+    - a variable: ``os.environ["OMP_NUM_THREADS"] = "1"`` at the top of a
+      script, then ``import torch``, gives one thread in a new process, since
+      native code reads it as torch loads. Which variables an import reads
+      cannot be listed (C code calls ``getenv``), so any change of an input
+      variable (``environment.inputs``) before the command first imports
+      torch, ExecuTorch or torchao (each imports torch) counts;
+    - the search path: ``sys.path.insert(0, "vendor")`` and then ``import
+      tabulate`` imports ``vendor/tabulate.py`` in a new process, where the
+      child would hand over the server's. So at the command's first import of
+      each module the server imported, a search path changed since the start
+      is asked where that name is found now.
+
+    Either means the child cannot stand in: ``back_out`` is called with why
+    (``sets X before...``) when nothing of the command has been seen yet (no
+    output written, nothing changed on disk, no process, no network), and the
+    command runs as a new process; otherwise ``too_late`` is (the run goes on,
+    and is not recorded). Installed just before the command's code runs;
+    imports and variables lowercache's own code makes are not the command's.
+    """
+
+    def __init__(self, back_out: Callable[[str], None], too_late: Callable[[str], None]):
+        self.back_out, self.too_late = back_out, too_late
+        self.env_watched = True  # until the command's first import of the stack
+        self.acted = False
+        self.decided = False
+        self.unseen = {name for name in sys.modules if "." not in name}  # the server's, not yet imported by the command
+        self.path = list(sys.path)
+        self._import, self._import_module = builtins.__import__, importlib.import_module
+
+    def install(self) -> None:
+        self.path = list(sys.path)
+        sys.addaudithook(self._audit)
+        builtins.__import__ = self._watched_import
+        importlib.import_module = self._watched_import_module
+
+    def _watched_import(self, name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
+        if level == 0 and name.partition(".")[0] in self.unseen:  # one set lookup per import statement otherwise
+            self._importing(name.partition(".")[0])
+        return self._import(name, globals, locals, fromlist, level)
+
+    def _watched_import_module(self, name: str, package: str | None = None) -> Any:
+        if not name.startswith(".") and name.partition(".")[0] in self.unseen:
+            self._importing(name.partition(".")[0])
+        return self._import_module(name, package)
+
+    def _importing(self, top: str) -> None:
+        if self.decided or _ours(sys._getframe(2)):
+            return
+        self.unseen.discard(top)
+        if top in STACK:
+            self.env_watched = False
+        if sys.path != self.path:
+            where = _found_elsewhere(top)
+            if where is not None:
+                self._cannot(f"puts {where} on sys.path before it imports {top}, which the server imported from its own")
+
+    def _audit(self, event: str, args: tuple[Any, ...]) -> None:
+        if self.decided:
+            return
+        if event in ("os.putenv", "os.unsetenv"):
+            name = os.fsdecode(args[0])
+            if self.env_watched and environment.inputs({name: ""}) and not _ours(sys._getframe(1)):
+                self._cannot(f"sets {name} before it imports torch, which the server imported under its own value")
+        elif event in _ACTS or (event == "open" and _opens_to_write(args)):
+            self.acted = True
+
+    def _cannot(self, why: str) -> None:
+        self.decided = True
+        builtins.__import__, importlib.import_module = self._import, self._import_module
+        (self.too_late if self.acted or _output_written() else self.back_out)(why)
+
+
+def _found_elsewhere(top: str) -> str | None:
+    """The directory on today's ``sys.path`` where ``top`` is found, when it is not where the loaded module came from."""
+    module = sys.modules.get(top)
+    origin = getattr(module, "__file__", None)
+    if not isinstance(origin, str):
+        return None  # built in, frozen or a namespace package: nothing on the path replaces it
+    try:
+        spec = importlib.machinery.PathFinder.find_spec(top, sys.path)
+    except (ImportError, ValueError):
+        return None
+    found = getattr(spec, "origin", None)
+    if not isinstance(found, str) or os.path.realpath(found) == os.path.realpath(origin):
+        return None
+    return os.path.dirname(os.path.dirname(found) if os.path.basename(found) == "__init__.py" else found)
+
+
+def _ours(frame: Any) -> bool:
+    """Whether the first frame outside ``os`` (whose ``environ`` calls ``putenv``) is lowercache's own code."""
+    while frame is not None and frame.f_globals.get("__name__") in ("os", __name__):
+        frame = frame.f_back
+    return frame is not None and str(frame.f_globals.get("__name__", "")).startswith(_PACKAGE)
+
+
+def _opens_to_write(args: tuple[Any, ...]) -> bool:
+    flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+    mode = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
+    return bool(flags & _WRITE_FLAGS) or any(c in mode for c in "wax+")
+
+
+def _output_written() -> bool:
+    """Whether the command's output reached its standard streams (:func:`streams`' files): a child that backed out then
+    would show it twice."""
+    for stream in (sys.__stdout__, sys.__stderr__):
+        buffer = getattr(stream, "buffer", None)
+        if getattr(getattr(buffer, "raw", buffer), "written", True):
+            return True
+    return False
+
+
+class _Counted(io.FileIO):
+    """A standard stream's file, which says whether anything reached it."""
+
+    written = False
+
+    def write(self, b: Any) -> int | None:
+        self.written = True
+        return super().write(b)
+
+
 def streams(unbuffered: bool) -> None:
     """New standard streams on descriptors 0-2, as the interpreter makes them (pipes: block buffered; stderr: line buffered).
 
     Made before anything wraps them (``lowercache run``'s recorder watches ``sys.stdin``)."""
     def text(fd: int, mode: str, template: Any, buffered: bool, line: bool) -> io.TextIOWrapper:
-        raw = io.FileIO(fd, mode, closefd=False)
+        raw = _Counted(fd, mode, closefd=False) if mode == "wb" else io.FileIO(fd, mode, closefd=False)
         stream: Any = raw
         if buffered:
             stream = io.BufferedReader(raw) if mode == "rb" else io.BufferedWriter(raw)

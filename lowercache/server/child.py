@@ -12,6 +12,7 @@ import warnings
 from typing import Any
 
 from .. import process_state, terminal
+from ..record.recorder import refuse_listening
 from ..run import pyexec
 from .warm import Warm
 
@@ -151,9 +152,19 @@ def run_python(message: dict[str, Any], parent: int, fds: list[int], inherited: 
     except Exception as e:  # noqa: BLE001 - as in a new process: never break the wrapped program
         print(f"lowercache: warning: caching is off for this process ({e})", file=sys.stderr)
 
+    def back_out(why: str) -> None:
+        """Nothing of the command has been seen: the server declines, and the client runs it as a new process."""
+        os.write(started, b"D" + f"the command {why}".encode()[:4000])
+        os._exit(0)
+
+    def too_late(why: str) -> None:
+        print(f"lowercache: warning: the command {why}; it ran in the server's child, which may differ from a new process (--no-server "
+              "runs one), and is not recorded", file=sys.__stderr__, flush=True)
+        refuse_listening(why)
+
     def now_started() -> None:
-        os.write(started, b"S")
-        os.close(started)
+        os.write(started, b"S")  # the pipe stays open: the child may still back out (``ImportWatch``)
+        pyexec.ImportWatch(back_out, too_late).install()
 
     return pyexec.run(invocation, [str(a) for a in message["argv"]], str(message["executable"]), warm.base_path,
                       warm.installed, dump, now_started)

@@ -496,7 +496,9 @@ class Server:
         self.last_active = time.monotonic()
         code = os.waitstatus_to_exitcode(status)
         said = self._started(request)
-        if said is not None and not said.startswith(b"S"):
+        if said is not None and said.startswith(b"SD"):  # it backed out before anything of the command was seen
+            reply = {"declined": said[2:].decode("utf-8", "replace")}
+        elif said is not None and not said.startswith(b"S"):
             reply = {"declined": said[1:].decode("utf-8", "replace") if said else f"the server's child could not start the command (status {code})"}
         elif request.execs:
             reply = {"exit": code}
@@ -569,8 +571,9 @@ class Server:
 
 
     def _started(self, request: _Request) -> bytes | None:
-        """What the child said before the command's own code ran: ``S`` (it started), ``E`` and why not, or ``b""``
-        (it died first). None for a ``lower`` child killed before it said anything: its failure is the lowering's."""
+        """What the child said before the command's own code ran: ``S`` (it started; then ``D`` and why if it backed out before
+        anything of the command was seen), ``E`` and why not, or ``b""`` (it died first). None for a ``lower`` child killed
+        before it said anything: its failure is the lowering's."""
         try:
             said = os.read(request.started, 4096)
         except OSError:

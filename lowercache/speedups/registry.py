@@ -8,6 +8,11 @@ another torch or ExecuTorch release a changed function turns its speed-up off,
 and the lowering stays exact, only slower. Some modules check finer pins of
 their own as well (a pass's gate, a call site).
 
+Each entry also names the target families it was proven on (``families``,
+by ``targets.FAMILIES``' names): a family's hooks turn on only those, and
+a speed-up proven on one backend's graphs is off for another until its own
+test compares it there with stock.
+
 ``LOWERCACHE_SPEEDUPS``: ``all`` (default), ``none``, a list of names
 (``retrace,fastcopy``), or ``all`` minus some (``all,-fastcopy``). ``all``
 means every speed-up but the opt-in ones (``OPT_IN``), which are on only
@@ -25,6 +30,12 @@ from ..errors import LowercacheError
 from .sourcepin import targets_digest
 
 
+# Target families by name (``lowercache.targets``, which this layer does not import).
+ARM = ("arm-tosa", "arm-ethosu")
+EVERY = (*ARM, "xnnpack")
+XNNPACK_PROOF = "tests/flow/test_xnnpack_speedups.py"  # every speed-up proven on XNNPACK, against stock
+
+
 @dataclass(frozen=True)
 class Speedup:
     name: str
@@ -32,6 +43,9 @@ class Speedup:
     audited: str  # sha256 of their sources when the speed-up was proven exact
     why: str  # one line: why the bytes do not change (docs/speedups.md has the rest)
     proof: str  # the test that proves it against stock
+    # the target families it is proven on, by name: all but the Arm backend's own (its passes, pipeline and flow);
+    # on XNNPACK graphs by XNNPACK_PROOF. Why each is or is not on for a family: docs/speedups.md#families.
+    families: tuple[str, ...] = EVERY
 
 
 _PB = "executorch.exir.pass_base"
@@ -137,6 +151,7 @@ SPEEDUPS: tuple[Speedup, ...] = (
         "f0a433fe8a1efb766b7d34cd61dd37f0c86cb521ab14d8097c4260bf1681bdcb",
         "format_stack()[-2] from the three stamping sites formats one frame, the same text as formatting all and keeping one.",
         "tests/flow/test_callsite.py",
+        ARM,
     ),
     Speedup(
         "deadcode",
@@ -169,6 +184,7 @@ SPEEDUPS: tuple[Speedup, ...] = (
         "Between rounds of moves, only nodes whose operator, arguments or inputs' values changed are dispatched, as the "
         "retrace dispatches them; the pass's last retrace is stock's, which names every node from the graph alone.",
         "tests/flow/test_propagate.py",
+        ARM,
     ),
     Speedup(
         "partitioner",
@@ -190,6 +206,7 @@ SPEEDUPS: tuple[Speedup, ...] = (
         "served and spliced with the rest, run as one; a .pte holds Vela's stream, which ignores the names and constant "
         "order that differ. Opt-in: it saves little yet.",
         "tests/flow/test_region_splice.py",
+        ("arm-ethosu",),
     ),
     Speedup(
         "rebind",
@@ -203,6 +220,7 @@ SPEEDUPS: tuple[Speedup, ...] = (
         "quantized program's literals and tensors without reading them, and they are put back where they were. Opt-in "
         "until the census of edits says it is exact.",
         "tests/flow/test_rebind.py",
+        ARM,
     ),
     Speedup(
         "gcfreeze",
@@ -267,16 +285,25 @@ def audited(name: str) -> bool:
     return ok
 
 
-def state(name: str) -> str:
-    """``on``, ``off: disabled by setting`` or ``off: installed source differs``."""
+def applies(name: str, family: str) -> bool:
+    """Whether ``name`` is proven on ``family``'s lowerings (so that family's hooks may turn it on)."""
+    return family in _BY_NAME[name].families
+
+
+def state(name: str, family: str | None = None) -> str:
+    """``on``, ``off: disabled by setting``, ``off: installed source differs`` or, for a ``family`` it is not proven
+    on, ``off: not for <family>``."""
+    if family is not None and not applies(name, family):
+        return f"off: not for {family}"
     if name not in _selected:
         return "off: disabled by setting"  # an opt-in one too, until named
     return "on" if audited(name) else "off: installed source differs"
 
 
-def active() -> list[str]:
-    """The speed-ups to turn on now, in registry order."""
-    return [s.name for s in SPEEDUPS if state(s.name) == "on"]
+def active(*families: str) -> list[str]:
+    """The speed-ups to turn on now for a lowering of one of ``families`` (any family when none is named), in
+    registry order."""
+    return [s.name for s in SPEEDUPS if (not families or set(families) & set(s.families)) and state(s.name) == "on"]
 
 
 def module(name: str) -> Any:
@@ -284,19 +311,20 @@ def module(name: str) -> Any:
     return importlib.import_module(f"{__package__}.{name}")
 
 
-def report(check: bool = True) -> dict[str, str]:
-    """Every speed-up's state, for ``lowercache speedups`` and the manifest.
+def report(check: bool = True, family: str | None = None) -> dict[str, str]:
+    """Every speed-up's state (for a lowering of ``family``, when named), for ``lowercache speedups`` and the manifest.
 
     ``check=False`` reads no source (a cache hit must not import the Arm
     backend to describe speed-ups it did not need): a speed-up not yet checked
     in this process is reported as ``unchecked: nothing it speeds up ran``.
     """
     if check:
-        return {s.name: state(s.name) for s in SPEEDUPS}
+        return {s.name: state(s.name, family) for s in SPEEDUPS}
     with _lock:
         known = dict(_audit)
     return {
-        s.name: state(s.name) if s.name not in _selected or s.name in known else "unchecked: nothing it speeds up ran"
+        s.name: state(s.name, family) if s.name not in _selected or s.name in known or (family and not applies(s.name, family))
+        else "unchecked: nothing it speeds up ran"
         for s in SPEEDUPS
     }
 

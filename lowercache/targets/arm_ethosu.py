@@ -52,7 +52,6 @@ class ArmEthosU(ArmTosa):
     hook_modules = (TOSA_MODULE, ETHOSU_MODULE)
     warm_up = ("ethos-u55-128",)
     steps = ("tosa", "vela")
-    speedups = ("regions",)
     renamed_under = ("regions",)
     stock_script = '''
 def arm_ethosu(target):

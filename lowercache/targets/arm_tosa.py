@@ -21,6 +21,7 @@ class ArmTosa:
 
     name = "arm-tosa"
     title = "TOSA"
+    backend = "Arm"
     targets: tuple[str, ...] = tuple(PROFILES)
     options: dict[str, str] = {}
     stack = ("executorch.backends.arm.quantizer", "executorch.backends.arm.tosa.partitioner")
@@ -29,7 +30,6 @@ class ArmTosa:
     hooks = "lowercache.lowering.arm"
     warm_up: tuple[str, ...] = ()  # Ethos-U's warm-up runs the TOSA pipeline too
     steps: tuple[str, ...] = ("tosa",)
-    speedups: tuple[str, ...] = ()
     renamed_under: tuple[str, ...] = ()
     stock_script = '''
 def arm_tosa(target):

@@ -4,9 +4,11 @@ A family is the targets one ExecuTorch backend lowers to, and everything
 lowercache needs to know about them: their names and options, the stock
 objects a user's export script builds for them (compile spec, quantizer,
 partitioner), where lowercache hooks into the backend, the per-partition files
-a lowering writes, the speed-ups that act on it alone, what ``verify`` allows,
+a lowering writes, what ``verify`` allows,
 and its part of the benchmark's stock script. Everything but the three stock
-objects is plain data, so the CLI and direct mode read it without torch.
+objects is plain data, so the CLI and direct mode read it without torch. Which
+exact speed-ups are proven on a family is the speed-up registry's to say
+(``speedups/registry.py``, each entry's ``families``, by the family's ``name``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Family(Protocol):
 
     name: str  # "arm-ethosu"
     title: str  # how a message names its targets: "Ethos-U"
+    backend: str  # the ExecuTorch backend that lowers them, as a user reads it: "Arm"
     targets: tuple[str, ...]  # the names ``--target`` takes, in the order ``--help`` lists them
     options: dict[str, str]  # the target options it takes beyond ``per_channel`` (Target's fields), each with its flag
     stack: tuple[str, ...]  # the modules a lowering imports (the warm server imports them once)
@@ -57,7 +60,6 @@ class Family(Protocol):
     hooks: str  # the lowercache module that wraps them: import_backend, hooks, install_permanently, the spec digests
     warm_up: tuple[str, ...]  # the targets the warm server lowers a tiny model for once, so a child finds the flow warm
     steps: tuple[str, ...]  # the per-partition steps (first: the one a partition's tensor names come from)
-    speedups: tuple[str, ...]  # the speed-ups that act on this family only
     renamed_under: tuple[str, ...]  # speed-ups with which a served .tosa may differ from stock's in names (verify)
     # ``def <name with _>(target)`` -> (spec, quantizer or None, partitioner class), for the benchmark's stock script: the
     # partitioner is made after quantization, which can change the spec it serializes (docs/design.md, The flow)

@@ -29,6 +29,7 @@ class Xnnpack:
 
     name = "xnnpack"
     title = "XNNPACK"
+    backend = "XNNPACK"
     targets: tuple[str, ...] = ("xnnpack", "xnnpack-int8")
     options: dict[str, str] = {}
     stack = ("executorch.backends.xnnpack", QUANTIZER_MODULE)
@@ -37,7 +38,6 @@ class Xnnpack:
     hooks = "lowercache.lowering.xnnpack"
     warm_up: tuple[str, ...] = ()
     steps: tuple[str, ...] = ("xnnpack",)  # each partition's XnnpackBackend.preprocess
-    speedups: tuple[str, ...] = ()
     renamed_under: tuple[str, ...] = ()
     stock_script = '''
 def xnnpack(target):

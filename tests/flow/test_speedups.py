@@ -14,8 +14,9 @@ import pytest
 import lowercache
 from lowercache.bench import models
 from lowercache.errors import LowercacheError
-from lowercache.lowering import arm
+from lowercache.lowering import arm, switches
 from lowercache.speedups import registry, retrace
+from lowercache.targets import FAMILIES, family_of
 
 from tests.helpers.oracle import reference
 from tests.helpers import ROOT
@@ -56,9 +57,11 @@ def test_every_switchable_module_is_registered_and_ordered():
             switchable.add(path.stem)
     # gcfreeze is a context the flow enters, gated by the registry; the flow's own speed-ups live in lowering/
     assert switchable == set(registry.NAMES) - {"gcfreeze"} - set(arm._FLOW_SPEEDUPS)
-    assert set(arm._ORDER) - set(arm._FLOW_PATCHES) == set(registry.NAMES) - {"gcfreeze"}
+    assert set(switches.ORDER) - set(arm._FLOW_PATCHES) == set(registry.NAMES) - {"gcfreeze"}
+    assert registry.EVERY == tuple(f.name for f in FAMILIES) and (ROOT / registry.XNNPACK_PROOF).is_file()
     for entry in registry.SPEEDUPS:
         assert (ROOT / entry.proof).is_file(), entry.proof
+        assert entry.families and set(entry.families) <= set(registry.EVERY), entry
         assert "\n" not in entry.why and entry.why.endswith(".")
 
 
@@ -106,7 +109,10 @@ def test_every_speedup_off_gives_stock_bytes(model, target, monkeypatch):
     module, example = models.MODELS[model]()
     artifacts = lowercache.lower(module, example, target=target, use_cache=False)
     assert artifacts.pte == reference(model, target)
-    assert set(artifacts.manifest["speedups"].values()) == {"off: disabled by setting"}
+    family = family_of(target).name
+    states = artifacts.manifest["speedups"]
+    assert {states[n] for n in registry.NAMES if registry.applies(n, family)} == {"off: disabled by setting"}
+    assert {states[n] for n in registry.NAMES if not registry.applies(n, family)} <= {f"off: not for {family}"}
     assert artifacts.nodes["copied"] == 0 and artifacts.nodes["copied_fast"] == 0
 
 
@@ -144,3 +150,7 @@ def test_speedups_command_reports_each_state(tmp_path):
     lines = {line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("│ ") and len(line.split()) > 3}
     assert "off: disabled by setting" in lines["fastcopy"]
     assert "│ on " in lines["retrace"]
+    cells = {name: [c.strip() for c in line.split("│")[3:6]] for name, line in lines.items()}  # TOSA, Ethos-U, XNNPACK
+    assert cells["retrace"] == ["on", "on", "on"] and cells["fastcopy"] == ["off", "off", "off"]
+    assert cells["callsite"] == ["on", "on", "-"] and cells["regions"] == ["-", "off", "-"]
+    assert "(18 for TOSA, 18 for Ethos-U, 16 for XNNPACK)" in result.stdout

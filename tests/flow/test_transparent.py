@@ -54,11 +54,12 @@ def test_cached_context_serves_the_arm_steps(cache_dir):
 def test_cached_context_leaves_no_hooks_behind(cache_dir):
     from executorch.backends.arm.ethosu import backend as ethosu_backend
     from executorch.backends.arm.tosa.backend import TOSABackend
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 
-    before = (TOSABackend._preprocess, ethosu_backend.vela_compile)
+    before = (TOSABackend._preprocess, ethosu_backend.vela_compile, XnnpackBackend.preprocess)
     with lowercache.cached(cache_dir=cache_dir):
-        assert TOSABackend._preprocess is not before[0]
-    assert (TOSABackend._preprocess, ethosu_backend.vela_compile) == before
+        assert TOSABackend._preprocess is not before[0] and XnnpackBackend.preprocess is not before[2]
+    assert (TOSABackend._preprocess, ethosu_backend.vela_compile, XnnpackBackend.preprocess) == before
 
 
 def test_run_wraps_an_unmodified_script(tmp_path, cache_dir):
@@ -75,3 +76,38 @@ def test_run_wraps_an_unmodified_script(tmp_path, cache_dir):
     counters = Store(cache_dir).counters()
     assert counters.get("count/tosa/miss") == 1 and counters.get("count/tosa/hit") == 1
     assert counters.get("count/vela/miss") == 1 and counters.get("count/vela/hit") == 1
+
+
+def _stock_xnnpack(module, example):
+    """The documented stock XNNPACK flow, as a user's script writes it."""
+    import torch
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    program = torch.export.export(module, example)
+    return to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()]).to_executorch().buffer
+
+
+def test_cached_context_serves_the_xnnpack_partitions(cache_dir):
+    import torch
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    example = (torch.randn(1, 8),)
+    expected = _stock_xnnpack(module, example)
+    outcomes = []
+    for _ in range(2):
+        with lowercache.cached(cache_dir=cache_dir) as session:
+            assert _stock_xnnpack(module, example) == expected
+        outcomes.append([r.outcome for r in session.records if r.kind == "xnnpack"])
+    assert outcomes == [["miss"], ["hit"]]
+    counters = Store(cache_dir).counters()
+    assert counters.get("count/xnnpack/miss") == 1 and counters.get("count/xnnpack/hit") == 1
+
+    with torch.no_grad():
+        module[0].weight[0, 0] += 0.25  # a weights edit: the partition's program changes, stock's bytes with it
+    edited = _stock_xnnpack(module, example)
+    assert edited != expected
+    with lowercache.cached(cache_dir=cache_dir) as session:
+        assert _stock_xnnpack(module, example) == edited
+    assert [r.outcome for r in session.records if r.kind == "xnnpack"] == ["miss"]

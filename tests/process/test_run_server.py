@@ -145,6 +145,48 @@ def test_a_file_that_would_shadow_a_module_the_server_imported_runs_a_new_proces
     assert "sympy.py would shadow a module the server imported" in explain(server, project, PY, "uses.py")
 
 
+def test_a_variable_set_before_importing_torch_runs_a_new_process(server, tmp_path):
+    """``OMP_NUM_THREADS`` set at the top of a script, then ``import torch``: a new process starts torch with one thread.
+    The server's child imported torch before the fork, so it backs out, nothing of the command seen yet, and the command
+    runs as a new process. Set after the import, the variable changes nothing in either, and the child stands in."""
+    first = 'import os\nos.environ["OMP_NUM_THREADS"] = "1"\nimport torch\nprint("threads", torch.get_num_threads())\n'
+    after = 'import os, torch\nos.environ["OMP_NUM_THREADS"] = "1"\nprint("threads", torch.get_num_threads())\n'
+    project = project_with(tmp_path, {"first.py": first, "after.py": after})
+    new, served = both(server, project, PY, "first.py")
+    assert new == served and served[:3] == (0, b"threads 1\n", b""), served
+    assert ("latest run: ran: as a new process (the command sets OMP_NUM_THREADS before it imports torch"
+            in explain(server, project, PY, "first.py"))
+    new, served = both(server, project, PY, "after.py")
+    assert new == served and served[0] == 0, served
+    assert "in a child of the warm server" in explain(server, project, PY, "after.py")
+
+
+def test_a_path_put_first_before_importing_a_module_the_server_imported_runs_a_new_process(server, tmp_path):
+    """``sys.path.insert(0, "vendor")`` then ``import tabulate`` (which the server imported): a new process imports the
+    vendored copy, so the child backs out; appended after site-packages, the installed copy wins in both."""
+    first = 'import sys\nsys.path.insert(0, "vendor")\nimport tabulate\nprint(getattr(tabulate, "MINE", "installed"))\n'
+    last = first.replace("sys.path.insert(0, ", "sys.path.append(")
+    project = project_with(tmp_path, {"first.py": first, "last.py": last, "vendor/tabulate.py": "MINE = 'vendored'\n"})
+    new, served = both(server, project, PY, "first.py")
+    assert new == served and served[:3] == (0, b"vendored\n", b""), served
+    assert "as a new process (the command puts " in explain(server, project, PY, "first.py")
+    new, served = both(server, project, PY, "last.py")
+    assert new == served and served[:3] == (0, b"installed\n", b""), served
+    assert "in a child of the warm server" in explain(server, project, PY, "last.py")
+
+
+def test_a_variable_set_before_importing_torch_after_output_is_a_warning_and_no_record(server, tmp_path):
+    """Once the command has written output, the child can no longer back out unseen: it says so and records nothing."""
+    script = 'print("starting", flush=True)\nimport os\nos.environ["MY_SETTING"] = "x"\nimport torch\nprint("done")\n'
+    project = project_with(tmp_path, {"late.py": script})
+    for _ in range(2):
+        result = run(server, project, PY, "late.py")
+        assert result.returncode == 0 and result.stdout == b"starting\ndone\n", result
+        assert b"warning: the command sets MY_SETTING before it imports torch" in result.stderr, result.stderr
+    lines = explain(server, project, PY, "late.py")
+    assert "in a child of the warm server" in lines and "latest record: none: the command sets MY_SETTING" in lines, lines
+
+
 def test_ctrl_c_reaches_the_command(server, tmp_path):
     project = project_with(tmp_path, {"wait.py": textwrap.dedent(
         """
@@ -190,8 +232,9 @@ def test_aot_arm_compiler_through_the_server_writes_the_plain_bytes_and_is_recor
     assert "model.py changed" in lines and "in a child of the warm server" in lines
 
 
-def test_executorchs_arm_op_tests_through_the_server_have_the_plain_outcomes(server, tmp_path):
-    """``python -m pytest`` in a child of the server: pytest's own start (plugins, capture, fixtures) as in a new process."""
+def test_executorchs_arm_op_tests_with_a_server_have_the_plain_outcomes(server, tmp_path):
+    """``python -m pytest`` with a server running: pytest sets ``PYTEST_VERSION`` before its plugins import torch, so the
+    child backs out before pytest has printed anything and the tests run as a new process, with the plain outcomes."""
     from tests.helpers import optests
     from tests.helpers.optests import OPS, PYTEST, outcomes
 
@@ -199,7 +242,8 @@ def test_executorchs_arm_op_tests_through_the_server_have_the_plain_outcomes(ser
     for _ in ("cold", "warm"):
         result = run(server, Path(OPS), *PYTEST)
         assert (result.returncode, outcomes(result)) == (expected.status, expected.outcomes)
-        assert "in a child of the warm server" in explain(server, Path(OPS), *PYTEST)
+        assert ("latest run: ran: as a new process (the command sets PYTEST_VERSION before it imports torch"
+                in explain(server, Path(OPS), *PYTEST))
 
 
 def test_a_child_that_fails_before_the_command_starts_is_declined(server, tmp_path, monkeypatch):

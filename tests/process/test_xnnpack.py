@@ -1,4 +1,5 @@
-"""The XNNPACK family end to end: the CLI and the API serve exactly what the benchmark's stock script writes in a fresh process.
+"""The XNNPACK family end to end: the CLI (``lower``, a shared Redis remote, ``watch``) and the API serve exactly what the
+benchmark's stock script writes in a fresh process.
 
 Small seeded models only (a 2-layer MLP, a tiny CNN, two linear layers with a layer norm XNNPACK does not take between
 them: two partitions), fp32 and int8, and the two edits a user makes (one weight, one layer). Each partition's
@@ -9,25 +10,23 @@ no lowercache code, for every model and target the tests lower.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
-from importlib import metadata
 
 import pytest
 
 import lowercache
-from lowercache.bench.stockscript import source
+from lowercache import delegation
 from lowercache.cache import history
 from lowercache.cache.store import Entry, Store
 
 from tests.helpers.cli import cli
 from tests.helpers.isolation import isolate
-from tests.helpers.oracle import DIRECTORY
+from tests.helpers.xnnstock import stock_bytes
 
 MODELS = textwrap.dedent('''
     import torch
@@ -71,20 +70,6 @@ LOWERINGS = [
     (None, "two", "xnnpack"), ("weight", "two", "xnnpack"), (None, "two", "xnnpack-int8"), ("weight", "two", "xnnpack-int8"),
 ]
 
-# Runs the stock script's main once per lowering in this one new process: the models file is rewritten per edit.
-DRIVER = textwrap.dedent('''
-    import json, sys
-    sys.path.insert(0, sys.argv[1])
-    import export
-    base = open(sys.argv[2]).read()
-    for i, (edit, factory, target) in enumerate(json.loads(sys.argv[3])):
-        path = f"{sys.argv[1]}/models_{i}.py"
-        with open(path, "w") as f:
-            f.write(base.replace("EDIT = None", f"EDIT = {edit!r}"))
-        export.main(f"{path}:{factory}", target, f"{sys.argv[1]}/stock_{i}.pte")
-''')
-
-
 def write_models(path, edit=None):
     path.write_text(MODELS.replace("EDIT = None", f"EDIT = {edit!r}"))
 
@@ -96,41 +81,10 @@ def load(path, factory):
     return getattr(module, factory)()
 
 
-def _stock_key() -> str:
-    """Everything the stock bytes depend on: the installed toolchain and the texts that make them."""
-    versions = [f"{d}={metadata.version(d)}" for d in ("torch", "executorch", "torchao")]
-    return hashlib.sha256(json.dumps([versions, source(), MODELS, DRIVER, LOWERINGS]).encode()).hexdigest()
-
-
 @pytest.fixture(scope="module")
 def stock(tmp_path_factory):
-    """Stock bytes by (edit, factory, target), from the benchmark's stock script in one fresh process; kept beside the
-    oracle's entries (each checked against its digest), so xdist's workers and later runs lower them once."""
-    name = f"xnnpack-{_stock_key()}.json"
-    try:
-        kept = json.loads((DIRECTORY / name).read_text()) if DIRECTORY is not None else None
-        found = {tuple(k): bytes.fromhex(v) for k, v, d in kept if hashlib.sha256(bytes.fromhex(v)).hexdigest() == d}
-        if len(found) == len(LOWERINGS):
-            return found
-    except (OSError, ValueError, TypeError):
-        pass
-    base = tmp_path_factory.mktemp("stock")
-    (base / "export.py").write_text(source())
-    (base / "base.py").write_text(MODELS)
-    (base / "driver.py").write_text(DRIVER)
-    run = subprocess.run([sys.executable, str(base / "driver.py"), str(base), str(base / "base.py"), json.dumps(LOWERINGS)],
-                         capture_output=True, text=True, cwd=base, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = {tuple(key): (base / f"stock_{i}.pte").read_bytes() for i, key in enumerate(LOWERINGS)}
-    try:
-        if DIRECTORY is not None:
-            DIRECTORY.mkdir(parents=True, exist_ok=True)
-            partial = DIRECTORY / f".tmp-{os.getpid()}-{name}"
-            partial.write_text(json.dumps([[list(k), v.hex(), hashlib.sha256(v).hexdigest()] for k, v in found.items()]))
-            os.replace(partial, DIRECTORY / name)
-    except OSError:
-        pass  # a read-only or full disk only costs the next run a stock lowering
-    return found
+    """Stock bytes by (edit, factory, target) (``helpers/xnnstock.py``)."""
+    return stock_bytes(MODELS, LOWERINGS, tmp_path_factory.mktemp("stock"))
 
 
 def test_the_cli_serves_stock_bytes_cold_hit_direct_and_after_a_weight_edit(tmp_path, monkeypatch, stock):
@@ -144,8 +98,9 @@ def test_the_cli_serves_stock_bytes_cold_hit_direct_and_after_a_weight_edit(tmp_
         manifest = json.loads((tmp_path / out / "manifest.json").read_text()) if "direct mode" not in result.stderr else None
         return (tmp_path / out / "model.pte").read_bytes(), manifest, result
 
-    cold, manifest, _ = lower("cold")
+    cold, manifest, result = lower("cold")
     assert cold == stock[None, "mlp", "xnnpack"]
+    assert "] import the XNNPACK backend: " in result.stderr and "Arm" not in result.stderr, result.stderr
     assert [s["outcome"] for s in manifest["steps"] if s["kind"] == "flow"] == ["miss"]
     assert manifest["target"] == "xnnpack" and "xnnpack_backend_src" in manifest["key_parts"]
     hit, manifest, _ = lower("hit")
@@ -199,6 +154,9 @@ def test_the_api_serves_stock_bytes_and_hits(tmp_path, monkeypatch, factory, tar
     first = lowercache.lower(module, example, target=target, cache_dir=tmp_path / "cache")
     assert first.pte == stock[None, factory, target]
     partitions = len(results["stock"])
+    if factory == "two":  # the layer norm between the two linear layers of a Sequential: named by its class and index
+        assert delegation.line(first.delegation) == ("partially delegated (2 partitions); outside the delegate: "
+                                                     "aten.native_layer_norm (1 node: LayerNorm model[1])")
     assert outcomes(first.records) == [(f"partition {i}", "miss") for i in range(partitions)] and partitions == (2 if factory == "two" else 1)
     again = lowercache.lower(module, example, target=target, cache_dir=tmp_path / "cache")
     assert again.pte == first.pte and [r["outcome"] for r in again.records] == ["hit"]
@@ -279,3 +237,63 @@ def test_a_quantize_hit_under_a_flow_miss_gives_stock_bytes(tmp_path, monkeypatc
     again = lowercache.lower(module, example, target="xnnpack-int8", cache_dir=tmp_path / "cache")
     assert [(r["kind"], r["outcome"]) for r in again.records if r["kind"] in ("flow", "quantize")] == [("quantize", "hit"), ("flow", "miss")]
     assert again.pte == stock[None, "mlp", "xnnpack-int8"]
+
+
+def test_the_numerics_check_says_why_an_xnnpack_delegate_is_not_compared(tmp_path, stock):
+    """The check runs TOSA on the TOSA reference model: an XNNPACK delegate has none, and the report says so; bytes stay stock's."""
+    write_models(tmp_path / "models.py")
+    checked = lowercache.lower(*load(tmp_path / "models.py", "mlp"), target="xnnpack", cache_dir=tmp_path / "cache", check=True)
+    assert checked.pte == stock[None, "mlp", "xnnpack"] and checked.numerics["outputs"] == []
+    assert checked.numerics["error"] == ("not compared: the check runs TOSA partitions on the TOSA reference model, and "
+                                         "this XnnpackBackend delegate holds no TOSA")
+
+
+def test_a_second_machine_lowers_xnnpack_int8_from_redis(tmp_path, monkeypatch, redis_url, stock):
+    """Two empty local caches sharing one Redis (``--remote``): the second lowers nothing, and its bytes are stock's."""
+    isolate(monkeypatch, tmp_path)
+    models = tmp_path / "models.py"
+    write_models(models)
+
+    def lower(machine):
+        result = cli("lower", f"{models}:mlp", "--target", "xnnpack-int8", "--remote", redis_url, "--out", tmp_path / machine,
+                     cache_dir=tmp_path / f"cache-{machine}", env={"LOWERCACHE_HMAC_KEY": "team-secret"})
+        assert result.returncode == 0, result.stderr
+        manifest = json.loads((tmp_path / machine / "manifest.json").read_text())
+        return (tmp_path / machine / "model.pte").read_bytes(), manifest
+
+    first, manifest = lower("a")
+    assert first == stock[None, "mlp", "xnnpack-int8"]
+    assert [s["outcome"] for s in manifest["steps"] if s["kind"] == "flow"] == ["miss"]
+    second, manifest = lower("b")
+    assert second == stock[None, "mlp", "xnnpack-int8"]
+    assert [(s["outcome"], s.get("tier")) for s in manifest["steps"]] == [("hit", "remote")]
+    assert manifest["remote"]["hits"] > 0 and manifest["remote"]["bytes_read"] > 0
+
+
+def test_watch_relowers_an_xnnpack_target_on_an_edit_to_stock_bytes(tmp_path, monkeypatch, stock):
+    """``lowercache watch`` for ``xnnpack``: the first round and the round after a weight edit each write stock's bytes."""
+    isolate(monkeypatch, tmp_path)
+    models = tmp_path / "models.py"
+    write_models(models)
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "lowercache.cli", "watch", "models.py:mlp", "-t", "xnnpack", "-o", "out", "--no-server",
+         "--max-runs", "2", "--interval", "0.2"],
+        cwd=tmp_path, env={**os.environ, "LOWERCACHE_DIR": str(tmp_path / "cache")}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        lines = []
+        for line in watch.stdout:  # the first round ends with the line that says what is watched
+            lines.append(line)
+            if "] watching " in line:
+                break
+        assert (tmp_path / "out" / "model.pte").read_bytes() == stock[None, "mlp", "xnnpack"], "".join(lines)
+        write_models(models, "weight")
+        rest = watch.stdout.read()
+        assert watch.wait(timeout=600) == 0, "".join(lines) + rest
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
+    assert "changed: models.py" in rest and "xnnpack: lowered in" in rest, rest
+    assert (tmp_path / "out" / "model.pte").read_bytes() == stock["weight", "mlp", "xnnpack"]

@@ -127,6 +127,9 @@ class Partitions:
 
     def index(self, lowered: Any) -> int:
         found = self.by_delegate.get(bytes(lowered.processed_bytes))
+        if found is None and not self.tosa:  # another family's delegate (XNNPACK): nothing here can run it
+            raise Rejected(f"the check runs TOSA partitions on the TOSA reference model, and this {lowered.backend_id} "
+                           "delegate holds no TOSA")
         if found is None:
             raise Rejected(f"delegate {lowered.backend_id} holds bytes no partition file has")
         return found
