@@ -40,6 +40,7 @@ import signal
 import sys
 import threading
 import types
+import warnings
 import weakref
 import zipfile
 from dataclasses import dataclass
@@ -127,7 +128,12 @@ class ImportWatch:
       tabulate`` imports ``vendor/tabulate.py`` in a new process, where the
       child would hand over the server's. So at the command's first import of
       each module the server imported, a search path changed since the start
-      is asked where that name is found now.
+      is asked where that name is found now;
+    - the warnings filters: ``warnings.simplefilter("error")`` and then
+      ``import executorch...`` raises in a new process, whose imports warn
+      (a ``DeprecationWarning`` of ExecuTorch 1.5.1's); the child's imports
+      ran before. So a filter that turns warnings into errors, added before
+      the command first imports the stack, counts.
 
     Either means the child cannot stand in: ``back_out`` is called with why
     (``sets X before...``) when nothing of the command has been seen yet (no
@@ -144,10 +150,12 @@ class ImportWatch:
         self.decided = False
         self.unseen = {name for name in sys.modules if "." not in name}  # the server's, not yet imported by the command
         self.path = list(sys.path)
+        self.filters = list(warnings.filters)
         self._import, self._import_module = builtins.__import__, importlib.import_module
 
     def install(self) -> None:
         self.path = list(sys.path)
+        self.filters = list(warnings.filters)
         sys.addaudithook(self._audit)
         builtins.__import__ = self._watched_import
         importlib.import_module = self._watched_import_module
@@ -166,8 +174,11 @@ class ImportWatch:
         if self.decided or _ours(sys._getframe(2)):
             return
         self.unseen.discard(top)
-        if top in STACK:
+        if top in STACK and self.env_watched:
             self.env_watched = False
+            if any(f[0] == "error" and f not in self.filters for f in warnings.filters):
+                self._cannot("turns warnings into errors before it imports torch, whose imports warn in a new process")
+                return
         if sys.path != self.path:
             where = _found_elsewhere(top)
             if where is not None:

@@ -175,6 +175,17 @@ def test_a_path_put_first_before_importing_a_module_the_server_imported_runs_a_n
     assert "in a child of the warm server" in explain(server, project, PY, "last.py")
 
 
+def test_warnings_made_errors_before_importing_executorch_run_a_new_process(server, tmp_path):
+    """``warnings.simplefilter("error")`` and then ExecuTorch's Arm partitioner: its import warns (a DeprecationWarning
+    of ExecuTorch 1.5.1's), so a new process fails; the child's imports ran before the fork, so it backs out."""
+    script = 'import warnings\nwarnings.simplefilter("error")\nimport executorch.backends.arm.tosa.partitioner\nprint("imported")\n'
+    project = project_with(tmp_path, {"strict.py": script})
+    new, served = both(server, project, PY, "strict.py")
+    assert (new[0], new[1]) == (served[0], served[1]), served
+    assert new[2].splitlines()[-1] == served[2].splitlines()[-1], served
+    assert "as a new process (the command turns warnings into errors" in explain(server, project, PY, "strict.py")
+
+
 def test_a_variable_set_before_importing_torch_after_output_is_a_warning_and_no_record(server, tmp_path):
     """Once the command has written output, the child can no longer back out unseen: it says so and records nothing."""
     script = 'print("starting", flush=True)\nimport os\nos.environ["MY_SETTING"] = "x"\nimport torch\nprint("done")\n'
