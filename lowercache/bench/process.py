@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..speedups import registry
 from ..targets import resolve
 from . import stockscript
 from .redisserver import RedisServer
@@ -105,8 +106,8 @@ PHASE_LABELS: dict[str, str] = {
 
 def modes_for(target: str) -> tuple[Mode, ...]:
     """The lowercache columns that apply to ``target``."""
-    acting = resolve(target).family.speedups
-    return tuple(m for m in MODES if not m.family_speedup or m.family_speedup in acting)
+    family = resolve(target).family.name
+    return tuple(m for m in MODES if not m.family_speedup or registry.applies(m.family_speedup, family))
 
 
 def model_source(model: str, edit: str | None) -> str:

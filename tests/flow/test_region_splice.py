@@ -145,7 +145,7 @@ def test_tosa_targets_keep_the_full_pipeline(tmp_path, monkeypatch):
     module, example = models.tiny_cnn()
     artifacts = lowercache.lower(module, example, target="tosa-int", cache_dir=tmp_path / "cache")
     assert not _regions(artifacts)
-    assert artifacts.manifest["speedups"]["regions"] == "on"
+    assert artifacts.manifest["speedups"]["regions"] == "off: not for arm-tosa"
 
 
 def test_verify_accepts_a_tosa_equal_up_to_names_only_for_ethos_u_with_regions_on():
