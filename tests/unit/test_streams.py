@@ -9,8 +9,10 @@ import subprocess
 import sys
 
 CODE = """
-import json
+import json, os, time
 from lowercache import sweep
+while not os.path.exists("build.log"):  # a pipeline starts its commands at once: wait for tee to open its file
+    time.sleep(0.01)
 walks = []
 follow = sweep._tee_files
 sweep._tee_files = lambda pipe: walks.append(pipe) or follow(pipe)
