@@ -46,12 +46,11 @@ _META = {"mode": ("meta", ("mode", "uid", "gid")), "size": ("meta", ("size",)), 
 _NETWORK = ("socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo", "socket.gethostbyname",
             "socket.gethostbyname_ex", "socket.gethostbyaddr", "socket.getnameinfo", "urllib.Request", "http.client.connect",
             "ftplib.connect", "smtplib.connect", "imaplib.open", "poplib.connect", "nntplib.connect", "webbrowser.open")
+# Audit events that start a process.
+PROCESSES = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.spawn")
 _UNRECORDABLE = {
     **dict.fromkeys(_NETWORK, "used the network"),
-    **dict.fromkeys(
-        ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.spawn"),
-        "ran a process",
-    ),
+    **dict.fromkeys(PROCESSES, "ran a process"),
     "os.chdir": "changed the working directory",
     "sqlite3.connect": "opened an SQLite database",
 }
@@ -64,7 +63,7 @@ def _on_remote_thread() -> bool:
 
 
 # Audit events that change files: a direct hit would not make the change. Paths in __pycache__ (bytecode) are the import system's.
-_WRITES = ("os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.truncate", "os.chmod", "os.chown", "os.link", "os.symlink",
+WRITES = ("os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.truncate", "os.chmod", "os.chown", "os.link", "os.symlink",
            "os.utime", "shutil.rmtree", "shutil.move")
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
@@ -248,7 +247,7 @@ class Recorder:
     # The events ``event`` acts on; the hook passes no other: events such as ``builtins.id`` fire hundreds of thousands
     # of times in a strict re-export, and a set membership test is far cheaper than the checks in ``event``.
     heard: ClassVar[frozenset[str]] = frozenset(
-        {"open", "os.listdir", "os.scandir", "import", "compile", "ctypes.dlopen", *_UNRECORDABLE, *_WRITES}
+        {"open", "os.listdir", "os.scandir", "import", "compile", "ctypes.dlopen", *_UNRECORDABLE, *WRITES}
     )
 
     def event(self, event: str, args: tuple[Any, ...]) -> None:
@@ -271,7 +270,7 @@ class Recorder:
         elif event in _UNRECORDABLE:
             if not (event in _NETWORK and _on_remote_thread()):
                 self.refuse(_UNRECORDABLE[event])
-        elif event in _WRITES:
+        elif event in WRITES:
             remade = _abspath(args[0]) if event == "os.mkdir" and args[2] == -1 else None
             if remade is not None and os.path.isdir(remade):
                 self.remade_dirs.add(remade)

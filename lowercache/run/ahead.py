@@ -64,6 +64,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..record.recorder import PROCESSES
+
 log = logging.getLogger("lowercache")
 
 # Seconds the script waits for a runner whose CPU time does not move before it computes the step itself.
@@ -306,8 +308,7 @@ def _exit_now(*args: Any, **kwargs: Any) -> None:
 
 
 # What the runner never does for the script: Landlock keeps its files and TCP in, these (a Unix socket, a process) it ends on.
-_ENDS_RUNNER = frozenset({"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "subprocess.Popen", "os.system",
-                          "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.spawn"})
+_ENDS_RUNNER = frozenset({"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", *PROCESSES})
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:

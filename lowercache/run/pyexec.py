@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .. import environment, startup
+from ..record.recorder import PROCESSES, WRITES, opens_to_write
 
 @dataclass(frozen=True)
 class Invocation:
@@ -103,11 +104,7 @@ def why_not(invocation: Invocation, cwd: str, env: dict[str, str], start_env: di
 
 STACK = ("torch", "executorch", "torchao")  # what the warm server imported for the command; each imports torch
 # What a command does that a new process would do again if the child backed out: a change on disk, a process, the network.
-_ACTS = frozenset({"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.truncate", "os.chmod", "os.chown", "os.link",
-                   "os.symlink", "os.utime", "shutil.rmtree", "shutil.move", "subprocess.Popen", "os.system", "os.exec",
-                   "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "pty.spawn", "os.kill", "socket.connect",
-                   "socket.sendto", "socket.sendmsg"})
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+_ACTS = frozenset({*WRITES, *PROCESSES, "os.kill", "socket.connect", "socket.sendto", "socket.sendmsg"})
 _PACKAGE = __name__.split(".")[0] + "."
 
 
@@ -149,25 +146,23 @@ class ImportWatch:
         self.acted = False
         self.decided = False
         self.unseen = {name for name in sys.modules if "." not in name}  # the server's, not yet imported by the command
-        self.path = list(sys.path)
+        self.path = list(sys.path)  # as the command starts: ImportWatch is made just before its code runs
         self.filters = list(warnings.filters)
         self._import, self._import_module = builtins.__import__, importlib.import_module
 
     def install(self) -> None:
-        self.path = list(sys.path)
-        self.filters = list(warnings.filters)
         sys.addaudithook(self._audit)
         builtins.__import__ = self._watched_import
         importlib.import_module = self._watched_import_module
 
     def _watched_import(self, name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
-        if level == 0 and name.partition(".")[0] in self.unseen:  # one set lookup per import statement otherwise
-            self._importing(name.partition(".")[0])
+        if level == 0 and (top := name.partition(".")[0]) in self.unseen:  # one set lookup per import statement otherwise
+            self._importing(top)
         return self._import(name, globals, locals, fromlist, level)
 
     def _watched_import_module(self, name: str, package: str | None = None) -> Any:
-        if not name.startswith(".") and name.partition(".")[0] in self.unseen:
-            self._importing(name.partition(".")[0])
+        if not name.startswith(".") and (top := name.partition(".")[0]) in self.unseen:
+            self._importing(top)
         return self._import_module(name, package)
 
     def _importing(self, top: str) -> None:
@@ -191,7 +186,7 @@ class ImportWatch:
             name = os.fsdecode(args[0])
             if self.env_watched and environment.inputs({name: ""}) and not _ours(sys._getframe(1)):
                 self._cannot(f"sets {name} before it imports torch, which the server imported under its own value")
-        elif event in _ACTS or (event == "open" and _opens_to_write(args)):
+        elif event in _ACTS or (event == "open" and opens_to_write(args)):
             self.acted = True
 
     def _cannot(self, why: str) -> None:
@@ -221,12 +216,6 @@ def _ours(frame: Any) -> bool:
     while frame is not None and frame.f_globals.get("__name__") in ("os", __name__):
         frame = frame.f_back
     return frame is not None and str(frame.f_globals.get("__name__", "")).startswith(_PACKAGE)
-
-
-def _opens_to_write(args: tuple[Any, ...]) -> bool:
-    flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
-    mode = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
-    return bool(flags & _WRITE_FLAGS) or any(c in mode for c in "wax+")
 
 
 def _output_written() -> bool:
