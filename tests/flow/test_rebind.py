@@ -25,8 +25,9 @@ TARGETS = ("tosa-int", "ethos-u55-128", "ethos-u85-256")
 
 
 @pytest.fixture(autouse=True)
-def _rebind_on(monkeypatch):
-    monkeypatch.setenv("LOWERCACHE_SPEEDUPS", "all,rebind")
+def _default_speedups(monkeypatch):
+    """``rebind`` is on by default: the tests run with what a user gets."""
+    monkeypatch.delenv("LOWERCACHE_SPEEDUPS", raising=False)
     yield
     registry.select("all")
 
@@ -74,7 +75,7 @@ def _stock_edge(program, resolved, spec):
     from executorch.exir import EdgeCompileConfig
     from executorch.exir.program import _program
 
-    registry.select("all")
+    registry.select("all,-rebind")
     config = EdgeCompileConfig()
     with arm.hooks():
         manager = _program._gen_edge_manager_for_partitioners({"forward": [resolved.partitioner(spec)]}, {"forward": program}, config,
@@ -210,8 +211,9 @@ def test_explain_names_what_was_re_bound(tmp_path):
     assert any(line.startswith("rebind: edge program: re-bound") for line in lines), lines
 
 
-def test_off_unless_named(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOWERCACHE_SPEEDUPS", "all")
+def test_on_by_default_and_off_when_switched_off(tmp_path, monkeypatch):
+    assert "rebind" in registry.DEFAULT
+    monkeypatch.setenv("LOWERCACHE_SPEEDUPS", "all,-rebind")
     module, example = models.MODELS["tiny_cnn"]()
     artifacts = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=tmp_path)
     assert _edge(artifacts) == []
