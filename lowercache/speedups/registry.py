@@ -214,8 +214,9 @@ SPEEDUPS: tuple[Speedup, ...] = (
          "executorch.exir.program._program:_generate_edge_program",
          "executorch.exir.program._program:EdgeProgramManager.__init__",
          "executorch.exir.verification.verifier:EXIREdgeDialectVerifier",
-         "torch.export.exported_program:ExportedProgram.__init__"),
-        "6188b95dd443ff6f2ae4e4602ee029b72c21053ababef34dbc85594f9d1ec6b9",
+         "torch.export.exported_program:ExportedProgram.__init__",
+         "executorch.exir.program._program:_register_no_decomp_op"),
+        "f8e1eb60b8b5bab4c7ac95ce08b17dca149a856b02f990921801018717213473",
         "A weights-only change serves the edge program from a template keyed by the structure: to_edge carries the "
         "quantized program's literals and tensors without reading them, and they are put back where they were; a "
         "census of 203 weights edits gave stock's .pte every time.",

@@ -218,3 +218,40 @@ def test_on_by_default_and_off_when_switched_off(tmp_path, monkeypatch):
     artifacts = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=tmp_path)
     assert _edge(artifacts) == []
     assert artifacts.manifest["speedups"]["rebind"] == "off: disabled by setting"
+
+
+_LOWER_IN_A_NEW_PROCESS = """
+import json, sys
+import lowercache
+from lowercache.bench import models, weights
+kind, target, cache, out = sys.argv[1:]
+module, example = models.MODELS["tiny_cnn"]() if kind == "base" else weights.edited("tiny_cnn", kind, seed=1)
+artifacts = lowercache.lower(module, example, target=target, cache_dir=cache)
+open(out, "wb").write(artifacts.pte)
+print(json.dumps([r for r in artifacts.records if r["kind"] == "edge"]))
+"""
+
+
+@pytest.mark.parametrize("target", ["tosa-fp", "ethos-u55-128"])
+def test_a_template_made_in_one_process_serves_in_another(target, tmp_path):
+    """to_edge defines an operator of its own for each one the partitioner keeps (``EDGE_DO_NOT_DECOMP::linear``),
+    and the edge program's metadata names it; a new process has not defined it yet. The served call defines it as
+    stock's call would, so a retrained checkpoint lowered by the next command is served, with no warning."""
+    import json
+    import subprocess
+    import sys
+
+    def lower(kind: str) -> tuple[list[dict], bytes, str]:
+        out = tmp_path / f"{kind}.pte"
+        result = subprocess.run([sys.executable, "-c", _LOWER_IN_A_NEW_PROCESS, kind, target, str(tmp_path / "cache"), str(out)],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.splitlines()[-1]), out.read_bytes(), result.stderr
+
+    (made,), _, _ = lower("base")
+    assert made["outcome"] == "miss" and made["note"] == "template recorded", made
+    (served,), pte, stderr = lower("retrained")
+    assert "lowercache: warning" not in stderr and "template unusable" not in stderr, stderr[-3000:]
+    assert served["outcome"] == "hit" and served["note"].startswith("re-bound"), served
+    edited, example = weights.edited("tiny_cnn", "retrained", seed=1)
+    assert pte == stock_pte(edited, example, target)
