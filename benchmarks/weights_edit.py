@@ -1,7 +1,7 @@
 """Where a weights-only edit's lowering time goes, phase by phase, in one process.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/weights_edit.py --models mobilenet_v2,convnext --edits retrained,block,head
-    OMP_NUM_THREADS=1 PYTHONPATH=. LOWERCACHE_SPEEDUPS=all,-rebind python benchmarks/weights_edit.py ...   # without rebind
+    OMP_NUM_THREADS=1 PYTHONPATH=. LOWERCACHE_SPEEDUPS=all,rebind python benchmarks/weights_edit.py ...
     ... --profile DIR    # and a cProfile file per edit, for shares under load
 
 For each model: a warm-up lowering of ``tiny_cnn`` (as the warm server does),

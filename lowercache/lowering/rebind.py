@@ -7,7 +7,7 @@ weights, and through calibration every scale and zero point. The start of
 then the edge dialect's passes, each a retrace of the whole graph), only
 carries those values: its constants are the quantized program's tensors, its
 quantize/dequantize literals the quantized program's, in order (the value
-census, ``benchmarks/census_values.py``). With the ``rebind`` speed-up (on by default)
+census, ``benchmarks/census_values.py``). With the opt-in ``rebind`` speed-up
 that call is a cached step of kind ``edge``:
 
 - key (``edge_parts``): the quantized program with every per-tensor

@@ -28,7 +28,7 @@ from tests.helpers import ROOT
 
 # The supported releases (pyproject.toml) other than the one installed here, and the
 # speed-ups whose pinned sources differ there, so they switch themselves off.
-OTHER_RELEASES = {"1.4.1": {"decompositions", "propagate", "rebind"}, "1.5.0": set()}
+OTHER_RELEASES = {"1.4.1": {"decompositions", "propagate"}, "1.5.0": set()}
 # A quantized model through Vela and a float one through TOSA-FP: between them every speed-up has work.
 CASES = ("tiny_cnn:ethos-u55-128", "transformer_block:tosa-fp")
 

@@ -25,9 +25,8 @@ TARGETS = ("tosa-int", "ethos-u55-128", "ethos-u85-256")
 
 
 @pytest.fixture(autouse=True)
-def _default_speedups(monkeypatch):
-    """``rebind`` is on by default: the tests run with what a user gets."""
-    monkeypatch.delenv("LOWERCACHE_SPEEDUPS", raising=False)
+def _rebind_on(monkeypatch):
+    monkeypatch.setenv("LOWERCACHE_SPEEDUPS", "all,rebind")
     yield
     registry.select("all")
 
@@ -75,7 +74,7 @@ def _stock_edge(program, resolved, spec):
     from executorch.exir import EdgeCompileConfig
     from executorch.exir.program import _program
 
-    registry.select("all,-rebind")
+    registry.select("all")
     config = EdgeCompileConfig()
     with arm.hooks():
         manager = _program._gen_edge_manager_for_partitioners({"forward": [resolved.partitioner(spec)]}, {"forward": program}, config,
@@ -211,9 +210,8 @@ def test_explain_names_what_was_re_bound(tmp_path):
     assert any(line.startswith("rebind: edge program: re-bound") for line in lines), lines
 
 
-def test_on_by_default_and_off_when_switched_off(tmp_path, monkeypatch):
-    assert "rebind" in registry.DEFAULT
-    monkeypatch.setenv("LOWERCACHE_SPEEDUPS", "all,-rebind")
+def test_off_unless_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOWERCACHE_SPEEDUPS", "all")
     module, example = models.MODELS["tiny_cnn"]()
     artifacts = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=tmp_path)
     assert _edge(artifacts) == []
