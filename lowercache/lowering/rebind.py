@@ -248,41 +248,8 @@ def _encode(edge: Any, program: Any, preserved: list[Any]) -> Entry:
         "preserved": sorted(regionstore.encode_target(op) for op in preserved),
         "verifier": _verifier_form(edge),
     }
-    doc["no_decomp"] = _no_decomp_forms(json.dumps(doc, separators=(",", ":")))
     meta = {"format": VERSION, "constants": constants, "literals": _sources(edge, program)}
     return Entry(meta=meta, blobs={"program.json": json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()})
-
-
-def _no_decomp_forms(text: str) -> list[list[Any]]:
-    """Each of to_edge's own operators the template names, with the operator it stands for.
-
-    For an operator the partitioner keeps, to_edge defines a copy in its ``EDGE_DO_NOT_DECOMP`` namespace
-    (``_register_no_decomp_op``) and decomposes around it, so the edge graph's metadata (``original_aten``) can
-    name the copy. A process that has not run that call yet has no such operator: ``fill`` defines it first.
-    """
-    from executorch.exir.program import _program
-
-    pairs = []
-    for original, copy_op in sorted(_program.aten_op_to_transform_op.items(), key=lambda item: str(item[0])):
-        form = regionstore.encode_target(copy_op)
-        if json.dumps(form, separators=(",", ":")) in text:
-            pairs.append([form, regionstore.encode_target(original)])
-    return pairs
-
-
-def _define_no_decomp(forms: Any) -> None:
-    """Define to_edge's copies of the kept operators the template names, with to_edge's own function, as the call
-    being served defines them; FormatError when one is not the copy it was."""
-    from executorch.exir.program import _program
-
-    for item in _list(forms):
-        if not (isinstance(item, list) and len(item) == 2):
-            raise FormatError("bad stored kept operator")
-        original = regionstore.decode_target(item[1])
-        _program._register_no_decomp_op(original)
-        copy_op = _program.aten_op_to_transform_op.get(original)
-        if copy_op is None or regionstore.encode_target(copy_op) != item[0]:
-            raise FormatError(f"to_edge's copy of {item[1][1]} is not the template's")
 
 
 def _sources(edge: Any, program: Any) -> list[int]:
@@ -323,7 +290,6 @@ def fill(template: Entry, program: Any, config: Any) -> tuple[Any, list[Any]]:
         raise FormatError(f"edge template JSON: {err}") from None
     if not isinstance(doc, dict):
         raise FormatError("bad edge template")
-    _define_no_decomp(doc.get("no_decomp"))
     graph = regionstore.decode_nodes(doc.get("nodes"), regionstore.fake_mode(program))
     nodes = list(graph.nodes)
     pairs = _pairs(program.graph_module)

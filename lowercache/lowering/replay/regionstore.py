@@ -40,6 +40,7 @@ DROPPED_META = frozenset({"from_node", "desc", "eager_input_vals", "source_fn_st
 
 _NAME = re.compile(r"_?[A-Za-z][A-Za-z0-9_]*")  # an identifier; at most one leading underscore (`_clone_dim_order`), never a dunder
 _PYTHON_TARGETS = {"getitem": operator.getitem}
+_NO_DECOMP = "EDGE_DO_NOT_DECOMP::"  # to_edge's namespace for copies of the operators a partitioner keeps
 
 
 def _checked(name: str) -> str:
@@ -49,7 +50,12 @@ def _checked(name: str) -> str:
 
 
 def encode_target(target: Any) -> list[str]:
-    """An operator as ``[dialect, "namespace::name", overload]``; FormatError for anything else."""
+    """An operator as ``[dialect, "namespace::name", overload]``; FormatError for anything else.
+
+    to_edge's copy of an operator a partitioner keeps (``EDGE_DO_NOT_DECOMP::linear``, which metadata such as
+    ``original_aten`` can name) is stored as ``["no_decomp", <the operator it copies>]``: a process that has not run
+    to_edge yet has no such copy, and ``decode_target`` defines it as to_edge does.
+    """
     from executorch.exir.dialects.backend._ops import BackendOpOverload
     from executorch.exir.dialects.edge._ops import EdgeOpOverload
 
@@ -58,6 +64,13 @@ def encode_target(target: Any) -> list[str]:
     if isinstance(target, EdgeOpOverload):
         return ["edge", target._op._schema.name, target._op._overloadname]
     if isinstance(target, torch._ops.OpOverload):
+        if target._schema.name.startswith(_NO_DECOMP):
+            from executorch.exir.program import _program
+
+            original = _program.transform_op_to_aten_op.get(str(target))
+            if original is None:
+                raise FormatError(f"{target} is not to_edge's copy of an operator")
+            return ["no_decomp", original._schema.name, original._overloadname]
         return ["torch", target._schema.name, target._overloadname]
     for name, function in _PYTHON_TARGETS.items():
         if target is function:
@@ -74,6 +87,8 @@ def decode_target(form: Any) -> Any:
     if not (isinstance(form, list) and len(form) == 3 and all(isinstance(x, str) for x in form)):
         raise FormatError("bad operator form")
     dialect, qualified, overload = form
+    if dialect == "no_decomp":
+        return _no_decomp_copy(decode_target(["torch", qualified, overload]), form)
     if dialect == "python":
         if qualified not in _PYTHON_TARGETS:
             raise FormatError(f"unknown Python operator {qualified!r}")
@@ -90,6 +105,17 @@ def decode_target(form: Any) -> Any:
     if not isinstance(op, kind) or encode_target(op) != form:
         raise FormatError(f"{qualified}.{overload} is not a {dialect} operator")
     return op
+
+
+def _no_decomp_copy(original: Any, form: list[str]) -> Any:
+    """to_edge's copy of ``original``, defined by to_edge's own ``_register_no_decomp_op`` if this process has not yet."""
+    from executorch.exir.program import _program
+
+    _program._register_no_decomp_op(original)
+    copy = _program.aten_op_to_transform_op.get(original)
+    if not isinstance(copy, torch._ops.OpOverload) or encode_target(copy) != form:
+        raise FormatError(f"to_edge's copy of {form[1]}.{form[2]} is not the stored one")
+    return copy
 
 
 class _Kinds(NamedTuple):
