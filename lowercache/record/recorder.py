@@ -64,7 +64,7 @@ def _on_remote_thread() -> bool:
 
 # Audit events that change files: a direct hit would not make the change. Paths in __pycache__ (bytecode) are the import system's.
 WRITES = ("os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.truncate", "os.chmod", "os.chown", "os.link", "os.symlink",
-           "os.utime", "shutil.rmtree", "shutil.move")
+          "os.utime", "shutil.rmtree", "shutil.move")
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
