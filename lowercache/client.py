@@ -280,6 +280,14 @@ def ensure_server(settings: Settings) -> dict[str, Any]:
         return _spawn(directory, want)
 
 
+def warm_server(targets: list[str]) -> list[str]:
+    """Have the running server warm the families of ``targets`` now (seconds each); the families it is warm for."""
+    reply = ask({"op": "warm", "targets": list(targets)}, timeout=START_TIMEOUT)
+    if reply is None or "warm" not in reply:
+        raise ServerUnavailable(f"the server did not warm up for {', '.join(targets)}: {(reply or {}).get('error', 'no reply')}")
+    return list(reply["warm"])
+
+
 def _tracer() -> int:
     """The pid of the process tracing this one (a debugger, ``strace``, a recording's backstop), 0 when none."""
     try:

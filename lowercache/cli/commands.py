@@ -580,12 +580,21 @@ app.add_typer(server_app, name="server")
 
 
 @server_app.command("start")
-def server_start() -> None:
+def server_start(
+    targets: List[str] = typer.Option(
+        [], "--target", "-t", autocompletion=_complete_target,
+        help="Also warm the server for this target's family now (XNNPACK's is otherwise warmed after its first use); "
+             "repeat -t for several."),
+) -> None:
     """Start the server, or replace one whose versions, sources or settings differ from this client's."""
     from .. import client
+    from ..targets import resolve
 
     try:
+        names = [resolve(target).name for target in targets]
         hello = client.ensure_server(_settings(None))
+        if names:
+            client.warm_server(names)
     except LowercacheError as e:
         _fail(str(e), 2)
     except client.ServerUnavailable as e:
@@ -635,12 +644,19 @@ def server_status() -> None:
         ("uptime", f"{reply['uptime']:.1f} s"),
         ("requests", f"{reply['requests']} served ({reply['failed']} failed), {reply['running']} running, {reply['queued']} queued, at most {reply['jobs']} at once"),
         ("records", f"{reply.get('unconfirmed', 0)} to confirm when idle, {reply.get('confirmed', 0)} confirmation runs done"),
+        ("warm for", _family_titles(reply.get("warm") or [])),
         ("memory", f"{reply['rss'] / 2**20:.1f} MiB resident (the server; each request's process adds its own)"),
         ("idle exit", f"after {reply['idle_timeout']} s without a request"),
         ("socket", reply["socket"]),
     ]
     for name, value in rows:
         out.print(f"{name:<10} {value}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _family_titles(names: list[str]) -> str:
+    from ..targets import FAMILIES
+
+    return ", ".join(f.title for f in FAMILIES if f.name in names) or "nothing yet"
 
 
 _verbose = False

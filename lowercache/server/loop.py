@@ -1,4 +1,5 @@
-"""The server's one thread: the accept loop, the queue, a child per request, and background confirmation while idle."""
+"""The server's one thread: the accept loop, the queue, a child per request, and, while idle, background confirmation
+and the warm-up of a target family first used after the start."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from .. import client, direct, startup
 from ..config import load_settings
 from ..run import pyexec
 from . import child, protocol
-from .warm import Warm, warm_up
+from .warm import Warm, targets_named, family_warmed_on_use, warm_family, warm_up
 
 
 # Seconds without a request before the server confirms new direct-mode records in the background (``_confirm_next``),
@@ -109,6 +110,8 @@ class Server:
         self.unconfirmed: collections.OrderedDict[tuple[str, ...], dict[str, Any]] = collections.OrderedDict()  # lower requests
         self.confirming: tuple[int, dict[str, Any]] | None = None  # the child confirming one in the background, and its request
         self.confirmed = 0  # background confirmations run to the end
+        self.to_warm: dict[str, None] = {}  # families served here not yet warm in this process, warmed when idle
+        self.warm_tried: set[str] = set()  # families whose warm-up ran (or failed): never again
 
     # the loop
 
@@ -171,6 +174,9 @@ class Server:
                 if request.message is not None and request.message["op"] in ("run", "exec") and not request.close_when_sent:
                     self._send(request, {"alive": 1})
         self._confirm_reaped()
+        idle = not self.running and not self.queue and now - self.last_active >= CONFIRM_AFTER
+        if self.listening and self.to_warm and self.confirming is None and idle:
+            self._warm(next(iter(self.to_warm)))
         if self.listening and self.unconfirmed and self.confirming is None and not self.running and not self.queue \
                 and now - self.last_active >= CONFIRM_AFTER:
             self._confirm_next()
@@ -268,6 +274,12 @@ class Server:
         elif op == "stop":
             self.stop()  # the socket path is free before the reply: a replacement may bind it at once
             self._reply(request, {"pid": os.getpid(), "stopping": True, "running": len(self.running), "queued": len(self.queue)})
+        elif op == "warm":  # asked for (server start --target): now, whatever runs meanwhile
+            self.last_active = time.monotonic()
+            self._confirm_yield()
+            for family in [f for f in map(family_warmed_on_use, message["targets"]) if f is not None]:
+                self._warm(family)
+            self._reply(request, {"warm": sorted(self.warm.families)})
         else:  # run or exec
             changed = self.warm.changed_file() if message.get("identity") == self.identity and not self.stopping else None
             if message.get("identity") != self.identity or self.stopping or changed is not None:
@@ -347,6 +359,7 @@ class Server:
             "idle": time.monotonic() - self.last_active if not self.running else 0.0,
             "unconfirmed": len(self.unconfirmed) + (self.confirming is not None),
             "confirmed": self.confirmed,
+            "warm": sorted(self.warm.families),
             "socket": self.path,
         }
 
@@ -512,8 +525,31 @@ class Server:
             self.failed += 1
         elif not request.execs:
             self._confirm_later(request.message or {})
+            self._warm_later(request.message or {})
         self._reply(request, reply)
         self._start_queued()
+
+    # warming a family on use: its first request here ran cold; the server warms itself for the next while idle
+
+    def _warm_later(self, message: dict[str, Any]) -> None:
+        for target in targets_named([str(a) for a in message.get("argv") or []]):
+            family = family_warmed_on_use(target)
+            if family is not None and family not in self.warm.families and family not in self.warm_tried:
+                self.to_warm[family] = None
+
+    def _warm(self, family: str) -> None:
+        """Warm ``family`` in this process (seconds, requests wait); a failure is logged and not tried again."""
+        self.to_warm.pop(family, None)
+        if family in self.warm.families or family in self.warm_tried:
+            return
+        self.warm_tried.add(family)
+        gc.unfreeze()
+        try:
+            warm_family(self.warm, family)
+        finally:
+            gc.collect()
+            gc.freeze()
+        print(f"lowercache server: warmed {family}", file=sys.stderr, flush=True)
 
     # background confirmation: a new direct-mode record is used once a re-run with the same inputs gave the same flow key;
     # an idle server re-runs the factory and the export of a ``lower`` it served (``direct.confirm``), so the next is a hit

@@ -98,11 +98,12 @@ _FIELDS: dict[str, dict[str, Any]] = {
     "hello": {},
     "status": {},
     "stop": {},
+    "warm": {"targets": _texts()},
     "run": {**_COMMON, "path": _texts(), "tty": _flags, "columns": _whole(0, _MAX_COLUMNS), "lines": _whole(0, _MAX_COLUMNS),
             "encoding": _codecs(codecs.lookup), "errors": _codecs(codecs.lookup_error), "files": _files},
     "exec": {**_COMMON, "executable": _absolute},
 }
-_REQUIRED = {"run": ("argv", "cwd", "env", "path", "process"), "exec": ("argv", "cwd", "env", "executable", "process")}
+_REQUIRED = {"warm": ("targets",), "run": ("argv", "cwd", "env", "path", "process"), "exec": ("argv", "cwd", "env", "executable", "process")}
 
 
 def request_error(message: Any) -> str | None:

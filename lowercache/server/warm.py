@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 from .. import environment, startup
 from ..cache.digests import stat_key
@@ -27,6 +28,7 @@ class Warm:
     imported: dict[str, list[str]] = field(default_factory=dict)  # top-level names of those and of every module imported, where found
     installed: tuple[str, ...] = ()  # directories of installed code (stdlib, site-packages, lowercache)
     files: dict[str, list[int] | None] = field(default_factory=dict)  # every imported module's file: its stat_key
+    families: set[str] = field(default_factory=set)  # the target families warmed so far, by name
 
     def remember_files(self) -> None:
         """Note the file of every module imported so far (thousands after the warm-up, checked again before each request)."""
@@ -63,6 +65,42 @@ def _installed_dirs() -> tuple[str, ...]:
 
 def warm_up(warm: Warm) -> None:
     """Import the stack single-threaded and lower a tiny model into a throwaway cache, listening to what it reads."""
+    _listening(warm, lambda: _import_and_lower(warm))
+    warm.families.update(family.name for family in FAMILIES if not family.warm_on_use)
+
+
+def targets_named(argv: list[str]) -> list[str]:
+    """The targets a command line names (``--target T``, ``-t T``, ``--target=T``), as typed."""
+    found = []
+    for i, arg in enumerate(argv):
+        if arg in ("--target", "-t") and i + 1 < len(argv):
+            found.append(argv[i + 1])
+        elif arg.startswith("--target="):
+            found.append(arg.partition("=")[2])
+    return found
+
+
+def family_warmed_on_use(target: str) -> str | None:
+    """The name of ``target``'s family when the server warms it on use (``Family.warm_on_use``), else None."""
+    from ..targets import family_of
+
+    try:
+        family = family_of(target.strip().lower())
+    except KeyError:  # not a target: the request's own error
+        return None
+    return family.name if family.warm_on_use else None
+
+
+def warm_family(warm: Warm, name: str) -> None:
+    """Warm one more family (its ``warm_on_use`` targets) in the server's own process, between requests: what its
+    children will find warm, as the start-up's warm-up (what it reads and imports is added to what the children know)."""
+    family = next(f for f in FAMILIES if f.name == name)
+    if name not in warm.families:
+        _listening(warm, lambda: _lower_tiny(family.warm_on_use))
+        warm.families.add(name)
+
+
+def _listening(warm: Warm, work: Callable[[], None]) -> None:
     from ..record.recorder import listen, remember_modules
     from ..run.replay import CommandRecorder
 
@@ -70,12 +108,13 @@ def warm_up(warm: Warm) -> None:
     recorder = CommandRecorder("/", settings, [])
     listen(recorder)
     try:
-        _import_and_lower(warm)
+        work()
     finally:
         recorder.close()
-    warm.read_env = sorted(name for name in recorder.env if not environment.shown_only(name))  # rich's and typer's: never inputs
-    warm.lookups = sorted(recorder.lookups)
-    warm.imported = startup.found_in(dict(sys.modules), recorder.lookups)
+    read = {name for name in recorder.env if not environment.shown_only(name)}  # rich's and typer's: never inputs
+    warm.read_env = sorted(read | set(warm.read_env))
+    warm.lookups = sorted(set(recorder.lookups) | set(warm.lookups))
+    warm.imported = startup.found_in(dict(sys.modules), warm.lookups)
     warm.installed = _installed_dirs()
     warm.remember_files()
     remember_modules()
@@ -111,7 +150,7 @@ def _import_and_lower(warm: Warm) -> None:
         import typer  # noqa: F401
 
         from .. import api, verify  # noqa: F401
-        from ..bench import models
+        from ..bench import models  # noqa: F401
         from ..cli import commands  # noqa: F401  (the typer commands a lower or verify child runs)
         from ..lowering import loading  # noqa: F401
 
@@ -121,8 +160,15 @@ def _import_and_lower(warm: Warm) -> None:
             except ImportError:  # another ExecuTorch release: its script imports something else, in the child
                 pass
     quiet.inherit(imports.lines)
+    _lower_tiny([t for family in FAMILIES for t in family.warm_up])
+
+
+def _lower_tiny(targets: Iterable[str]) -> None:
+    from .. import api, quiet
+    from ..bench import models
+
     with quiet.captured(), tempfile.TemporaryDirectory(prefix="lowercache-warmup-") as scratch:
         module, example = models.tiny_cnn()
         settings = load_settings(cache_dir=scratch, disable=False, read_only=False, remote="")
-        for target in (t for family in FAMILIES for t in family.warm_up):
+        for target in targets:
             api.lower(module, example, target=target, settings=settings)

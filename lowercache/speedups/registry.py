@@ -224,6 +224,16 @@ SPEEDUPS: tuple[Speedup, ...] = (
         ARM,
     ),
     Speedup(
+        "qpatterns",
+        ("torchao.quantization.pt2e.utils:_get_aten_graph_module_for_pattern",
+         "executorch.backends.xnnpack.quantizer.xnnpack_quantizer_utils:_do_annotate_conv_bn"),
+        "9b99584aabb5458d850e8b67584d61b911d6870d9856c3c2332f51f1ac849f48",
+        "A conv-bn pattern's export depends only on its closure, its inputs' layouts and export's settings; each is "
+        "exported once per process and every use gets a deep copy of that graph.",
+        "tests/flow/test_qpatterns.py",
+        ("xnnpack",),
+    ),
+    Speedup(
         "gcfreeze",
         (),
         "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",

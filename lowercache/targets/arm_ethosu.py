@@ -51,6 +51,7 @@ class ArmEthosU(ArmTosa):
     stack = ("executorch.backends.arm.ethosu", "executorch.backends.arm.quantizer")
     hook_modules = (TOSA_MODULE, ETHOSU_MODULE)
     warm_up = ("ethos-u55-128",)
+    warm_on_use: tuple[str, ...] = ()
     steps = ("tosa", "vela")
     renamed_under = ("regions",)
     stock_script = '''

@@ -29,6 +29,7 @@ class ArmTosa:
     package = "executorch.backends.arm"
     hooks = "lowercache.lowering.arm"
     warm_up: tuple[str, ...] = ()  # Ethos-U's warm-up runs the TOSA pipeline too
+    warm_on_use: tuple[str, ...] = ()
     steps: tuple[str, ...] = ("tosa",)
     renamed_under: tuple[str, ...] = ()
     stock_script = '''

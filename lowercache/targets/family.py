@@ -59,6 +59,9 @@ class Family(Protocol):
     package: str  # the ExecuTorch package they live in: ``run`` wraps them once no module of it is half imported
     hooks: str  # the lowercache module that wraps them: import_backend, hooks, install_permanently, the spec digests
     warm_up: tuple[str, ...]  # the targets the warm server lowers a tiny model for once, so a child finds the flow warm
+    # the same, lowered once the server has served one of the family's targets (or ``server start --target`` named one):
+    # a family whose warm-up would lengthen every server's start for users who never lower to it
+    warm_on_use: tuple[str, ...]
     steps: tuple[str, ...]  # the per-partition steps (first: the one a partition's tensor names come from)
     renamed_under: tuple[str, ...]  # speed-ups with which a served .tosa may differ from stock's in names (verify)
     # ``def <name with _>(target)`` -> (spec, quantizer or None, partitioner class), for the benchmark's stock script: the

@@ -37,6 +37,8 @@ class Xnnpack:
     package = "executorch.backends.xnnpack"
     hooks = "lowercache.lowering.xnnpack"
     warm_up: tuple[str, ...] = ()
+    # its quantizer's 12 conv-bn pattern exports are kept by the server once made (speed-up qpatterns)
+    warm_on_use: tuple[str, ...] = ("xnnpack-int8",)
     steps: tuple[str, ...] = ("xnnpack",)  # each partition's XnnpackBackend.preprocess
     renamed_under: tuple[str, ...] = ()
     stock_script = '''

@@ -297,3 +297,35 @@ def test_watch_relowers_an_xnnpack_target_on_an_edit_to_stock_bytes(tmp_path, mo
             watch.wait()
     assert "changed: models.py" in rest and "xnnpack: lowered in" in rest, rest
     assert (tmp_path / "out" / "model.pte").read_bytes() == stock["weight", "mlp", "xnnpack"]
+
+
+def test_a_server_warms_for_xnnpack_once_used_or_asked_and_its_children_give_stock_bytes(own, stock):
+    """A server starts warm for Arm only; its first XNNPACK lowering leaves it to warm for XNNPACK when idle (its
+    children then find the quantizer's patterns exported: speed-up qpatterns), and ``server start --target`` warms a
+    running one at once. Every .pte is stock's, before and after."""
+    from tests.helpers.server import WAIT, wait_until
+
+    server = own(LOWERCACHE_DIRECT="0")
+    write_models(server.project / "models.py")
+    refused = server("server", "start", "--target", "xnnpack-int9")
+    assert refused.returncode == 2 and "unknown target 'xnnpack-int9'" in refused.stderr and not server.status()
+    server.start()
+    assert server.status()["warm for"] == "TOSA, Ethos-U"
+
+    def lower(factory, out):
+        result = server("lower", f"models.py:{factory}", "--target", "xnnpack-int8", "--out", out, "--no-cache")
+        assert result.returncode == 0, result.stderr[-2000:]
+        return (server.project / out / "model.pte").read_bytes()
+
+    assert lower("cnn", "cold") == stock[None, "cnn", "xnnpack-int8"]
+    assert wait_until(lambda: server.status()["warm for"] == "TOSA, Ethos-U, XNNPACK", WAIT)
+    assert lower("cnn", "warmed") == stock[None, "cnn", "xnnpack-int8"]
+    assert lower("mlp", "other") == stock[None, "mlp", "xnnpack-int8"]
+
+    second = own(LOWERCACHE_DIRECT="0")
+    write_models(second.project / "models.py")
+    started = second("server", "start", "--target", "xnnpack-int8")
+    assert started.returncode == 0, started.stderr[-2000:]
+    assert second.status()["warm for"] == "TOSA, Ethos-U, XNNPACK"
+    result = second("lower", "models.py:two", "--target", "xnnpack-int8", "--out", "two", "--no-cache")
+    assert result.returncode == 0 and (second.project / "two" / "model.pte").read_bytes() == stock[None, "two", "xnnpack-int8"]
