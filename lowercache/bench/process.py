@@ -212,10 +212,12 @@ class _Repetition:
         return seconds
 
     def server(self, action: str, name: str = "") -> float:
-        """Start or stop one of the repetition's servers, in the environment of the modes that talk to it."""
+        """Start or stop one of the repetition's servers, in the environment of the modes that talk to it; one is
+        started warm for the target's family, as a server that has served it is (docs/server.md, Lifecycle)."""
         own = next((m.env for m in self.modes if m.server == name), {}) if name else {}
         env = {**self.env, **own, "LOWERCACHE_SERVER": "1", "XDG_RUNTIME_DIR": str(self.run_dirs[name])}
-        return timed([*self.lc, "server", action], env, self.project)
+        warm_for = ["--target", self.target] if action == "start" else []
+        return timed([*self.lc, "server", action, *warm_for], env, self.project)
 
     def cache(self, mode: Mode) -> Path:
         return self.root / "cache" / mode.name.replace(" ", "_")

@@ -293,3 +293,65 @@ def test_a_ray_cluster_that_refuses_the_token_is_one_line_with_the_hint(tmp_path
                      "(set RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH, to the cluster's: `ray get-auth-token` on its head prints it; "
                      "RAY_AUTH_MODE=token)"], refused.stderr[-3000:]
     assert not (root / "build").exists()
+
+
+# Two models, each for an Arm target and an XNNPACK one (issue 56: a zoo build file with both families builds both).
+BOTH_MODELS = """
+import torch
+
+EDIT = None
+
+
+def cnn():
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3), torch.nn.ReLU()).eval()
+    if EDIT == "weight":
+        with torch.no_grad():
+            net[2].weight[0, 0, 0, 0] += 0.5
+    return net, (torch.randn(1, 3, 12, 12),)
+
+
+def mlp():
+    torch.manual_seed(4)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval(), (torch.randn(1, 8),)
+"""
+BOTH_ZOO = """
+    out = "build"
+    targets = ["ethos-u55-128", "xnnpack-int8"]
+
+    [models.cnn]
+    model = "models.py:cnn"
+
+    [models.mlp]
+    model = "models.py:mlp"
+    targets = ["tosa-fp", "xnnpack"]
+"""
+BOTH_PAIRS = [("cnn", "ethos-u55-128"), ("cnn", "xnnpack-int8"), ("mlp", "tosa-fp"), ("mlp", "xnnpack")]
+
+
+def test_a_build_file_with_both_families_builds_both_to_stock_bytes(tmp_path):
+    from tests.helpers.xnnstock import stock_bytes
+
+    (tmp_path / "stock").mkdir()
+    lowerings = [(None, m, t) for m, t in BOTH_PAIRS] + [("weight", "cnn", t) for t in ("ethos-u55-128", "xnnpack-int8")]
+    stock = stock_bytes(BOTH_MODELS, lowerings, tmp_path / "stock")
+    root = project(tmp_path / "zoo", {"models.py": BOTH_MODELS}, BOTH_ZOO)
+    env = {"LOWERCACHE_DIR": str(tmp_path / "cache")}
+    built = lambda model, target: (root / "build" / model / target / "model.pte").read_bytes()  # noqa: E731
+
+    cold = cli("build", "-j", "2", cwd=root, env=env)
+    assert cold.returncode == 0, cold.stderr
+    assert {k: r["outcome"] for k, r in outcomes(root).items()} == dict.fromkeys(BOTH_PAIRS, "miss")
+    for model, target in BOTH_PAIRS:
+        assert built(model, target) == stock[None, model, target], (model, target)
+    again = cli("build", "-j", "2", cwd=root, env=env)
+    assert again.returncode == 0, again.stderr
+    assert {r["outcome"] for r in outcomes(root).values()} == {"hit"}
+
+    (root / "models.py").write_text(textwrap.dedent(BOTH_MODELS).replace("EDIT = None", 'EDIT = "weight"'))
+    edited = cli("build", "-j", "2", cwd=root, env=env)
+    assert edited.returncode == 0, edited.stderr
+    assert {k: r["outcome"] for k, r in outcomes(root).items()} == {
+        ("cnn", "ethos-u55-128"): "miss", ("cnn", "xnnpack-int8"): "miss", ("mlp", "tosa-fp"): "hit", ("mlp", "xnnpack"): "hit"}
+    for model, target in BOTH_PAIRS:
+        assert built(model, target) == stock["weight" if model == "cnn" else None, model, target], (model, target)
