@@ -582,7 +582,7 @@ app.add_typer(server_app, name="server")
 @server_app.command("start")
 def server_start(
     targets: List[str] = typer.Option(
-        [], "--target", "-t", autocompletion=_complete_target,
+        [], "--target", "-t", metavar="TARGET", autocompletion=_complete_target,
         help="Also warm the server for this target's family now (XNNPACK's is otherwise warmed after its first use); "
              "repeat -t for several."),
 ) -> None:
