@@ -41,6 +41,7 @@ from .errors import LowercacheError, interrupted
 # Commands that import torch, so a warm server pays; the rest are cheap and stay in the client.
 SERVED = ("lower", "verify")
 SOCKET_NAME = "server.sock"
+WARMING = "warming"  # beside the socket while the server warms up for a family: its pid (loop.py, Server._warm)
 MAX_LINE = 64 * 2**20  # a reply frame bigger than this is a broken server, not output
 START_TIMEOUT = 300.0  # imports and warm-up are slow on a loaded machine
 HELLO_TIMEOUT = 10.0  # seconds a server may take to answer hello, status or stop (it answers in milliseconds)
@@ -147,12 +148,21 @@ def process_state(pid: int) -> tuple[str, int, int] | None:
 
 
 def _check_alive(pid: int, silent: float, limit: float) -> None:
-    """ServerNotResponding when the server's process is stopped, or has said nothing for ``limit`` seconds."""
+    """ServerNotResponding when the server's process is stopped, or has said nothing for ``limit`` seconds (up to
+    ``START_TIMEOUT`` while it says it is warming up for a family: it answers once that is done)."""
     state = process_state(pid)
     if state is not None and state[0] in ("T", "t"):
         raise ServerNotResponding(f"the lowering server (pid {pid}) is not responding (its process is stopped)")
-    if silent > limit:
+    if silent > limit and not (silent < START_TIMEOUT and warming(pid)):
         raise ServerNotResponding(f"the lowering server (pid {pid}) is not responding (nothing from it for {limit:.0f} s)")
+
+
+def warming(pid: int) -> bool:
+    """Whether the server ``pid`` says it is warming up for a family between requests (its ``WARMING`` file)."""
+    try:
+        return (socket_dir() / WARMING).read_text() == str(pid)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def send(sock: socket.socket, message: dict[str, Any]) -> None:

@@ -543,10 +543,16 @@ class Server:
         if family in self.warm.families or family in self.warm_tried:
             return
         self.warm_tried.add(family)
+        marker = os.path.join(os.path.dirname(self.path), client.WARMING)  # a client that waits meanwhile waits longer
+        with open(marker + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(marker + ".tmp", marker)
         gc.unfreeze()
         try:
             warm_family(self.warm, family)
         finally:
+            with contextlib.suppress(OSError):
+                os.unlink(marker)
             gc.collect()
             gc.freeze()
         print(f"lowercache server: warmed {family}", file=sys.stderr, flush=True)
