@@ -111,7 +111,7 @@ class Server:
         self.confirming: tuple[int, dict[str, Any]] | None = None  # the child confirming one in the background, and its request
         self.confirmed = 0  # background confirmations run to the end
         self.to_warm: dict[str, None] = {}  # families served here not yet warm in this process, warmed when idle
-        self.warm_tried: set[str] = set()  # families whose warm-up ran (or failed): never again
+        self.warm_tried: set[str] = set()  # families warmed on use whose warm-up ran (or failed): never again
 
     # the loop
 
@@ -177,8 +177,7 @@ class Server:
         idle = not self.running and not self.queue and now - self.last_active >= CONFIRM_AFTER
         if self.listening and self.to_warm and self.confirming is None and idle:
             self._warm(next(iter(self.to_warm)))
-        if self.listening and self.unconfirmed and self.confirming is None and not self.running and not self.queue \
-                and now - self.last_active >= CONFIRM_AFTER:
+        if self.listening and self.unconfirmed and self.confirming is None and idle:
             self._confirm_next()
         for request in list(self.running.values()):
             if request.pidfd < 0:
@@ -534,13 +533,13 @@ class Server:
     def _warm_later(self, message: dict[str, Any]) -> None:
         for target in targets_named([str(a) for a in message.get("argv") or []]):
             family = family_warmed_on_use(target)
-            if family is not None and family not in self.warm.families and family not in self.warm_tried:
+            if family is not None and family not in self.warm_tried:
                 self.to_warm[family] = None
 
     def _warm(self, family: str) -> None:
         """Warm ``family`` in this process (seconds, requests wait); a failure is logged and not tried again."""
         self.to_warm.pop(family, None)
-        if family in self.warm.families or family in self.warm_tried:
+        if family in self.warm_tried:
             return
         self.warm_tried.add(family)
         marker = os.path.join(os.path.dirname(self.path), client.WARMING)  # a client that waits meanwhile waits longer

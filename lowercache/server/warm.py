@@ -95,9 +95,8 @@ def warm_family(warm: Warm, name: str) -> None:
     """Warm one more family (its ``warm_on_use`` targets) in the server's own process, between requests: what its
     children will find warm, as the start-up's warm-up (what it reads and imports is added to what the children know)."""
     family = next(f for f in FAMILIES if f.name == name)
-    if name not in warm.families:
-        _listening(warm, lambda: _lower_tiny(family.warm_on_use))
-        warm.families.add(name)
+    _listening(warm, lambda: _lower_tiny(family.warm_on_use))
+    warm.families.add(name)
 
 
 def _listening(warm: Warm, work: Callable[[], None]) -> None:
