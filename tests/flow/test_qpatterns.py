@@ -125,3 +125,28 @@ def test_a_pattern_it_does_not_know_is_exported_every_time():
         pattern = holder._get_aten_graph_module_for_pattern(Add(), (torch.randn(2), torch.randn(2)))
     assert qpatterns.stats()["exported"] == qpatterns.stats()["copied"] == 0
     assert str(pattern.graph) == str(stock_export(Add(), (torch.randn(2), torch.randn(2))).graph)
+
+
+@pytest.mark.parametrize("setting", ["no_grad", "dynamo_config"])
+def test_a_changed_export_setting_exports_again_and_matches_stock_under_it(kept, setting):
+    """What a user may change between two preparations in one process (grad mode, dynamo's configuration) is part of
+    the key: the kept patterns are not served under it; the patterns are exported again, as stock does."""
+    import torch._dynamo.config
+
+    def under():
+        if setting == "no_grad":
+            return torch.no_grad()
+        return torch._dynamo.config.patch(cache_size_limit=torch._dynamo.config.cache_size_limit + 1)
+
+    with under():
+        stock = prepared(2, "relu")
+    before = dict(qpatterns._kept)
+    qpatterns.reset_stats()
+    try:
+        with qpatterns.active(), under():
+            served = prepared(2, "relu")
+        assert qpatterns.stats() == {"exported": 12, "copied": 12, "kept": 24}
+    finally:  # the module's own 12 only, for the tests after
+        qpatterns._kept.clear()
+        qpatterns._kept.update(before)
+    assert served == stock
