@@ -37,6 +37,9 @@ _KNOWN_META = frozenset(
         "val",
     }
 )
+# Metadata a re-trace drops: set on operator nodes by a partitioner's checks (XNNPACK's configs tag the q/dq nodes
+# they would fuse), neither copied by the trace (``torch.fx.proxy._COPY_META_FIELDS``) nor computed by it.
+_DROPPED_META = frozenset({"IS_IMPLICIT_Q_DQ_TAG"})
 
 # Input kinds a functionalizing call may localize, in the order its trace lists them.
 _INPUT_ORDER = {"PARAMETER": 0, "BUFFER": 1, "USER_INPUT": 2}
@@ -105,8 +108,9 @@ def _refusal(program: torch.export.ExportedProgram, table: Any) -> str | None:
 
 def _node_refusal(node: torch.fx.Node) -> str | None:
     """Why ``node`` keeps the call from being skipped or localized (None: it does not)."""
-    if not _KNOWN_META.issuperset(node.meta):
-        return f"metadata {sorted(set(node.meta) - _KNOWN_META)}"
+    known = _KNOWN_META | _DROPPED_META if node.op == "call_function" else _KNOWN_META
+    if not known.issuperset(node.meta):
+        return f"metadata {sorted(set(node.meta) - known)}"
     if node.op == "get_attr":
         return "get_attr node"
     return None
@@ -165,10 +169,13 @@ def eager_input_vals(node: torch.fx.Node) -> Any:
 
 
 def _retrace_op_metadata(nodes: Any) -> None:
-    """``original_aten`` and ``eager_input_vals`` of operator nodes a re-trace carries over unchanged."""
+    """``original_aten`` and ``eager_input_vals`` of operator nodes a re-trace carries over unchanged, without the
+    metadata it drops."""
     from torch.fx.experimental.proxy_tensor import _should_save_eager_input_vals
 
     for node in nodes:
+        for key in _DROPPED_META.intersection(node.meta):
+            del node.meta[key]
         if _returns_nothing(node):
             node.meta.pop("val", None)
             node.meta.pop("tensor_meta", None)

@@ -6,10 +6,27 @@ import pytest
 import torch
 
 from lowercache.speedups import decompositions
+from executorch.exir import to_edge_transform_and_lower
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
 from lowercache.bench import models
+from lowercache.bench.stockscript import source
 
 from tests.helpers.graphs import ConvertsAndReshapes, churn_patch, describe, same_program
 from tests.helpers.oracle import reference, run_stock, stock_pte
+
+
+def _run_stock_script(module, example, target: str) -> bytes:
+    """The benchmark's stock script's flow (a user's export script, any family), in this process."""
+    script: dict = {}
+    exec(compile(source(), "export.py", "exec"), script)
+    spec, quantizer, partitioner = script["FAMILY"][target](target)
+    program = torch.export.export(module, example)
+    if quantizer is not None:
+        prepared = prepare_pt2e(program.module(check_guards=False), quantizer)
+        prepared(*example)
+        program = torch.export.export(convert_pt2e(prepared), example)
+    return to_edge_transform_and_lower(program, partitioner=[partitioner(spec)]).to_executorch().buffer
 
 
 def _audit_calls(model: str, target: str, strict: bool = False) -> dict[str, int]:
@@ -46,7 +63,10 @@ def _audit_calls(model: str, target: str, strict: bool = False) -> dict[str, int
 
     torch.export.ExportedProgram.run_decompositions = audit
     try:
-        run_stock(*models.MODELS[model](), target, strict=strict)
+        if target.startswith("xnnpack"):
+            _run_stock_script(*models.MODELS[model](), target)
+        else:
+            run_stock(*models.MODELS[model](), target, strict=strict)
     finally:
         torch.export.ExportedProgram.run_decompositions = original
     return audited
@@ -66,6 +86,39 @@ def test_skipped_and_localized_calls_give_the_program_a_retrace_gives(model, tar
     assert audited["localized"] >= 1  # the second call: conv2d / transpose / _unsafe_view decomposed
     assert audited["skipped"] >= 1  # the third call, nothing left to decompose
     assert audited["functionalized"] == 1  # the first call, float parameters or not
+
+
+@pytest.mark.parametrize("target", ["xnnpack-int8", "xnnpack"])
+def test_xnnpack_calls_are_localized_as_a_retrace_gives(target):
+    """XNNPACK's partitioner checks tag the q/dq nodes they would fuse (``IS_IMPLICIT_Q_DQ_TAG``) before the second
+    call; a re-trace drops the tag, and so does the localized call."""
+    tagged = []
+    original = torch.export.ExportedProgram.run_decompositions
+
+    def spy(self, table=None, *args, **kwargs):
+        tagged.append(sum("IS_IMPLICIT_Q_DQ_TAG" in n.meta for n in self.graph.nodes))
+        return original(self, table, *args, **kwargs)
+
+    torch.export.ExportedProgram.run_decompositions = spy
+    try:
+        audited = _audit_calls("tiny_cnn", target)
+    finally:
+        torch.export.ExportedProgram.run_decompositions = original
+    assert audited["functionalized"] == 1 and audited["localized"] >= 1
+    assert audited["skipped"] + audited["localized"] == 2  # every call audited, none in full
+    if target == "xnnpack-int8":
+        assert any(tagged)  # the case this covers: a call sees the tags
+
+
+@pytest.mark.parametrize("target", ["xnnpack-int8", "xnnpack"])
+def test_xnnpack_calls_give_stock_bytes(target):
+    module, example = models.tiny_cnn()
+    stock = _run_stock_script(module, example, target)
+    decompositions.reset_stats()
+    with decompositions.active():
+        got = _run_stock_script(module, example, target)
+    assert decompositions.stats()["full"] == 0
+    assert got == stock
 
 
 def test_a_strict_exports_programs_are_localized_too():
