@@ -92,8 +92,8 @@ SPEEDUPS: tuple[Speedup, ...] = (
     Speedup(
         "lazycode",
         ("torch.fx.graph_module:GraphModule.recompile", "torch.fx.graph_module:GraphModule.code",
-         "torch.fx.graph_module:GraphModule.__str__"),
-        "eabace6504a8cd8eba7b509b46ed702b71f2ab44429d9d074d0a18e744a3a0ce",
+         "torch.fx.graph_module:GraphModule.__str__", "executorch.exir.backend.backend_api:_create_partitions_in_graph_module"),
+        "fb95239e10653dca641c8c29adc10ad9d878b924797ee46e9b26389dfaa09611",
         "Passes interpret graphs node by node; code is generated on first use, from the same graph, as _LazyGraphModule does.",
         "tests/unit/test_lazycode.py",
     ),
