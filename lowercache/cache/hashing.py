@@ -230,16 +230,16 @@ def node_form(node: torch.fx.Node, ignored: frozenset[str] = IGNORED_META) -> li
     ]
 
 
-def graph_digest(gm: torch.fx.GraphModule) -> str:
+def graph_digest(gm: torch.fx.GraphModule, ignored: frozenset[str] = IGNORED_META) -> str:
     """Digest of a graph's nodes in order, including nested graph modules."""
     h = xxhash.xxh3_128()
     for node in gm.graph.nodes:
-        h.update(canonical_json(node_form(node)).encode())
+        h.update(canonical_json(node_form(node, ignored)).encode())
         h.update(b"\n")
         if node.op == "get_attr":
             attr = getattr(gm, str(node.target), None)
             if isinstance(attr, torch.fx.GraphModule):
-                h.update(graph_digest(attr).encode())
+                h.update(graph_digest(attr, ignored).encode())
             elif isinstance(attr, torch.Tensor):
                 h.update(tensor_digest(attr).encode())
     return h.hexdigest()

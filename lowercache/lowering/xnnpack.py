@@ -28,7 +28,7 @@ from .switches import Switches
 from ..speedups.patching import Patch
 from ..targets.xnnpack import FAMILY, QUANTIZER_MODULE, XNNPACK_MODULE
 from ..cache.digests import digest_json
-from ..cache.hashing import Unhashable, canon, program_parts
+from ..cache.hashing import IGNORED_META, Unhashable, canon, graph_digest, program_parts
 from ..cache.steps import current_session
 from ..cache.store import Entry
 from ..cache.toolchain import source_digest, toolchain_parts
@@ -79,13 +79,27 @@ def import_backend() -> None:
     importlib.import_module("executorch.backends.xnnpack.partition.xnnpack_partitioner")
 
 
+TAG = "delegation_tag"
+
+
+def _tag_pattern(nodes: Any) -> str:
+    """Which of a partition's nodes carry which delegation tag, each tag by the order it first appears in, not by its
+    number. The partitioner numbers tags across the whole program, so an edit anywhere renumbers every partition's
+    (its own, and its inputs' from other partitions); no code ``preprocess`` runs reads a tag (docs/design.md#xnnpack),
+    so the numbers shape no byte of the payload."""
+    order: dict[Any, int] = {}
+    return digest_json([[n.name, order.setdefault(n.meta[TAG], len(order))] for n in nodes if TAG in n.meta])
+
+
 def preprocess_parts(edge_program: Any, compile_specs: Any) -> dict[str, str] | None:
     """Key parts of one partition's ``preprocess``, or None when it must not be cached: the partition's program (its
     nodes' ``debug_handle`` among their metadata), the source functions the linear and SDPA passes group nodes by (which
     the common graph digest leaves out), the compile specs (``dqlinear_partitioner`` picks the passes), the toolchain."""
     try:
-        parts = {f"program.{k}": v for k, v in program_parts(edge_program).items()}
+        parts = {f"program.{k}": v for k, v in program_parts(edge_program).items()}  # its graph digest replaced below
         parts["source_fns"] = digest_json([[n.name, canon(n.meta.get("source_fn_stack"))] for n in edge_program.graph.nodes])
+        parts["program.graph"] = graph_digest(edge_program.graph_module, IGNORED_META | {TAG})
+        parts["delegation_tags"] = _tag_pattern(edge_program.graph.nodes)
     except Unhashable:
         return None
     parts["compile_specs"] = digest_json([[spec.key, bytes(spec.value).hex()] for spec in compile_specs])

@@ -60,6 +60,15 @@ MODELS = textwrap.dedent('''
             with torch.no_grad():
                 net[2].weight[1, 3] += 0.25
         return net, (torch.randn(2, 8),)
+
+
+    def split():
+        torch.manual_seed(4)
+        x = torch.randn(2, 8)
+        layers = [torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)]
+        if EDIT == "layer":  # a norm XNNPACK does not take, without parameters: the last linear becomes a partition
+            layers.insert(4, torch.nn.LayerNorm(16, elementwise_affine=False))
+        return torch.nn.Sequential(*layers).eval(), (x,)
 ''')
 
 # (edit, factory, target): every lowering a test compares with stock
@@ -68,6 +77,7 @@ LOWERINGS = [
     (None, "mlp", "xnnpack-int8"), ("layer", "mlp", "xnnpack-int8"), ("weight", "mlp", "xnnpack-int8"),
     (None, "cnn", "xnnpack"), (None, "cnn", "xnnpack-int8"),
     (None, "two", "xnnpack"), ("weight", "two", "xnnpack"), (None, "two", "xnnpack-int8"), ("weight", "two", "xnnpack-int8"),
+    (None, "split", "xnnpack-int8"), ("layer", "split", "xnnpack-int8"),
 ]
 
 def write_models(path, edit=None):
@@ -182,6 +192,27 @@ def test_an_edit_of_one_partition_re_runs_only_its_step(tmp_path, target, stock)
     store.close()
     assert any(line.startswith("xnnpack partition 1: missed; changed: program.") for line in explained), explained
     assert not any(line.startswith("xnnpack partition 0") for line in explained), explained
+
+
+def test_a_partition_an_edit_elsewhere_renumbers_is_served_to_stock_bytes(tmp_path, monkeypatch, stock):
+    """The partitioner numbers delegation tags across the program: an edit that adds a partition after the first
+    renumbers the first's tag, which its key leaves out (XNNPACK's preprocess never reads it)."""
+    from lowercache.lowering import xnnpack
+
+    tags: list[set] = []
+    parts = xnnpack.preprocess_parts
+    monkeypatch.setattr(xnnpack, "preprocess_parts", lambda ep, specs: tags.append(
+        {n.meta.get("delegation_tag") for n in ep.graph.nodes} - {None}) or parts(ep, specs))
+    cache, models = tmp_path / "cache", tmp_path / "models.py"
+    write_models(models)
+    lowercache.lower(*load(models, "split"), target="xnnpack-int8", cache_dir=cache)
+    first = tags[0]
+    tags.clear()
+    write_models(models, "layer")
+    edited = lowercache.lower(*load(models, "split"), target="xnnpack-int8", cache_dir=cache)
+    assert outcomes(edited.records) == [("partition 0", "hit"), ("partition 1", "miss"), ("partition 2", "miss")]
+    assert tags[0] != first  # the served partition's tag was renumbered
+    assert edited.pte == stock["layer", "split", "xnnpack-int8"] != stock[None, "split", "xnnpack-int8"]
 
 
 def test_a_damaged_or_malformed_step_entry_is_recomputed_to_the_same_bytes(tmp_path, monkeypatch, stock, caplog):
