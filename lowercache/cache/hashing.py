@@ -278,12 +278,12 @@ def _arg_name(arg: Any) -> Any:
     return [type(arg).__name__, canon(getattr(arg, "value", None))]
 
 
-def program_parts(ep: torch.export.ExportedProgram) -> dict[str, str]:
-    """Named digests of an ExportedProgram: graph, signature, constants, ranges."""
+def program_parts(ep: torch.export.ExportedProgram, ignored: frozenset[str] = IGNORED_META) -> dict[str, str]:
+    """Named digests of an ExportedProgram: graph (without the node metadata ``ignored``), signature, constants, ranges."""
     constants: dict[str, Any] = dict(ep.state_dict)
     constants.update({f"constant:{k}": v for k, v in ep.constants.items()})
     return {
-        "graph": graph_digest(ep.graph_module),
+        "graph": graph_digest(ep.graph_module, ignored),
         "signature": signature_digest(ep.graph_signature),
         "constants": constants_digest(constants),
         "ranges": digest_json(sorted(f"{k}:{v}" for k, v in ep.range_constraints.items())),

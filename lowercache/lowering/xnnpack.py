@@ -28,7 +28,7 @@ from .switches import Switches
 from ..speedups.patching import Patch
 from ..targets.xnnpack import FAMILY, QUANTIZER_MODULE, XNNPACK_MODULE
 from ..cache.digests import digest_json
-from ..cache.hashing import IGNORED_META, Unhashable, canon, graph_digest, program_parts
+from ..cache.hashing import IGNORED_META, Unhashable, canon, program_parts
 from ..cache.steps import current_session
 from ..cache.store import Entry
 from ..cache.toolchain import source_digest, toolchain_parts
@@ -96,9 +96,8 @@ def preprocess_parts(edge_program: Any, compile_specs: Any) -> dict[str, str] | 
     nodes' ``debug_handle`` among their metadata), the source functions the linear and SDPA passes group nodes by (which
     the common graph digest leaves out), the compile specs (``dqlinear_partitioner`` picks the passes), the toolchain."""
     try:
-        parts = {f"program.{k}": v for k, v in program_parts(edge_program).items()}  # its graph digest replaced below
+        parts = {f"program.{k}": v for k, v in program_parts(edge_program, IGNORED_META | {TAG}).items()}
         parts["source_fns"] = digest_json([[n.name, canon(n.meta.get("source_fn_stack"))] for n in edge_program.graph.nodes])
-        parts["program.graph"] = graph_digest(edge_program.graph_module, IGNORED_META | {TAG})
         parts["delegation_tags"] = _tag_pattern(edge_program.graph.nodes)
     except Unhashable:
         return None

@@ -40,6 +40,7 @@ _KNOWN_META = frozenset(
 # Metadata a re-trace drops: set on operator nodes by a partitioner's checks (XNNPACK's configs tag the q/dq nodes
 # they would fuse), neither copied by the trace (``torch.fx.proxy._COPY_META_FIELDS``) nor computed by it.
 _DROPPED_META = frozenset({"IS_IMPLICIT_Q_DQ_TAG"})
+_KNOWN_OPERATOR_META = _KNOWN_META | _DROPPED_META
 
 # Input kinds a functionalizing call may localize, in the order its trace lists them.
 _INPUT_ORDER = {"PARAMETER": 0, "BUFFER": 1, "USER_INPUT": 2}
@@ -108,7 +109,7 @@ def _refusal(program: torch.export.ExportedProgram, table: Any) -> str | None:
 
 def _node_refusal(node: torch.fx.Node) -> str | None:
     """Why ``node`` keeps the call from being skipped or localized (None: it does not)."""
-    known = _KNOWN_META | _DROPPED_META if node.op == "call_function" else _KNOWN_META
+    known = _KNOWN_OPERATOR_META if node.op == "call_function" else _KNOWN_META
     if not known.issuperset(node.meta):
         return f"metadata {sorted(set(node.meta) - known)}"
     if node.op == "get_attr":
