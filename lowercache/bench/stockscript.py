@@ -30,12 +30,7 @@ from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
 _MAIN = '''
 
-def main(model, target, out):
-    path, factory = model.rsplit(":", 1)
-    spec_ = importlib.util.spec_from_file_location("user_model", path)
-    user = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(user)
-    module, example = getattr(user, factory)()
+def lower(module, example, target):
     ep = torch.export.export(module, example)
     spec, quantizer, partitioner = FAMILY[target](target)
     if quantizer is not None:
@@ -43,8 +38,18 @@ def main(model, target, out):
         prepared(*example)
         ep = torch.export.export(convert_pt2e(prepared), example)
     edge = to_edge_transform_and_lower(ep, partitioner=[partitioner(spec)])  # after quantization, as stock
+    return edge.to_executorch().buffer
+
+
+def main(model, target, out):
+    path, factory = model.rsplit(":", 1)
+    spec_ = importlib.util.spec_from_file_location("user_model", path)
+    user = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(user)
+    module, example = getattr(user, factory)()
+    data = lower(module, example, target)
     with open(out, "wb") as f:
-        f.write(edge.to_executorch().buffer)
+        f.write(data)
 
 
 if __name__ == "__main__":

@@ -6,27 +6,11 @@ import pytest
 import torch
 
 from lowercache.speedups import decompositions
-from executorch.exir import to_edge_transform_and_lower
-from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
 from lowercache.bench import models
-from lowercache.bench.stockscript import source
 
 from tests.helpers.graphs import ConvertsAndReshapes, churn_patch, describe, same_program
 from tests.helpers.oracle import reference, run_stock, stock_pte
-
-
-def _run_stock_script(module, example, target: str) -> bytes:
-    """The benchmark's stock script's flow (a user's export script, any family), in this process."""
-    script: dict = {}
-    exec(compile(source(), "export.py", "exec"), script)
-    spec, quantizer, partitioner = script["FAMILY"][target](target)
-    program = torch.export.export(module, example)
-    if quantizer is not None:
-        prepared = prepare_pt2e(program.module(check_guards=False), quantizer)
-        prepared(*example)
-        program = torch.export.export(convert_pt2e(prepared), example)
-    return to_edge_transform_and_lower(program, partitioner=[partitioner(spec)]).to_executorch().buffer
+from tests.helpers.xnnstock import lower_here
 
 
 def _audit_calls(model: str, target: str, strict: bool = False) -> dict[str, int]:
@@ -64,7 +48,7 @@ def _audit_calls(model: str, target: str, strict: bool = False) -> dict[str, int
     torch.export.ExportedProgram.run_decompositions = audit
     try:
         if target.startswith("xnnpack"):
-            _run_stock_script(*models.MODELS[model](), target)
+            lower_here(*models.MODELS[model](), target)
         else:
             run_stock(*models.MODELS[model](), target, strict=strict)
     finally:
@@ -113,10 +97,10 @@ def test_xnnpack_calls_are_localized_as_a_retrace_gives(target):
 @pytest.mark.parametrize("target", ["xnnpack-int8", "xnnpack"])
 def test_xnnpack_calls_give_stock_bytes(target):
     module, example = models.tiny_cnn()
-    stock = _run_stock_script(module, example, target)
+    stock = lower_here(module, example, target)
     decompositions.reset_stats()
     with decompositions.active():
-        got = _run_stock_script(module, example, target)
+        got = lower_here(module, example, target)
     assert decompositions.stats()["full"] == 0
     assert got == stock
 

@@ -5,21 +5,18 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
-from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-from executorch.exir import to_edge_transform_and_lower
 
 from lowercache.bench import models
 from lowercache.speedups import lazycode
+
+from tests.helpers.xnnstock import lower_here
 
 MESSAGE = "Partitioned graph module: "
 
 
 def _lower() -> bytes:
-    """Stock's XNNPACK flow on a self-attention block: four partitions, so four debug messages."""
-    module, example = models.transformer_block()
-    program = torch.export.export(module, example)
-    return to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()]).to_executorch().buffer
+    """The stock script's XNNPACK flow on a self-attention block: four partitions, so four debug messages."""
+    return lower_here(*models.transformer_block(), "xnnpack")
 
 
 class _Kept(logging.Handler):

@@ -70,3 +70,10 @@ def stock_bytes(models: str, lowerings: Sequence[Lowering], scratch: Path) -> di
     except OSError:
         pass  # a read-only or full disk only costs the next run a stock lowering
     return found
+
+
+def lower_here(module: Any, example: Any, target: str) -> bytes:
+    """The stock script's flow (its ``lower``) run in this process: for tests that run it under an audit or a speed-up."""
+    script: dict[str, Any] = {}
+    exec(compile(source(), "export.py", "exec"), script)
+    return script["lower"](module, example, target)

@@ -94,6 +94,6 @@ def test_the_stock_script_makes_the_partitioner_after_quantization():
     """The quantizer can change the compile spec that the partitioner serializes when made (docs/design.md, The flow)."""
     from lowercache.bench.stockscript import source
 
-    main = next(n for n in ast.parse(source()).body if isinstance(n, ast.FunctionDef) and n.name == "main")
-    line = {n.func.id: n.lineno for n in ast.walk(main) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    flow = next(n for n in ast.parse(source()).body if isinstance(n, ast.FunctionDef) and n.name == "lower")
+    line = {n.func.id: n.lineno for n in ast.walk(flow) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     assert line["prepare_pt2e"] < line["convert_pt2e"] < line["partitioner"]
