@@ -6,7 +6,8 @@ a hit, so three paths that need neither come first:
 
 - ``lower`` answered from a direct-mode record (``direct.serve``);
 - ``lower`` and ``verify`` through the warm server (``client``), whose
-  child runs the commands below;
+  child runs the commands below, when typer would take the command line
+  (``usage``: a usage error is reported in this process, starting no server);
 - ``run -- COMMAND`` with only the options it usually has (``--out``,
   ``--cache-dir``, ``--remote``, ``--no-server``), parsed here and run by
   the same core as the typer command (``run/launch.py``'s ``run_command``).
@@ -57,11 +58,12 @@ def dispatch(args: List[str]) -> object:
         wrapped = parse_run(args)
         if wrapped is not None:
             return run_light(**wrapped)
-    # then the warm server (docs/server.md)
+    # then the warm server (docs/server.md), for a command line typer would take: a usage error is reported here
     with own_imports():
         from ..client import SERVED, run_through_server
+        from .usage import well_formed
 
-    if command in SERVED:
+    if command in SERVED and well_formed(args):
         served = run_through_server(args)
         if served is not None:
             return served

@@ -329,3 +329,14 @@ def test_config_shows_the_server_settings(tmp_path):
     assert rows["server_idle_timeout"].split()[1] == "600" and rows["server_timeout"].split()[1] == "3600"
     bad = lc("lower", TINY, "-t", TARGET, "-o", tmp_path / "o", env={**os.environ, "LOWERCACHE_SERVER_JOBS": "many"}, cwd=tmp_path, timeout=WAIT)
     assert bad.returncode == 2 and error_lines(bad) == ["lowercache: error: bad value 'many' for server_jobs; use a whole number, 0 or more"]
+
+
+def test_a_usage_error_is_reported_in_the_process_and_starts_no_server(own):
+    server = own()
+    for line, message in ((["lower", "model.py:model", "-t", TARGET, "-o", "out", "-v"], "No such option: -v"),
+                          (["lower", "model.py:model", "-t", TARGET], "Missing option"),
+                          (["verify", "model.py:model"], "Missing option")):
+        result = server(*line)
+        assert result.returncode == 2 and message in result.stderr, (line, result.stderr[-2000:])
+    assert server.status() == {} and not (server.run / "lowercache" / "server.sock").exists()
+    assert not (server.project / "out").exists()
