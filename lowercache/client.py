@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 from . import startup, sweep
 from .process_state import capture as capture_process_state
 from .config import Settings, load_settings
-from .errors import LowercacheError, interrupted
+from .errors import LowercacheError, interrupted, warnings_shown
 
 # Commands that import torch, so a warm server pays; the rest are cheap and stay in the client.
 SERVED = ("lower", "verify")
@@ -545,6 +545,7 @@ def run_through_server(args: list[str]) -> int | None:
         "path": list(sys.path),
         "process": capture_process_state(),
         "timeout": settings.server_timeout,
+        "warned": warnings_shown(),  # by direct mode's lookup here: the child does not say them again
         **_terminal(),
     }
     for attempt in range(2):

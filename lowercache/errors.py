@@ -4,6 +4,7 @@ import logging
 import os
 import re
 import sys
+from typing import Iterable
 
 
 class LowercacheError(Exception):
@@ -37,17 +38,16 @@ def by_ctrl_c(error: BaseException) -> bool:
     return False
 
 
+_shown: set[str] = set()  # the warnings this command has shown
+
+
 class _OneLineWarnings(logging.Handler):
     """Each distinct warning once per command: a fault met by every store a command opens (a dead remote) is one line."""
 
-    def __init__(self, level: int) -> None:
-        super().__init__(level)
-        self.shown: set[str] = set()
-
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
-        if message not in self.shown:
-            self.shown.add(message)
+        if message not in _shown:
+            _shown.add(message)
             print(f"lowercache: warning: {message}", file=sys.stderr)
 
 
@@ -59,11 +59,16 @@ def show_warnings_in_one_line() -> None:
     log.propagate = False
 
 
-def new_command() -> None:
-    """A command starts (a new process, a server's child, one of ``watch``'s lowerings): its warnings are shown afresh."""
-    for handler in logging.getLogger("lowercache").handlers:
-        if isinstance(handler, _OneLineWarnings):
-            handler.shown.clear()
+def new_command(shown: Iterable[str] = ()) -> None:
+    """A command starts (a new process, a server's child, one of ``watch``'s lowerings): its warnings are shown afresh,
+    but for ``shown``, those its own client showed already (direct mode opens the stores before the server's child)."""
+    _shown.clear()
+    _shown.update(shown)
+
+
+def warnings_shown() -> list[str]:
+    """The warnings this command has shown so far (a client hands them to the server's child it runs the command in)."""
+    return sorted(_shown)
 
 
 _FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')

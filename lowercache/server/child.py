@@ -78,7 +78,7 @@ def run_cli(message: dict[str, Any], parent: int, out_w: int, err_w: int, inheri
         from .. import cli
         from ..errors import new_command
 
-        new_command()  # the server's own warnings were its own
+        new_command(message.get("warned") or ())  # the server's own warnings were its own; the client's are said
         code: object = cli.run_in_process(list(message.get("argv") or []))
     except SystemExit as e:
         code = e.code

@@ -100,7 +100,7 @@ _FIELDS: dict[str, dict[str, Any]] = {
     "stop": {},
     "warm": {"targets": _texts()},
     "run": {**_COMMON, "path": _texts(), "tty": _flags, "columns": _whole(0, _MAX_COLUMNS), "lines": _whole(0, _MAX_COLUMNS),
-            "encoding": _codecs(codecs.lookup), "errors": _codecs(codecs.lookup_error), "files": _files},
+            "encoding": _codecs(codecs.lookup), "errors": _codecs(codecs.lookup_error), "files": _files, "warned": _texts()},
     "exec": {**_COMMON, "executable": _absolute},
 }
 _REQUIRED = {"warm": ("targets",), "run": ("argv", "cwd", "env", "path", "process"), "exec": ("argv", "cwd", "env", "executable", "process")}

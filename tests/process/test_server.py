@@ -340,3 +340,12 @@ def test_a_usage_error_is_reported_in_the_process_and_starts_no_server(own):
         assert result.returncode == 2 and message in result.stderr, (line, result.stderr[-2000:])
     assert server.status() == {} and not (server.run / "lowercache" / "server.sock").exists()
     assert not (server.project / "out").exists()
+
+
+def test_a_warning_the_client_gave_is_not_given_again_by_the_servers_child(shared, tmp_path):
+    # direct mode's lookup in the client meets the remote first: without a key it is off, which the client says
+    unkeyed = ("--remote", "redis://127.0.0.1:9/0", "--cache-dir", tmp_path / "cache")
+    for out in ("cold", "again"):
+        result = shared("lower", TINY, "-t", TARGET, "-o", tmp_path / out, *unkeyed)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert len(warnings_of(result)) == 1 and "LOWERCACHE_HMAC_KEY" in warnings_of(result)[0], result.stderr
