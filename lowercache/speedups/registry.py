@@ -234,6 +234,17 @@ SPEEDUPS: tuple[Speedup, ...] = (
         ("xnnpack",),
     ),
     Speedup(
+        "retraceskip",
+        ("executorch.backends.xnnpack._passes:XNNPACKPassManager.transform", f"{_PB}:_ExportPassBase.call",
+         f"{_PB}:_ExportPassBase.call_submodule", f"{_PB}:ExportPass.call_submodule",
+         f"{_PB}:_ExportPassBase.ExportTracer.set_metadata", f"{_PB}:ExportPass.ExportInterpreter.call_function"),
+        "7eebfe880622ed038436a44e0f01974797d21bba70c0e1b4e0dcdb89e0e62eaa",
+        "A retrace of a retrace's output gives back the same graph, so an XNNPACK pass whose body left the graph as "
+        "the last retrace made it (every node, argument, metadata value and user) returns it as it is.",
+        "tests/flow/test_retraceskip.py",
+        ("xnnpack",),
+    ),
+    Speedup(
         "gcfreeze",
         (),
         "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
