@@ -87,7 +87,8 @@ def _signal_error(status: int) -> str:
 class Server:
     """The accept loop, the children and the queue."""
 
-    def __init__(self, listener: socket.socket, identity: dict[str, Any], warm: Warm, idle_timeout: float, jobs: int) -> None:
+    def __init__(self, listener: socket.socket, identity: dict[str, Any], warm: Warm, idle_timeout: float, jobs: int,
+                 started: float | None = None) -> None:
         self.listener = listener
         self.path = listener.getsockname()
         self.inode = os.stat(self.path).st_ino
@@ -100,7 +101,7 @@ class Server:
         self.requests: dict[int, _Request] = {}  # by the connection's fd
         self.queue: collections.deque[_Request] = collections.deque()
         self.running: dict[int, _Request] = {}  # by pid
-        self.started = time.time()
+        self.started = time.time() if started is None else started  # the process's start: its warm-up is uptime too
         self.last_active = time.monotonic()
         self.beat = time.monotonic()
         self.served = 0
@@ -668,6 +669,7 @@ def _listen(path: str) -> socket.socket:
 
 def main() -> None:
     """``python -m lowercache.server``: warm up, then serve until stopped or idle."""
+    started = time.time()
     # sys.path as ``python -c`` started it, '' first, with this lowercache put in front by client._spawn's code
     base_path = sys.path[2:] if sys.path[1:2] == [""] else None
     warm = Warm(threads=1, cpus=len(os.sched_getaffinity(0)), start_env=dict(os.environ), base_path=base_path)
@@ -679,5 +681,5 @@ def main() -> None:
     gc.freeze()  # children share the warm heap instead of copying pages the collector would touch
     listener = _listen(os.fspath(directory / client.SOCKET_NAME))
     print(f"lowercache server {os.getpid()} listening at {listener.getsockname()}", file=sys.stderr, flush=True)
-    Server(listener, identity, warm, settings.server_idle_timeout, settings.server_jobs).serve()
+    Server(listener, identity, warm, settings.server_idle_timeout, settings.server_jobs, started).serve()
 

@@ -256,7 +256,10 @@ def test_start_stop_and_idle_exit(own):
     assert wait_until(lambda: not alive(pid), 60)
     assert not (server.run / "lowercache" / "server.sock").exists()
     assert server.status() == {}
+    begun = time.monotonic()
     pid = server.start()
+    took = time.monotonic() - begun
+    assert float(server.status()["uptime"].split()[0]) >= took / 2  # from the process's start: the warm-up counts
     result = server("server", "stop", timeout=120)
     assert result.stdout.strip() == f"server stopped (pid {pid})"
     assert not alive(pid) and server.status() == {}
