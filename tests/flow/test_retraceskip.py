@@ -17,14 +17,14 @@ import lowercache
 from lowercache.bench import models
 from lowercache.speedups import retraceskip
 
-from tests.helpers.graphs import form
+from tests.helpers.graphs import describe
 
 pytestmark = pytest.mark.timeout(900)
 
 
 def _picture(graph_module: torch.fx.GraphModule) -> list:
-    return [(n.op, n.name, str(n.target), form(n.args), form(n.kwargs), [u.name for u in n.users],
-             {k: form(v) for k, v in n.meta.items() if k != "from_node"}) for n in graph_module.graph.nodes]
+    """``describe``'s rows (a module has the graph a program has), each with its node's users in order."""
+    return [(*row, [u.name for u in n.users]) for row, n in zip(describe(graph_module), graph_module.graph.nodes)]
 
 
 @pytest.fixture
