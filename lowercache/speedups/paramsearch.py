@@ -1,4 +1,4 @@
-"""An exact, faster ``HistogramObserver._non_linear_param_search``: the same loop and float32 arithmetic, with monotone scans done by bisection.
+"""An exact, faster ``HistogramObserver._non_linear_param_search``: the same loop and float32 arithmetic, with monotone scans and idle steps done by bisection.
 
 Why it is exact, and figures: docs/speedups.md#paramsearch.
 """
@@ -6,6 +6,7 @@ Why it is exact, and figures: docs/speedups.md#paramsearch.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import struct
 from typing import Any
@@ -13,8 +14,6 @@ from typing import Any
 import torch
 
 from .patching import Patch
-
-_FLOAT32 = struct.Struct("f")
 
 
 def fast_non_linear_param_search(self: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,8 +24,9 @@ def fast_non_linear_param_search(self: Any) -> tuple[torch.Tensor, torch.Tensor]
     is rounded to float32 here before comparing. The cumulative sum of a
     non-negative histogram never decreases, so the stock linear scans
     ("first bin from ``start_bin`` not below the threshold", "last bin down to
-    ``end_bin`` not above it") are bisections. Any histogram outside those
-    assumptions goes to the original.
+    ``end_bin`` not above it") are bisections, and a run of steps that move
+    neither bin is skipped by bisection too (``_first_move``). Any histogram
+    outside those assumptions goes to the original.
     """
     hist = self.histogram
     if hist.dtype != torch.float32 or hist.dim() != 1 or hist.size(0) != self.bins or hist.device.type != "cpu":
@@ -36,26 +36,24 @@ def fast_non_linear_param_search(self: Any) -> tuple[torch.Tensor, torch.Tensor]
         return _stock_search(self)
     bin_width = (self.max_val - self.min_val) / self.bins
     total = torch.sum(hist).item()
-    pack, unpack = _FLOAT32.pack, _FLOAT32.unpack
-    stepsize = 1e-5
-    alpha, beta = 0.0, 1.0
+    alphas, betas = _bounds()
+    i = j = 0  # alpha is alphas[i], beta is betas[j]
     start_bin, end_bin = 0, self.bins - 1
     norm_min = float("inf")
-    while alpha < beta:
-        next_alpha = alpha + stepsize
-        next_beta = beta - stepsize
-        low = unpack(pack(next_alpha * total))[0]
-        high = unpack(pack(next_beta * total))[0]
+    while alphas[i] < betas[j]:
+        low = _f32(alphas[i + 1] * total)
+        high = _f32(betas[j + 1] * total)
         left = bisect.bisect_left(csum, low, start_bin, end_bin)
         right = bisect.bisect_right(csum, high, start_bin + 1, end_bin + 1) - 1
         next_start_bin, next_end_bin = start_bin, end_bin
         if (left - start_bin) > (end_bin - right):
             next_start_bin = left
-            alpha = next_alpha
+            i += 1
         else:
             next_end_bin = right
-            beta = next_beta
+            j += 1
         if next_start_bin == start_bin and next_end_bin == end_bin:
+            j = _first_move(alphas[i], betas, j, csum[end_bin] if start_bin < end_bin else None, total)
             continue
         norm = self._compute_quantization_error(next_start_bin, next_end_bin)
         if norm > norm_min:
@@ -63,6 +61,50 @@ def fast_non_linear_param_search(self: Any) -> tuple[torch.Tensor, torch.Tensor]
         norm_min = norm
         start_bin, end_bin = next_start_bin, next_end_bin
     return self.min_val + bin_width * start_bin, self.min_val + bin_width * (end_bin + 1)
+
+
+_STEPSIZE = 1e-5  # torchao's granularity
+_FLOAT32 = struct.Struct("f")
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to float32, as torch rounds a Python float compared with a float32 tensor."""
+    return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
+
+
+@functools.lru_cache(maxsize=1)
+def _bounds() -> tuple[list[float], list[float]]:
+    """Every value stock's ``alpha`` and ``beta`` take, in order: each step adds (subtracts) the step size to the
+    last value and rounds, so the k-th value is the k-th of these lists whatever the other bound did meanwhile."""
+    alphas, betas = [0.0], [1.0]
+    while alphas[-1] < 1.0:
+        alphas.append(alphas[-1] + _STEPSIZE)
+    while betas[-1] > 0.0:
+        betas.append(betas[-1] - _STEPSIZE)
+    return alphas, betas
+
+
+def _first_move(alpha: float, betas: list[float], j: int, end_sum: float | None, total: float) -> int:
+    """After a step that moved neither bin, the first beta index from ``j`` at which stock's loop ends or moves a bin.
+
+    Such a step left ``start_bin`` where the alpha step found it and ``end_bin`` where the beta step found it; only
+    beta moved. With alpha fixed the alpha step finds the same bin again, so the following steps move beta alone
+    until the loop ends (``alpha >= beta``) or the beta step finds a lower end bin: ``cSum[end_bin]`` above
+    ``float32(next_beta * total)`` (``end_sum`` is None when the bins have met, and only the end remains). Both
+    conditions hold from some index on (beta falls), so it is found by bisection.
+    """
+
+    def stops(k: int) -> bool:
+        return alpha >= betas[k] or (end_sum is not None and end_sum > _f32(betas[k + 1] * total))
+
+    lo, hi = j, len(betas) - 1  # betas[-1] <= 0 <= alpha: the loop has ended by then
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if stops(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 _search_originals: list[Any] = []

@@ -86,15 +86,38 @@ def _histogram_observers():
     return out
 
 
+def _searched(search, observer):
+    """The search's result and the bin pairs it evaluated, in order (``_compute_quantization_error``'s calls)."""
+    calls = []
+    evaluate = observer._compute_quantization_error
+
+    def recorded(start_bin, end_bin):
+        calls.append((start_bin, end_bin))
+        return evaluate(start_bin, end_bin)
+
+    observer._compute_quantization_error = recorded
+    try:
+        return search(observer), calls
+    finally:
+        del observer._compute_quantization_error
+
+
 def test_fast_histogram_search_equals_torchao():
+    """The same result after the same evaluations, step for step, on histograms with long idle runs too."""
     from torchao.quantization.pt2e.observer import HistogramObserver
 
     from lowercache.speedups.paramsearch import fast_non_linear_param_search
 
-    for observer in _histogram_observers():
-        stock = HistogramObserver._non_linear_param_search(observer)
-        fast = fast_non_linear_param_search(observer)
+    sparse = HistogramObserver()
+    sparse(torch.tensor([0.0] * 50 + [1.0] * 3 + [9.0]))  # a few occupied bins: the end bin waits for many steps
+    zero = HistogramObserver()
+    zero.histogram = torch.zeros(zero.bins)  # no mass at all: the loop runs until the bounds meet
+    zero.min_val, zero.max_val = torch.tensor(-1.0), torch.tensor(1.0)
+    for observer in [*_histogram_observers(), sparse, zero]:
+        stock, stock_calls = _searched(HistogramObserver._non_linear_param_search, observer)
+        fast, fast_calls = _searched(fast_non_linear_param_search, observer)
         assert torch.equal(stock[0], fast[0]) and torch.equal(stock[1], fast[1])
+        assert fast_calls == stock_calls
 
 
 def test_fast_histogram_search_equals_torchao_on_a_real_model():
@@ -113,9 +136,10 @@ def test_fast_histogram_search_equals_torchao_on_a_real_model():
     observers = [m for m in prepared.modules() if isinstance(m, HistogramObserver)]
     assert len(observers) > 10
     for observer in observers:
-        stock = HistogramObserver._non_linear_param_search(observer)
-        fast = fast_non_linear_param_search(observer)
+        stock, stock_calls = _searched(HistogramObserver._non_linear_param_search, observer)
+        fast, fast_calls = _searched(fast_non_linear_param_search, observer)
         assert torch.equal(stock[0], fast[0]) and torch.equal(stock[1], fast[1])
+        assert fast_calls == stock_calls
 
 
 def _qparams_records(artifacts):
