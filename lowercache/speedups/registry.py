@@ -255,6 +255,20 @@ SPEEDUPS: tuple[Speedup, ...] = (
         ("xnnpack",),
     ),
     Speedup(
+        "checkskip",
+        ("executorch.backends.xnnpack._passes:XNNPACKPassManager.transform",
+         "executorch.exir.pass_manager:ExportedProgramPassManager.check",
+         "torch.export.exported_program:ExportedProgram._validate",
+         "torch._export.verifier:Verifier._check_graph_module",
+         "torch._export.verifier:_verify_exported_program_signature",
+         "executorch.exir.verification.verifier:EXIREdgeDialectVerifier"),
+        "3fee0934e34036990c78ea744d29b88daa52a85a096c1f0fe8a803f2f567006f",
+        "A program check (lint, verifiers) reads the graph, its signature, state and verifiers and changes nothing, so "
+        "within XNNPACK's pass manager a check of a program pictured as one that passed is not run again.",
+        "tests/flow/test_checkskip.py",
+        ("xnnpack",),
+    ),
+    Speedup(
         "gcfreeze",
         (),
         "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",

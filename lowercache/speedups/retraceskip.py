@@ -10,7 +10,7 @@ import threading
 import weakref
 from typing import Any
 
-from . import retrace
+from . import graphpicture, retrace
 from .patching import Counters, Patch
 from .sourcepin import source_digest
 
@@ -74,37 +74,11 @@ def sources_digest() -> str | None:
 
 
 def _snapshot(graph_module: Any) -> tuple:
-    """What a retrace of ``graph_module`` reads, by identity: the graph and its name space (a name a body made and
-    erased again still counts), each node (name, op, target, argument tuples, users in order, metadata keys and the
-    objects they hold), the module's metadata and its tensors and submodules. A retrace copies each node's metadata
+    """What a retrace of ``graph_module`` reads (``graphpicture.snapshot``). A retrace copies each node's metadata
     shallowly, so what is changed inside a held object is the same with the retrace or without; and it recomputes
-    values from the objects held here, which passes replace rather than change (as ``retrace`` and ``dtypecheck``
-    rely on too). Ids only, so that no ``__eq__`` runs; every object whose id is taken is kept alive in the last slot.
-    Generated code is not read: ``recompile`` may renew it."""
-    import torch
-
-    graph = graph_module.graph
-    space = graph._graph_namespace
-    keep: list = [graph, graph._codegen, space, graph_module.meta]
-    rows = []
-    for n in graph.nodes:
-        values = tuple(n.meta.values())
-        keep += (n, n.args, n.kwargs, n.target, *values)
-        rows.append((id(n), n.op, n.name, id(n.target), id(n.args), id(n.kwargs), tuple(map(id, n.users)),
-                     tuple(n.meta), tuple(map(id, values))))
-    meta = tuple(graph_module.meta.items())
-    held = [(name, v) for name, v in vars(graph_module).items() if isinstance(v, (torch.Tensor, torch.nn.Module))]
-    held += [(f"{table}.{name}", v) for table in ("_modules", "_parameters", "_buffers")
-             for name, v in vars(graph_module)[table].items()]
-    keep += [v for _, v in meta] + [v for _, v in held]
-    return (id(graph), id(graph._codegen), id(space), len(space._used_names), len(space._obj_to_name),
-            tuple(space._base_count.items()), tuple((k, id(v)) for k, v in meta), tuple(rows),
-            tuple((name, id(v)) for name, v in held), keep)
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    """Equal pictures (the objects kept alive, the last slot, are compared through their ids)."""
-    return a[:-1] == b[:-1]
+    values from the objects held there, which passes replace rather than change (as ``retrace`` and ``dtypecheck``
+    rely on too)."""
+    return graphpicture.snapshot(graph_module)
 
 
 def _bare(pass_: Any) -> bool:
@@ -130,7 +104,7 @@ def _call(self: Any, graph_module: Any) -> Any:
         return original(self, graph_module)  # not one of the passes XNNPACK's pass manager runs
     recorded = outputs.get(graph_module)
     if recorded is not None and _bare(self):
-        if _same(recorded, _snapshot(graph_module)):
+        if graphpicture.same(recorded, _snapshot(graph_module)):
             _count("skipped")
             return _skipped(self, graph_module)
         _count("changed")
