@@ -84,9 +84,26 @@ def _spec_row(spec: Any, keep: list) -> tuple | None:
             *(_scalar_or_id(v, keep) for v in fields.values()))
 
 
-def _verifier_picture(cls: Any, keep: list) -> tuple:
+# The verifier classes whose reads are audited: torch's own, and those ExecuTorch's pinned factories make.
+_FACTORIES = ("EXIRATenDialectVerifier.<locals>.", "EXIREdgeDialectVerifier.<locals>.")
+
+
+def _audited_verifier(cls: Any) -> bool:
+    """Whether ``cls`` checks with torch's audited ``check`` and reads no more than the audited sources read."""
+    from torch._export.verifier import Verifier
+
+    if not isinstance(cls, type) or cls.check is not Verifier.check:
+        return False
+    if cls._check_graph_module is not Verifier._check_graph_module:
+        return False
+    return cls.__module__ == Verifier.__module__ or cls.__qualname__.startswith(_FACTORIES)
+
+
+def _verifier_picture(cls: Any, keep: list) -> tuple | None:
     """A verifier class and what its ``__init__`` closes over (ExecuTorch's edge verifier reads its compile config
-    and op lists there): the config's settings and the lists' items."""
+    and op lists there): the config's settings and the lists' items. None for a verifier not audited."""
+    if not _audited_verifier(cls):
+        return None
     keep.append(cls)
     cells = []
     for cell in getattr(getattr(cls, "__init__", None), "__closure__", None) or ():
@@ -104,9 +121,14 @@ def _picture(exported_program: Any) -> tuple | None:
     """Everything the check reads, by identity (values for scalars): each graph module's picture
     (``graphpicture``), the object each ``get_attr`` names, the signature's specs, the state dict's and the
     constants' entries, the module call graph's names and the verifiers; None for a program with a submodule that
-    is not a graph module (a lowered module's insides are not pictured), or a spec that is not a plain object."""
+    is not a graph module (a lowered module's insides are not pictured), a spec that is not a plain object, or a
+    verifier or ``validate`` whose reads are not the audited ones."""
     import torch
 
+    from torch.export.exported_program import ExportedProgram
+
+    if type(exported_program).validate is not ExportedProgram.validate:
+        return None  # a program that validates its own way
     gm = exported_program.graph_module
     modules = list(gm.modules())
     if not all(isinstance(m, torch.fx.GraphModule) for m in modules):
@@ -137,6 +159,8 @@ def _picture(exported_program: Any) -> tuple | None:
         tuple(getattr(arg, "name", None) for arg in args) for args in (entry.signature.inputs, entry.signature.outputs)))
         for entry in exported_program.module_call_graph)
     verifiers = tuple(_verifier_picture(v, keep) for v in exported_program.verifiers)
+    if None in verifiers:
+        return None
     return (tuple(parts), tuple(specs), tables, calls, verifiers, keep)
 
 

@@ -157,3 +157,33 @@ def test_idle_passes_are_skipped_and_pass():
     served, stats = _run(nothing, skip=True)
     assert stock is None and served is None
     assert stats == {"checked": 1, "skipped": 7}, stats  # one check of the program, then two per pass skipped
+
+
+def test_a_program_with_a_verifier_of_its_own_is_always_checked():
+    """A verifier that is not torch's or made by ExecuTorch's pinned factories may read anything: no check is
+    skipped."""
+    from executorch.backends.xnnpack._passes import XNNPACKPassManager
+    from executorch.backends.xnnpack._passes.xnnpack_pass import XNNPACKPass
+
+    class Idle(XNNPACKPass):
+        def call(self, graph_module):
+            return PassResult(graph_module, False)
+
+    program = _edge_program()
+    calls = []
+
+    class Own(program.verifiers[0]):
+        dialect = "OWN"
+
+        def check_additional(self, gm):
+            calls.append(gm)
+
+    program._verifiers = [Own]
+    checkskip.enable()
+    checkskip.reset_stats()
+    try:
+        XNNPACKPassManager(program, passes=[Idle, Idle, Idle]).transform()
+    finally:
+        checkskip.disable()
+    assert checkskip.stats() == {"checked": 6, "skipped": 0}
+    assert len(calls) == 6
