@@ -445,3 +445,17 @@ def test_failed_write_leaves_no_new_directory(tmp_path, monkeypatch):
     with pytest.raises(LowercacheError, match="No space left on device"):
         api.write_artifacts(_artifacts({"model.pte": b"pte", "partition_0.tosa": b"t"}), out)
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("data", [b"PK\x03\x04 this is not a saved program", b"hello"])
+def test_an_unreadable_archive_is_named_in_one_sentence(data, tmp_path):
+    """torch's reader says what is wrong, then adds advice about corrupt checkpoints: only the first is kept."""
+    from lowercache.lowering.stored.savedprogram import load_saved_program
+
+    (tmp_path / "broken.pt2").write_bytes(data)
+    with pytest.raises(LowercacheError) as caught:
+        load_saved_program(str(tmp_path / "broken.pt2"))
+    message = str(caught.value)
+    assert message.startswith(f"cannot load saved program {tmp_path}/broken.pt2: RuntimeError: PytorchStreamReader")
+    assert "zip archive" in message and "internal miniz error" not in message and "\n" not in message
+    assert len(message) < 200 + len(str(tmp_path)), message

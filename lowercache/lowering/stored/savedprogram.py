@@ -60,8 +60,14 @@ def load_saved_program(path: str) -> torch.export.ExportedProgram:
         raise LowercacheError(f"refusing saved program {path}: {e}") from None
     except Exception as e:
         lines = str(e).strip().splitlines()
-        reason = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+        reason = f"{type(e).__name__}: {_first_sentence(lines[0])}" if lines else type(e).__name__
         raise LowercacheError(f"cannot load saved program {path}: {reason}") from None
+
+
+def _first_sentence(line: str) -> str:
+    """The first sentence of an error's first line: torch's archive reader adds about 300 characters of advice
+    about corrupt checkpoints after the one that says what is wrong."""
+    return re.split(r"(?<=[a-z0-9)])\. (?=[A-Z])", line, maxsplit=1)[0]
 
 
 def _read(data: bytes) -> torch.export.ExportedProgram:
