@@ -14,7 +14,7 @@ from .patching import Counters, Patch
 from .sourcepin import source_digest
 
 # sha256 over the sources of _audited_sources() (executorch 1.5.1, torch 2.13.0).
-_AUDITED_DIGEST = "4a1dd5556f47a43e9d7e1bb1f21bc4c95dd66168aff079b39d41b86ee78a8862"
+_AUDITED_DIGEST = "3ca83f118eb24d2d4ab1f766a3b6c1eb098d6c7bb50a8ee116ec2f6c3c7c2454"
 _originals: dict[str, Any] = {}
 _tls = threading.local()
 _MISSING = object()
@@ -50,6 +50,7 @@ def _audited_sources() -> list[Any]:
         ExportedProgram._validate,
         verifier.Verifier.check,
         verifier.Verifier._check_graph_module,
+        verifier.getattr_recursive,
         verifier._check_val,
         verifier._verify_exported_program_module_call_graph,
         verifier._verify_exported_program_signature,
@@ -124,7 +125,6 @@ def _picture(exported_program: Any) -> tuple | None:
     is not a graph module (a lowered module's insides are not pictured), a spec that is not a plain object, or a
     verifier or ``validate`` whose reads are not the audited ones."""
     import torch
-
     from torch.export.exported_program import ExportedProgram
 
     if type(exported_program).validate is not ExportedProgram.validate:
@@ -165,15 +165,15 @@ def _picture(exported_program: Any) -> tuple | None:
 
 
 def _attribute(module: Any, target: Any) -> Any:
-    """What ``getattr_recursive`` (the verifier) and ``lint`` find at a ``get_attr`` target, or a marker."""
+    """What the verifier's ``getattr_recursive`` finds at a ``get_attr`` target, or a marker where it finds none."""
+    from torch._export.verifier import getattr_recursive
+
     if not isinstance(target, str):
         return _MISSING
-    obj = module
-    for atom in target.split("."):
-        obj = getattr(obj, atom, _MISSING)
-        if obj is _MISSING:
-            return _MISSING
-    return obj
+    try:
+        return getattr_recursive(module, target)
+    except RuntimeError:  # a missing atom
+        return _MISSING
 
 
 def _check(self: Any, exported_program: Any) -> None:
@@ -182,18 +182,15 @@ def _check(self: Any, exported_program: Any) -> None:
     if passed is None:
         return original(self, exported_program)  # not inside XNNPACK's pass manager
     gm = exported_program.graph_module
-    last = passed.get(gm)
-    if last is not None:
-        now = _picture(exported_program)
-        if now is not None and graphpicture.same(last, now):
-            gm.recompile()  # the one thing the check does besides raising
-            _count("skipped")
-            return None
+    now, last = _picture(exported_program), passed.get(gm)
+    if now is not None and last is not None and graphpicture.same(last, now):
+        gm.recompile()  # the one thing the check does besides raising
+        _count("skipped")
+        return None
     _count("checked")
     original(self, exported_program)
-    picture = _picture(exported_program)
-    if picture is not None:
-        passed[gm] = picture
+    if now is not None:  # what was checked: the check changes nothing the picture holds
+        passed[gm] = now
     return None
 
 
