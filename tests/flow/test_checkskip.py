@@ -97,6 +97,17 @@ def _changes():
                                     attribute_replaced)}
 
 
+def _idle_pass():
+    """A pass of XNNPACK's kind that changes nothing."""
+    from executorch.backends.xnnpack._passes.xnnpack_pass import XNNPACKPass
+
+    class Idle(XNNPACKPass):
+        def call(self, graph_module):
+            return PassResult(graph_module, False)
+
+    return Idle
+
+
 def _run(change, skip: bool):
     """XNNPACK's pass manager over a small edge program: idle passes, and a pass that makes the change (a change
     that yields is made in two steps, the first one valid, each by a pass of its own); what the checks raise, and
@@ -106,24 +117,21 @@ def _run(change, skip: bool):
     from executorch.backends.xnnpack._passes import XNNPACKPassManager
     from executorch.backends.xnnpack._passes.xnnpack_pass import XNNPACKPass
 
+    two_steps = inspect.isgeneratorfunction(change)
     started = []
-
-    class Idle(XNNPACKPass):
-        def call(self, graph_module):
-            return PassResult(graph_module, False)
 
     class Change(XNNPACKPass):
         def call(self, graph_module):
             if started:
                 next(started[0], None)
-            elif inspect.isgeneratorfunction(change):
+            elif two_steps:
                 started.append(change(self.exported_program, graph_module))
                 next(started[0])
             else:
                 change(self.exported_program, graph_module)
             return PassResult(graph_module, False)
 
-    two_steps = inspect.isgeneratorfunction(change)
+    Idle = _idle_pass()
     passes = [Idle, Change, Idle, Idle, Change, Idle] if two_steps else [Idle, Idle, Change, Idle]
     if skip:
         checkskip.enable()
@@ -163,12 +171,8 @@ def test_a_program_with_a_verifier_of_its_own_is_always_checked():
     """A verifier that is not torch's or made by ExecuTorch's pinned factories may read anything: no check is
     skipped."""
     from executorch.backends.xnnpack._passes import XNNPACKPassManager
-    from executorch.backends.xnnpack._passes.xnnpack_pass import XNNPACKPass
 
-    class Idle(XNNPACKPass):
-        def call(self, graph_module):
-            return PassResult(graph_module, False)
-
+    Idle = _idle_pass()
     program = _edge_program()
     calls = []
 
