@@ -207,6 +207,28 @@ SPEEDUPS: tuple[Speedup, ...] = (
         ("xnnpack",),
     ),
     Speedup(
+        "jsonhints",
+        ("executorch.exir._serialize._dataclass:_DataclassEncoder.default",
+         "executorch.exir._serialize._dataclass:_is_strict_union",
+         "executorch.exir._serialize._dataclass:_get_class_from_union",
+         "executorch.exir._serialize._dataclass:_json_to_dataclass"),
+        "2950a4e65a4cd5328346dc5c0d76a7eece7d3e10918cc5ec3120a91abd3a6e9c",
+        "A class's type hints are read once per lowering: the same dict each field's lookup would build, read only.",
+        "tests/flow/test_serialtext.py",
+        ("xnnpack",),
+    ),
+    Speedup(
+        "debugtext",
+        ("executorch.backends.xnnpack._passes.convert_to_linear:ConvertToLinearPass.call",
+         "executorch.backends.xnnpack._passes.convert_to_sdpa:ConvertToSDPAPass.call",
+         "torch.fx.graph_module:GraphModule.print_readable"),
+        "5fde8995f506bfa467f7f41ffb3071ea5a9d60b76120707fddad1d9d675502a6",
+        "The readable dump two XNNPACK passes hand a logger that drops debug messages is not written; the graph is "
+        "not changed by writing it.",
+        "tests/flow/test_serialtext.py",
+        ("xnnpack",),
+    ),
+    Speedup(
         "regions",
         ("executorch.backends.arm._passes.arm_pass_manager:ArmPassManager",
          "executorch.backends.arm.ethosu.backend:EthosUBackend.preprocess",
