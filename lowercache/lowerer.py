@@ -19,7 +19,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
-from . import direct, estimates, phases
+from . import direct, estimates, phases, precheck
 from .config import Settings
 from .errors import LowercacheError
 from .output import Report, report, run_summary
@@ -42,6 +42,9 @@ def lower(model: str, target: str, out_dir: Path, console: Any, *, verbose: bool
     settings = None
     try:
         settings = request.settings()
+        problem = precheck.problem(model, target, system_config, memory_mode)  # before torch is imported
+        if problem is not None:
+            raise LowercacheError(problem)
         artifacts, written, timed = _lower(request, settings, console)
     except LowercacheError:
         _count_failure(settings, "input")

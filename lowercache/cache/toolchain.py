@@ -41,6 +41,7 @@ NOT_BYTE_SHAPING = {
     "lowering/check/numerics_report.py": "part of the numerics check (as lowering/check/numerics.py)",
     "cache/store.py": "moves and checks bytes other code made: every entry is read back against its digest",
     "errors.py": "exception types: a step that raises stores nothing",
+    "precheck.py": "checks that MODEL names a file and the target is known; loads and makes nothing",
     "config.py": "reads settings; those that shape bytes (target, speed-ups, options) are key parts of their own",
 }
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -58,12 +58,13 @@ def dispatch(args: List[str]) -> object:
         wrapped = parse_run(args)
         if wrapped is not None:
             return run_light(**wrapped)
-    # then the warm server (docs/server.md), for a command line typer would take: a usage error is reported here
+    # then the warm server (docs/server.md), for a command line typer would take: a usage error, a MODEL that names
+    # no file or an unknown target is reported here, at once, and starts no server
     with own_imports():
         from ..client import SERVED, run_through_server
-        from .usage import well_formed
+        from .usage import input_problem, well_formed
 
-    if command in SERVED and well_formed(args):
+    if command in SERVED and well_formed(args) and input_problem(args) is None:
         served = run_through_server(args)
         if served is not None:
             return served

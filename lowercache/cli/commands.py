@@ -12,6 +12,7 @@ A failure inside ExecuTorch itself prints one line and exits 1; set
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 import json
 import logging
@@ -20,7 +21,7 @@ import re
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import typer
 from typer.core import TyperCommand
@@ -115,6 +116,27 @@ def _logged_tracebacks_hidden() -> Iterator[None]:
             h.removeFilter(_no_traceback)
 
 
+def _tracebacks_hidden(command: Callable[..., None]) -> Callable[..., None]:
+    """``command`` (``lower``, ``verify``) with torch's logged tracebacks hidden, unless its MODEL names no file or its
+    target is unknown: it then fails on that before torch is imported, and nothing imports torch for it."""
+
+    @functools.wraps(command)
+    def hidden(**options: Any) -> None:
+        if _input_problem(options) is not None:
+            return command(**options)
+        with _logged_tracebacks_hidden():
+            return command(**options)
+
+    return hidden
+
+
+def _input_problem(options: dict[str, Any]) -> Optional[str]:
+    """A bad MODEL or target of ``lower``'s or ``verify``'s parsed options (``precheck``), found without importing torch."""
+    from ..precheck import problem
+
+    return problem(options["model"], options["target"], options.get("system_config"), options.get("memory_mode"))
+
+
 def _fail(message: str, code: int, as_json: bool = False) -> None:
     """The one error line, and with ``lower --json`` the same as one JSON object on stdout, where a script reads the summary."""
     print(f"lowercache: error: {message}", file=sys.stderr)
@@ -176,7 +198,7 @@ def _settings(cache_dir: Optional[Path], **flags):
 
 
 @app.command(cls=_Command)
-@_logged_tracebacks_hidden()
+@_tracebacks_hidden
 def lower(
     model: str = typer.Argument(..., metavar="MODEL", help="path/to/file.py:factory (returns (nn.Module, example_inputs)) or a saved .pt2."),
     target: str = TargetOption,
@@ -224,7 +246,7 @@ def _vela_args(system_config: Optional[str], memory_mode: Optional[str]) -> list
 
 
 @app.command(cls=_Command)
-@_logged_tracebacks_hidden()
+@_tracebacks_hidden
 def verify(
     model: str = typer.Argument(..., metavar="MODEL", help="path/to/file.py:factory or a saved .pt2."),
     target: str = TargetOption,
@@ -236,6 +258,9 @@ def verify(
     memory_mode: Optional[str] = MemoryMode,
 ) -> None:
     """Lower with and without the cache (and in a fresh cache); fail on any byte difference."""
+    problem = _input_problem({"model": model, "target": target, "system_config": system_config, "memory_mode": memory_mode})
+    if problem is not None:  # before torch is imported
+        _fail_input(LowercacheError(problem))
     from ..lowering import loading
     from ..targets import resolve
     from ..verify import Progress, expected, served_now
@@ -719,6 +744,7 @@ def _settings_problem() -> Optional[str]:
 def run_in_process(args: List[str]) -> object:
     """Run the command line in this process and return its exit code; a server's child runs this too."""
     from .. import quiet
+    from .usage import input_problem
 
     _fresh_consoles()
     _setup_logging()
@@ -732,7 +758,9 @@ def run_in_process(args: List[str]) -> object:
                 print(json.dumps({"error": problem, "exit": 2}, sort_keys=True))
             return 2
     code: object = 0
-    with quiet.captured(import_torch=command in _TORCH_COMMANDS and "--help" not in options) as noise:  # help needs no torch
+    # help needs no torch, nor a bad MODEL or target: the command fails on it before torch would be imported
+    torch_first = command in _TORCH_COMMANDS and "--help" not in options and input_problem(args) is None
+    with quiet.captured(import_torch=torch_first) as noise:
         try:
             app(args=args, prog_name="lowercache")
         except SystemExit as e:  # typer turns Ctrl-C into a silent exit 130

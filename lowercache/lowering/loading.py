@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .. import precheck
 from ..errors import LowercacheError, user_line
 from .stored.savedprogram import load_saved_program
 
@@ -45,13 +46,12 @@ def _exit_status(e: SystemExit) -> str:
 
 def load_model(spec: str) -> LoadedModel:
     """Load ``path/to/file.py:factory`` or a saved ExportedProgram ``.pt2``."""
+    problem = precheck.model_problem(spec)
+    if problem is not None:
+        raise LowercacheError(problem)
     if spec.endswith(".pt2"):
         return _load_program(spec)
-    path, sep, factory_name = spec.rpartition(":")
-    if not sep or not path or not factory_name:
-        raise LowercacheError(f"bad model {spec!r}; expected path/to/file.py:factory or a .pt2 file")
-    if not os.path.isfile(path):
-        raise LowercacheError(f"model file not found: {path}")
+    path, _, factory_name = spec.rpartition(":")
     module = _import_file(path)
     factory = getattr(module, factory_name, None)
     if not callable(factory):
@@ -99,8 +99,6 @@ def _import_file(path: str) -> Any:
 
 
 def _load_program(path: str) -> LoadedModel:
-    if not os.path.isfile(path):
-        raise LowercacheError(f"saved program not found: {path}")
     program = load_saved_program(path)
     example = getattr(program, "example_inputs", None)
     if not example:

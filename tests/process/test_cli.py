@@ -408,6 +408,34 @@ def test_a_bad_setting_is_refused_before_torch_is_imported(command, tmp_path, ca
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("command, expected", [
+    (["lower", "nope.py:model", "-t", "tosa-int", "-o", "out"], "model file not found: nope.py"),
+    (["lower", "gone.pt2", "-t", "tosa-int", "-o", "out", "--json"], "saved program not found: gone.pt2"),
+    (["lower", "model.py", "-t", "tosa-int", "-o", "out"], "bad model 'model.py'"),
+    (["lower", "model.py:model", "-tethos-u99", "-o", "out"], "unknown target 'ethos-u99'"),
+    (["lower", "model.py:model", "--target=ethos-u55-128", "--system-config", "nope", "-o", "out"], "unknown --system-config 'nope'"),
+    (["verify", "nope.py:model", "--target", "tosa-int"], "model file not found: nope.py"),
+    (["verify", "model.py:model", "-t", "ethos-u99"], "unknown target 'ethos-u99'"),
+])
+def test_a_bad_model_or_target_is_refused_at_once_with_the_server_on(command, expected, tmp_path, cache_dir):
+    """A mistyped MODEL or target, as a person types it with the server on (the default): one line and exit 2 from
+    the client, before torch is imported and without starting a server (which took 6-9 s for this one line)."""
+    (tmp_path / "model.py").write_text("")
+    env = {**os.environ, "LOWERCACHE_DIR": str(cache_dir), "LOWERCACHE_SERVER": "1"}
+    result = subprocess.run([sys.executable, "-c", _IMPORTS_TORCH, *command], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env=env)
+    assert result.stderr.strip().splitlines()[-1] == "False False 2", result.stderr[-2000:]
+    assert [line for line in result.stderr.splitlines() if line.startswith("lowercache:")] == error_lines(result)
+    assert len(error_lines(result)) == 1 and expected in error_lines(result)[0], result.stderr
+    if "--json" in command:
+        assert json.loads(result.stdout) == {"error": error_lines(result)[0].removeprefix("lowercache: error: "), "exit": 2}
+    assert not (tmp_path / "out").exists()
+    status = subprocess.run([sys.executable, "-m", "lowercache.cli", "server", "status"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert status.stdout.startswith("no server running"), status.stdout
+
+
 def test_stats_json_and_zero_and_a_json_error(tmp_path, cache_dir):
     lowered = cli("lower", TINY, "-t", "tosa-fp", "-o", tmp_path / "out", cache_dir=cache_dir)
     assert lowered.returncode == 0 and "wrote 3 files" in lowered.stdout, lowered.stdout
