@@ -12,8 +12,8 @@ A failure inside ExecuTorch itself prints one line and exits 1; set
 from __future__ import annotations
 
 import contextlib
-import functools
 import dataclasses
+import functools
 import json
 import logging
 import os

@@ -16,8 +16,8 @@ from ..speedups import registry
 ORDER = (
     "provenance", "paramsearch", "qparams", "histogram", "passes", "retrace", "fastcopy", "lazycode", "attrnames",
     "decompositions", "fakecache", "partitionorder", "signature", "treeiter", "dtypecheck", "callsite",
-    "deadcode", "ciaops", "exportguards", "propagate", "retraceskip", "checkskip", "partitioner", "groupmerge", "jsonhints", "debugtext",
-    "qpatterns", "regions", "rebind",
+    "deadcode", "ciaops", "exportguards", "propagate", "retraceskip", "checkskip", "partitioner", "groupmerge",
+    "jsonhints", "debugtext", "qpatterns", "regions", "rebind",
 )
 
 
