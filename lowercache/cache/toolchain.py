@@ -1,8 +1,12 @@
 """The toolchain part of every key: versions and sources that shape the output.
 
-A key includes the versions of torch, executorch, tosa-tools and Vela, a hash
-of the Arm backend's Python sources (a local patch to a pass changes the key
-even when the version string does not) and a hash of lowercache's own
+A key includes the interpreter's version, the version of every distribution
+whose code a lowering imports (:data:`STACK`; tests/process/test_toolchain_stack.py
+lowers a model of each target family in a fresh interpreter and fails on an
+import from a distribution that is neither there nor in :data:`NOT_STACK`), a
+hash of the sources of the packages whose code does the lowering
+(:data:`HASHED_PACKAGES`: an edit in place or an editable install changes the
+key even when the version string does not) and a hash of lowercache's own
 byte-shaping code (:data:`BYTE_SHAPING`: the lowering flow, the speed-ups, and
 the code that makes keys and stored forms), as torch's compile cache hashes
 its own code: an upgrade that changes a step's code misses instead of serving
@@ -20,6 +24,7 @@ import importlib.util
 import json
 import os
 import posix
+import struct
 import sys
 import tempfile
 from typing import Any
@@ -44,6 +49,21 @@ NOT_BYTE_SHAPING = {
     "precheck.py": "checks that MODEL names a file and the target is known; loads and makes nothing",
     "config.py": "reads settings; those that shape bytes (target, speed-ups, options) are key parts of their own",
 }
+# Distributions whose code runs in a lowering, by version (besides the four named parts: torch, executorch, tosa-tools,
+# Vela). A distribution whose modules a lowering imports is here or in NOT_STACK (tests/process/test_toolchain_stack.py).
+STACK = ("torchao", "numpy", "ml_dtypes", "sympy", "mpmath", "networkx", "flatbuffers", "ruamel.yaml", "ruamel.yaml.clib", "packaging", "typing_extensions", "filelock", "Jinja2", "MarkupSafe", "tabulate", "zstandard")
+# Distributions a lowering imports that make none of its bytes, each with the reason.
+NOT_STACK = {
+    "lowercache": "its byte-shaping code is hashed as code (lowercache_src); the rest makes no stored lowering",
+    "diskcache": "the local store: every entry is read back against its digest",
+    "xxhash": "makes keys and digests; a change of its output changes keys (a miss), never the bytes stored",
+    "redis": "the shared store's transport: every entry is read back against its digest",
+    "cryptography": "imported by redis's client; moves no lowering bytes",
+    "platformdirs": "says where the cache lives",
+    "tqdm": "progress bars",
+}
+# Packages whose code does the lowering, hashed whole: every ``.py`` and ``.fbs`` outside test directories, by content.
+HASHED_PACKAGES = ("torch", "torchgen", "functorch", "executorch", "torchao", "ethosu", "tosa_serializer")
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MEMO_VERSION = 1
 
@@ -57,11 +77,11 @@ def version(dist: str) -> str:
         return "absent"
 
 
-def versions(dists: tuple[str, ...]) -> dict[str, str]:
+def versions(dists: tuple[str, ...], memo: _PartsMemo | None = None) -> dict[str, str]:
     """Each distribution's version, as :func:`version` says it, kept in a memo (``toolchain-parts.json``) while no
     directory on ``sys.path`` and no distribution's metadata file has moved (an install, an upgrade, a removal moves
     them): a direct-mode hit does not pay for ``importlib.metadata``'s import and its search (50-100 ms)."""
-    memo = _PartsMemo()
+    memo = memo or _PartsMemo()
     where = [[d, *_stamp(d)] for d in sys.path]
     known = memo.get("versions", repr(dists))
     if (isinstance(known, dict) and known.get("where") == where and isinstance(known.get("found"), dict)
@@ -100,33 +120,72 @@ def _stamp(path: str) -> list[int]:
 
 
 def source_digest(root: str, skip_dirs: frozenset[str] = frozenset({"test", "tests", "__pycache__"}),
-                  suffixes: tuple[str, ...] = (".py",)) -> str:
+                  suffixes: tuple[str, ...] = (".py",), memo: _PartsMemo | None = None) -> str:
     """Digest of every file under ``root`` whose name ends in one of ``suffixes``: relative path and content, in sorted order.
 
-    Kept in a memo (``toolchain-parts.json``) under every file's stat: while
-    none has moved, a walk and a stat per file answer without reading them
-    (the Arm backend's 400 files: 40 ms less on a direct-mode hit).
+    Kept in a memo (``toolchain-parts.json``) with the stat of every directory
+    and file it read: while no directory has moved (a file added, removed or
+    renamed moves its directory) the memo's list of files stands without a
+    walk, and while no file has moved either, the digest stands without a read
+    (the hashed packages' 5,800 files and 1,300 directories: a stat each, 15-25 ms).
     """
-    files = []  # (path relative to root, path)
-    prefix = os.path.join(root, "")
-    for directory, dirs, names in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in skip_dirs)
-        for name in sorted(names):
-            if name.endswith(suffixes):
-                path = os.path.join(directory, name)
-                files.append((path[len(prefix):] if path.startswith(prefix) else os.path.relpath(path, root), path))
-    listing = xxhash.xxh3_128_hexdigest(json.dumps([[rel, *_stamp(path)] for rel, path in files]).encode())
-    memo = _PartsMemo()
+    memo = memo or _PartsMemo()
     place = root if suffixes == (".py",) else f"{root}|{'|'.join(suffixes)}"
     known = memo.get("sources", place)
-    if isinstance(known, list) and len(known) == 2 and known[0] == listing and isinstance(known[1], str):
-        return known[1]
+    if (isinstance(known, dict) and isinstance(known.get("dirs"), list) and isinstance(known.get("files"), str)
+            and isinstance(known.get("stats"), str) and isinstance(known.get("digest"), str)):
+        files = known["files"].split("\n") if known["files"] else []
+        if _stats(root, known["dirs"]) == known.get("dirs_stats") and _stats(root, files) == known["stats"]:
+            return known["digest"]
+    dirs, files = _listing(root, skip_dirs, suffixes)
+    dirs_stats, stats = _stats(root, dirs), _stats(root, files)
     h = xxhash.xxh3_128()
-    for rel, path in files:
+    for rel in files:
         h.update(rel.encode() + b"\0")
-        with open(path, "rb") as f:
+        with open(os.path.join(root, rel), "rb") as f:
             h.update(f.read())
-    memo.put("sources", place, [listing, h.hexdigest()])
+    digest = h.hexdigest()
+    # Kept only when nothing moved while it was read: a file added between the walk and the directories' stats is seen
+    # by the second walk, one added after them moves a directory.
+    if stats and (_listing(root, skip_dirs, suffixes), _stats(root, dirs), _stats(root, files)) == ((dirs, files), dirs_stats, stats):
+        memo.put("sources", place, {"dirs": dirs, "dirs_stats": dirs_stats, "files": "\n".join(files), "stats": stats,
+                                    "digest": digest})
+    return digest
+
+
+def _listing(root: str, skip_dirs: frozenset[str], suffixes: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """The directories under ``root`` and the files in them named ``*suffixes``, relative to it, in walk order."""
+    dirs, files = [], []
+    prefix = os.path.join(root, "")
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d not in skip_dirs)
+        dirs.append(directory[len(prefix):] if directory.startswith(prefix) else "")
+        files += [os.path.join(dirs[-1], name) for name in sorted(names) if name.endswith(suffixes)]
+    return dirs, files
+
+
+_STAT = struct.Struct("<5q")
+
+
+def _stats(root: str, names: list[str]) -> str:
+    """One digest of the ``stat_key`` of every name under ``root``, in order (a missing one counts as such).
+
+    Relative to an open ``root``, through ``posix.stat`` (as :func:`_stamp`): a stat of a short name is a quarter
+    cheaper than of the whole path, and these are thousands."""
+    h = xxhash.xxh3_128()
+    try:
+        fd = posix.open(root or ".", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return ""
+    try:
+        for name in names:
+            try:
+                st = posix.stat(name or ".", dir_fd=fd)
+                h.update(_STAT.pack(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev))
+            except OSError:
+                h.update(b"-")
+    finally:
+        posix.close(fd)
     return h.hexdigest()
 
 
@@ -135,15 +194,28 @@ def toolchain_parts() -> dict[str, str]:
     """Named toolchain parts, computed once per process."""
     # Found without importing it: importing the Arm backend costs seconds.
     executorch_dir = importlib.util.find_spec("executorch").submodule_search_locations[0]
-    found = versions(("torch", "executorch", "tosa-tools", "ethos-u-vela"))
-    return {
+    memo = _PartsMemo()  # read once: it holds every part below
+    found = versions(("torch", "executorch", "tosa-tools", "ethos-u-vela", *STACK), memo)
+    parts = {
+        "python": f"{sys.implementation.name} {sys.version.split()[0]}",
         "torch": found["torch"],
         "executorch": found["executorch"],
         "tosa_tools": found["tosa-tools"],
         "vela": found["ethos-u-vela"],
-        "arm_backend_src": source_digest(os.path.join(executorch_dir, "backends", "arm")),
-        "lowercache_src": lowercache_digest(),
+        "stack": ", ".join(f"{dist} {found[dist]}" for dist in STACK),
+        "arm_backend_src": source_digest(os.path.join(executorch_dir, "backends", "arm"), memo=memo),
     }
+    for package in HASHED_PACKAGES:
+        parts[f"{package}_src"] = source_digest(package_dir(package), suffixes=(".py", ".fbs"), memo=memo)
+    parts["lowercache_src"] = lowercache_digest()
+    return parts
+
+
+def package_dir(name: str) -> str:
+    """Where a package's code is, found without importing it ("" when it is not installed: its digest is of nothing)."""
+    spec = importlib.util.find_spec(name)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return locations[0] if locations else ""
 
 
 def code_digest(source: bytes) -> str:
@@ -265,7 +337,10 @@ class _PartsMemo:
         """Keep ``value``; written at once, atomically (processes share the file: the last writer's entries stay)."""
         fresh = _PartsMemo().entries  # what another process wrote meanwhile
         kept = fresh.get(kind) if isinstance(fresh.get(kind), dict) else {}
+        if kind == "sources":  # trees since removed (temporary copies, old environments) would make every read slower
+            kept = {place: known for place, known in kept.items() if os.path.isdir(place.split("|")[0])}
         fresh.update({"version": _MEMO_VERSION, kind: {**kept, name: value}})
+        self.entries = fresh
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".toolchain-")

@@ -116,3 +116,50 @@ def test_the_versions_memo_follows_installs_upgrades_and_edits(tmp_path, monkeyp
     assert toolchain.versions(names)["fakedist"] == "2.0"
     (site / "fakedist-2.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: fakedist\nVersion: 2.0.1\n")
     assert toolchain.versions(names)["fakedist"] == toolchain.version("fakedist") == "2.0.1"
+
+
+def test_the_source_digest_memo_sees_files_added_removed_renamed_and_skips_tests(tmp_path):
+    """The memo lists the files and stats the directories: no walk while none moved, and every kind of move is seen."""
+    root = tmp_path / "pkg"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "a.py").write_text("A = 1\n")
+    (root / "b.fbs").write_text("table T {}\n")
+    digest = toolchain.source_digest(str(root), suffixes=(".py", ".fbs"))
+
+    def fresh() -> str:
+        return toolchain.source_digest(str(root), suffixes=(".py", ".fbs"))
+
+    (root / "sub" / "deeper").mkdir()
+    (root / "sub" / "deeper" / "c.py").write_text("C = 3\n")  # a new file in a new directory: only its parent moved
+    added = fresh()
+    assert added != digest
+    (root / "sub" / "deeper" / "c.py").rename(root / "sub" / "deeper" / "d.py")
+    renamed = fresh()
+    assert renamed not in (digest, added)
+    (root / "sub" / "deeper" / "d.py").unlink()
+    (root / "sub" / "deeper").rmdir()
+    assert fresh() == digest
+    (root / "tests").mkdir()
+    (root / "tests" / "test_x.py").write_text("X = 1\n")
+    (root / "notes.txt").write_text("not code\n")
+    assert fresh() == digest
+    (root / "b.fbs").write_text("table U {}\n")
+    assert fresh() != digest
+
+
+def test_an_edit_to_a_hashed_package_that_no_one_imported_changes_the_toolchain(tmp_path, monkeypatch):
+    """A lowering imports some modules only when it needs them: the key covers the whole package, not what is imported."""
+    site = tmp_path / "site"
+    (site / "fakestack" / "passes").mkdir(parents=True)
+    (site / "fakestack" / "__init__.py").write_text("")
+    (site / "fakestack" / "passes" / "late.py").write_text("SCALE = 1\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(toolchain, "HASHED_PACKAGES", (*toolchain.HASHED_PACKAGES, "fakestack"))
+    toolchain.toolchain_parts.cache_clear()
+    before = toolchain.toolchain_parts()["fakestack_src"]
+    toolchain.toolchain_parts.cache_clear()
+    (site / "fakestack" / "passes" / "late.py").write_text("SCALE = 2\n")
+    after = toolchain.toolchain_parts()["fakestack_src"]
+    toolchain.toolchain_parts.cache_clear()
+    assert "fakestack.passes.late" not in __import__("sys").modules
+    assert before != after
