@@ -211,6 +211,11 @@ def toolchain_parts() -> dict[str, str]:
     return parts
 
 
+def hashed_package_dirs() -> tuple[str, ...]:
+    """Where the packages hashed whole are, each with a trailing separator: their files are in the toolchain part."""
+    return tuple(os.path.join(found, "") for found in map(package_dir, HASHED_PACKAGES) if found)
+
+
 def package_dir(name: str) -> str:
     """Where a package's code is, found without importing it ("" when it is not installed: its digest is of nothing)."""
     spec = importlib.util.find_spec(name)

@@ -175,6 +175,27 @@ def _file_digest(path: str) -> str:
         return digest(f.read())
 
 
+def installed_state(path: str) -> list[Any]:
+    """An installed module file as a record keeps it: its ``stat_key`` (the fast check here) and its content digest
+    (the check on another machine, or after a copy that kept the bytes)."""
+    return [stat_key(os.stat(path)), _file_digest(path)]
+
+
+def same_installed(path: str, recorded: Any) -> bool:
+    """Whether an installed module file is as :func:`installed_state` found it: the same stat, else the same bytes.
+
+    No racy-clean rule: installed code is not written while a record is made (an install during the window moves the
+    site directory's listing, itself an input)."""
+    if not (isinstance(recorded, list) and len(recorded) == 2):
+        return False
+    try:
+        if stat_key(os.stat(path)) == recorded[0]:
+            return True
+        return _file_digest(path) == recorded[1]
+    except OSError:
+        return False
+
+
 def dir_listing(path: str) -> tuple[str, list[str]]:
     """The digest of a directory's entries (name; kind as ``os.scandir`` shows it without a stat; a link's text),
     and the paths of its links: each is an input of its own, since what it points at can change without the directory."""

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 from .. import sweep
 from ..cache.digests import digest_json
-from ..cache.toolchain import lowercache_digest, memo_prefixes
+from ..cache.toolchain import hashed_package_dirs, lowercache_digest, memo_prefixes
 from ..config import Settings
-from .places import (RACY_NS, STAT_FIELDS, Places, bytecode_matches, dir_listing, entries, named, on_system, path_state, size,
+from .places import (RACY_NS, STAT_FIELDS, Places, bytecode_matches, dir_listing, entries, installed_state, named, on_system, path_state, size,
                      stdlib_dirs, work_tree)
 from .trust import env_digest
 
@@ -484,6 +484,7 @@ class Recorder:
             "listings": listings,
             "lookups": self._lookups(),
             "syspath": self.syspath,
+            "installed": self.installed_code(),
             "env": env,
             "location": self.location(root, files),
         }
@@ -558,6 +559,28 @@ class Recorder:
         self.below_counts = {"calls": stops[0], "recorded": stops[1], "paths": len(report.get("seen", {})),
                              "added": len(files | listed)}
         return files, listed
+
+    def installed_code(self) -> list[list[Any]]:
+        """Every installed module file the process has loaded (site-packages), each with its stat and content digest.
+
+        The site directories' listings, recorded with the inputs, see an install, an upgrade or a removal; these see
+        an edit in place, which no listing or version shows. Left out: the packages hashed whole into the toolchain
+        identity (torch, executorch, ...), lowercache's own code (its identity too) and the standard library (the
+        interpreter's version is in the identity)."""
+        skip = (*hashed_package_dirs(), os.path.join(_PACKAGE, ""))
+        found = {}
+        for module in list(sys.modules.values()):
+            origin = _module_file(module)
+            if origin is None or origin in found or origin.startswith(skip):
+                continue
+            ref = self.places.ref(origin)
+            if ref[0] in ("root", "abs"):
+                continue  # the user's code, or not in a site directory: a file input when read (``_user``)
+            try:
+                found[origin] = [ref, *installed_state(origin)]
+            except OSError:
+                continue  # a module whose file has gone since it was loaded: nothing there to come back
+        return [found[origin] for origin in sorted(found)]
 
     def read_written(self, path: str) -> None:
         """Native code read a file the window wrote: scratch, unless a kind of record keeps it as an output."""

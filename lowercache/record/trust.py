@@ -20,7 +20,7 @@ from .. import startup
 from ..cache.digests import digest, digest_json
 from ..cache.toolchain import toolchain_parts
 from ..config import Settings
-from .places import Places, entries, named, relinked, same_state
+from .places import Places, entries, named, relinked, same_installed, same_state
 
 # Variables native code reads at start-up (threads, CPU kernels, hash seed): recorded for every factory.
 NATIVE_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "ATEN_CPU_CAPABILITY", "PYTHONHASHSEED")
@@ -90,6 +90,10 @@ def inputs_changed(inputs: dict[str, Any], places: Places, recorded_ns: int, cwd
     for ref, name, found in inputs["lookups"]:
         if named(entries(places.path(ref)), name) != found:
             return f"what module {name} resolves to changed"
+    for ref, *state in inputs["installed"]:
+        path = places.path(ref)
+        if not same_installed(path, state):
+            return f"installed code changed: {path}"
     return None
 
 
@@ -126,7 +130,7 @@ def check_inputs(inputs: Any) -> None:
     """Recorded inputs read from a store, checked field by field (``ValueError`` when malformed)."""
     if not (
         isinstance(inputs, dict)
-        and all(isinstance(inputs.get(k), list) for k in ("files", "listings", "lookups", "syspath"))
+        and all(isinstance(inputs.get(k), list) for k in ("files", "listings", "lookups", "syspath", "installed"))
         and isinstance(inputs.get("env"), dict)
         and isinstance(inputs.get("location"), dict)
         and isinstance(inputs["location"].get("root"), str)
@@ -134,6 +138,7 @@ def check_inputs(inputs: Any) -> None:
         and isinstance(inputs["location"].get("why"), str)
         and all(isinstance(s, list) and len(s) == 2 and isinstance(s[1], dict) for s in inputs["files"] + inputs["listings"])
         and all(isinstance(s, list) and len(s) == 3 and isinstance(s[1], str) and isinstance(s[2], list) for s in inputs["lookups"])
+        and all(isinstance(s, list) and len(s) == 3 and isinstance(s[1], list) and isinstance(s[2], str) for s in inputs["installed"])
     ):
         raise ValueError("the record is malformed")
 

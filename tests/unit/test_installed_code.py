@@ -1,0 +1,71 @@
+"""A record holds the installed code its process loaded (``Recorder.installed_code``): an edit in place to an installed
+library, which neither a version nor the site directory's listing shows, stops the record from answering."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+
+from lowercache.config import Settings
+from lowercache.record import places, recorder
+from lowercache.record.trust import check_inputs, inputs_changed
+
+pytestmark = pytest.mark.quick
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A site directory of its own, with one installed library, ``fakelib``, loaded."""
+    site = tmp_path / "site"
+    (site / "fakelib").mkdir(parents=True)
+    (site / "fakelib" / "__init__.py").write_text("SCALE = 1\n")
+    monkeypatch.setattr(places, "site_dirs", lambda: {"purelib": str(site)})
+    monkeypatch.syspath_prepend(str(site))
+    importlib.import_module("fakelib")
+    yield site
+    sys.modules.pop("fakelib", None)
+
+
+def _inputs(found):
+    return {"files": [], "listings": [], "lookups": [], "syspath": [], "installed": found, "env": {},
+            "location": {"root": "/", "portable": False, "why": ""}}
+
+
+def test_an_edit_in_place_to_a_loaded_library_is_seen_and_same_bytes_are_not(tmp_path, site):
+    rec = recorder.Recorder(str(tmp_path / "project"), Settings(cache_dir=tmp_path / "cache"))
+    found = rec.installed_code()
+    assert [ref for ref, *_ in found if ref[1].startswith("fakelib")] == [["purelib", "fakelib/__init__.py"]]
+    inputs = _inputs(found)
+    check_inputs(inputs)
+    here = places.Places(str(tmp_path / "project"))
+    assert inputs_changed(inputs, here, 0, str(tmp_path), {}) is None
+    module = site / "fakelib" / "__init__.py"
+    module.write_text("SCALE = 2\n")  # the same size: only the content (and the ctime) moved
+    assert inputs_changed(inputs, here, 0, str(tmp_path), {}) == f"installed code changed: {module}"
+    module.write_text("SCALE = 1\n")  # the bytes recorded, a new stat: the content decides
+    assert inputs_changed(inputs, here, 0, str(tmp_path), {}) is None
+    module.unlink()
+    assert inputs_changed(inputs, here, 0, str(tmp_path), {}) == f"installed code changed: {module}"
+
+
+def test_the_toolchains_packages_and_lowercache_are_left_to_the_identity(tmp_path, site):
+    import torch  # noqa: F401  (loaded, hashed whole into the toolchain identity)
+
+    monkeypatch_site = {"purelib": os.path.dirname(os.path.dirname(torch.__file__))}
+    rec = recorder.Recorder(str(tmp_path / "project"), Settings(cache_dir=tmp_path / "cache"))
+    rec.places.anchors.update(monkeypatch_site)
+    paths = [rec.places.path(ref) for ref, *_ in rec.installed_code()]
+    assert paths and not [p for p in paths if p.startswith(os.path.dirname(torch.__file__) + os.sep)]
+    assert not [p for p in paths if p.startswith(recorder._PACKAGE + os.sep)]
+
+
+def test_a_record_without_installed_code_is_malformed():
+    inputs = _inputs([])
+    del inputs["installed"]
+    with pytest.raises(ValueError):
+        check_inputs(inputs)
+    with pytest.raises(ValueError):
+        check_inputs(_inputs([[["purelib", "x.py"], "not a stat", "d"]]))
