@@ -32,6 +32,8 @@ def test_arm_backend_tests_have_stock_outcomes_and_payloads_under_run(tmp_path, 
     # the warm run: every partition's TOSA and Vela step served
     assert (moved.get("count/tosa/hit"), moved.get("count/vela/hit")) == (partitions, ethos_u), moved
     assert not moved.get("count/tosa/miss") and not moved.get("count/vela/miss"), moved
+    # a key is a function of its inputs: the warm run's decompositions are the cold run's, each served
+    assert moved.get("count/decomp/hit") and not moved.get("count/decomp/miss"), moved
 
     env = {**os.environ, "LOWERCACHE_DIR": str(cache_dir)}
     explained = subprocess.run([sys.executable, "-m", "lowercache.cli", "run", "--explain", "--", *ARM.pytest], cwd=ARM.folder,
