@@ -62,8 +62,14 @@ NOT_STACK = {
     "platformdirs": "says where the cache lives",
     "tqdm": "progress bars",
 }
-# Packages whose code does the lowering, hashed whole: every ``.py`` and ``.fbs`` outside test directories, by content.
+# Packages whose code does the lowering, hashed whole outside test directories, by content: Python, and the data files
+# it reads (ExecuTorch's operator YAML and flatbuffer schemas, the flatc it runs, torchgen's templates).
 HASHED_PACKAGES = ("torch", "torchgen", "functorch", "executorch", "torchao", "ethosu", "tosa_serializer")
+# What a hashed package holds that a lowering neither reads nor runs as a file (C and C++ headers and sources, build
+# files, type stubs, bytecode), and compiled libraries: torch's alone are 450 MB, whose reading would cost a new
+# machine seconds before its first hit; a release changes them with the version, which is in the key.
+NOT_READ_AT_RUN = (".h", ".hpp", ".cuh", ".cu", ".c", ".cc", ".cpp", ".cmake", ".pyi", ".pyc", ".so", ".dylib", ".dll",
+                   ".a", ".lib", ".md")
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MEMO_VERSION = 1
 
@@ -120,8 +126,9 @@ def _stamp(path: str) -> list[int]:
 
 
 def source_digest(root: str, skip_dirs: frozenset[str] = frozenset({"test", "tests", "__pycache__"}),
-                  suffixes: tuple[str, ...] = (".py",), memo: _PartsMemo | None = None) -> str:
-    """Digest of every file under ``root`` whose name ends in one of ``suffixes``: relative path and content, in sorted order.
+                  suffixes: tuple[str, ...] = (".py",), memo: _PartsMemo | None = None, every_file: bool = False) -> str:
+    """Digest of every file under ``root`` whose name ends in one of ``suffixes`` (``every_file``: every file but those
+    named in :data:`NOT_READ_AT_RUN`): relative path and content, in sorted order.
 
     Kept in a memo (``toolchain-parts.json``) with the stat of every directory
     and file it read: while no directory has moved (a file added, removed or
@@ -130,7 +137,8 @@ def source_digest(root: str, skip_dirs: frozenset[str] = frozenset({"test", "tes
     (the hashed packages' 5,800 files and 1,300 directories: a stat each, 15-25 ms).
     """
     memo = memo or _PartsMemo()
-    place = root if suffixes == (".py",) else f"{root}|{'|'.join(suffixes)}"
+    suffixes = () if every_file else suffixes
+    place = root if suffixes == (".py",) else f"{root}|{'|'.join(suffixes) or '*'}"
     known = memo.get("sources", place)
     if (isinstance(known, dict) and isinstance(known.get("dirs"), list) and isinstance(known.get("files"), str)
             and isinstance(known.get("stats"), str) and isinstance(known.get("digest"), str)):
@@ -154,13 +162,15 @@ def source_digest(root: str, skip_dirs: frozenset[str] = frozenset({"test", "tes
 
 
 def _listing(root: str, skip_dirs: frozenset[str], suffixes: tuple[str, ...]) -> tuple[list[str], list[str]]:
-    """The directories under ``root`` and the files in them named ``*suffixes``, relative to it, in walk order."""
+    """The directories under ``root`` and the files in them named ``*suffixes`` (none: every file but
+    :data:`NOT_READ_AT_RUN`), relative to it, in walk order."""
     dirs, files = [], []
     prefix = os.path.join(root, "")
     for directory, subdirs, names in os.walk(root):
         subdirs[:] = sorted(d for d in subdirs if d not in skip_dirs)
         dirs.append(directory[len(prefix):] if directory.startswith(prefix) else "")
-        files += [os.path.join(dirs[-1], name) for name in sorted(names) if name.endswith(suffixes)]
+        files += [os.path.join(dirs[-1], name) for name in sorted(names)
+                  if (name.endswith(suffixes) if suffixes else not name.endswith(NOT_READ_AT_RUN))]
     return dirs, files
 
 
@@ -206,7 +216,7 @@ def toolchain_parts() -> dict[str, str]:
         "arm_backend_src": source_digest(os.path.join(executorch_dir, "backends", "arm"), memo=memo),
     }
     for package in HASHED_PACKAGES:
-        parts[f"{package}_src"] = source_digest(package_dir(package), suffixes=(".py", ".fbs"), memo=memo)
+        parts[f"{package}_src"] = source_digest(package_dir(package), memo=memo, every_file=True)
     parts["lowercache_src"] = lowercache_digest()
     return parts
 

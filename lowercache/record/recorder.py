@@ -178,6 +178,8 @@ class Recorder:
         self.covered = tuple(d + os.sep for d in (*stdlib_dirs(), *self.places.anchors.values()) if d != self.places.anchors["root"])
         self.covered += tuple(os.path.join(_PACKAGE, room) + os.sep for room in ("cache", "lowering", "speedups", "targets"))
         self.memos = memo_prefixes()  # found once: each write the window makes is checked against them
+        self.site = tuple(os.path.join(base, "") for name, base in self.places.anchors.items() if name != "root")
+        self.installed_reads: set[str] = set()  # files read in site-packages: installed code's data (``installed_code``)
         self.covered += self.memos
         self._paused = True
         self.below: backstop.Backstop | None = None  # the tracer below Python (``watch_below``)
@@ -261,6 +263,8 @@ class Recorder:
                 self.wrote(path)
             elif self._user(path):
                 self.paths.add(path)
+            elif path.startswith(self.site) and _PYCACHE not in path:
+                self.installed_reads.add(path)
             elif path.endswith(".pyc") and _PYCACHE in path and not path.startswith(self.covered):
                 self.ran_bytecode(path)
         elif event in ("os.listdir", "os.scandir"):
@@ -545,6 +549,8 @@ class Recorder:
             if path in self.written:
                 self.read_written(path)
                 continue
+            if path.startswith(self.site) and _PYCACHE not in path and own - {"list", "look", "dir"}:
+                self.installed_reads.add(path)  # checked with the installed code (``installed_code``), not as a user's file
             if path in known or _PYCACHE in path or path.startswith(installed) or path + os.sep in installed:
                 continue
             if on_system(path):
@@ -561,7 +567,8 @@ class Recorder:
         return files, listed
 
     def installed_code(self) -> list[list[Any]]:
-        """Every installed module file the process has loaded (site-packages), each with its stat and content digest.
+        """Every file in site-packages the process loaded as a module or read in the window, each with its stat and
+        content digest.
 
         The site directories' listings, recorded with the inputs, see an install, an upgrade or a removal; these see
         an edit in place, which no listing or version shows. Left out: the packages hashed whole into the toolchain
@@ -569,9 +576,9 @@ class Recorder:
         interpreter's version is in the identity)."""
         skip = (*hashed_package_dirs(), os.path.join(_PACKAGE, ""))
         found = {}
-        for module in list(sys.modules.values()):
-            origin = _module_file(module)
-            if origin is None or origin in found or origin.startswith(skip):
+        loaded = [_module_file(module) for module in list(sys.modules.values())]
+        for origin in [*loaded, *sorted(self.installed_reads)]:
+            if origin is None or origin in found or origin.startswith(skip) or os.path.isdir(origin):
                 continue
             ref = self.places.ref(origin)
             if ref[0] in ("root", "abs"):

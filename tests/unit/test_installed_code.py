@@ -69,3 +69,34 @@ def test_a_record_without_installed_code_is_malformed():
         check_inputs(inputs)
     with pytest.raises(ValueError):
         check_inputs(_inputs([[["purelib", "x.py"], "not a stat", "d"]]))
+
+
+class _Below:
+    """What the backstop below Python reports: paths, each with how the process used it."""
+
+    def __init__(self, seen: dict[str, list[str]]):
+        self.seen = seen
+
+    def report(self) -> dict:
+        return {"seen": self.seen, "odd": [], "processes": [], "stops": [len(self.seen), len(self.seen)]}
+
+
+@pytest.mark.parametrize("how", ["python", "native"])
+def test_a_data_file_read_in_site_packages_is_checked_with_the_installed_code(tmp_path, site, how):
+    """A library's own data (a vocabulary, a config shipped in the wheel) read from Python or native code."""
+    data = site / "fakelib" / "vocab.json"
+    data.write_text('{"a": 1}\n')
+    rec = recorder.Recorder(str(tmp_path / "project"), Settings(cache_dir=tmp_path / "cache"))
+    if how == "python":
+        rec.event("open", (str(data), "r", os.O_RDONLY))  # what the audit hook hands it for open(data)
+    else:
+        rec.below = _Below({str(data): ["read"], str(site / "fakelib"): ["list"]})
+        rec.below_python(set())
+    assert rec.unrecordable == []
+    found = rec.installed_code()
+    assert ["purelib", "fakelib/vocab.json"] in [ref for ref, *_ in found]
+    inputs = _inputs(found)
+    here = places.Places(str(tmp_path / "project"))
+    assert inputs_changed(inputs, here, 0, str(tmp_path), {}) is None
+    data.write_text('{"a": 2}\n')
+    assert inputs_changed(inputs, here, 0, str(tmp_path), {}) == f"installed code changed: {data}"

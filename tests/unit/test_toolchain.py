@@ -147,6 +147,28 @@ def test_the_source_digest_memo_sees_files_added_removed_renamed_and_skips_tests
     assert fresh() != digest
 
 
+def test_a_hashed_package_counts_its_data_files_not_its_headers_or_libraries(tmp_path):
+    root = tmp_path / "pkg"
+    (root / "include").mkdir(parents=True)
+    (root / "ops.yaml").write_text("- op: add\n")
+    (root / "bin").mkdir()
+    (root / "bin" / "flatc").write_bytes(b"\x7fELF 1")
+
+    def whole() -> str:
+        return toolchain.source_digest(str(root), every_file=True)
+
+    digest = whole()
+    (root / "include" / "a.h").write_text("int a;\n")
+    (root / "_ext.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF")
+    (root / "stub.pyi").write_text("X: int\n")
+    assert whole() == digest
+    (root / "ops.yaml").write_text("- op: sub\n")
+    edited = whole()
+    assert edited != digest
+    (root / "bin" / "flatc").write_bytes(b"\x7fELF 2")
+    assert whole() not in (digest, edited)
+
+
 def test_an_edit_to_a_hashed_package_that_no_one_imported_changes_the_toolchain(tmp_path, monkeypatch):
     """A lowering imports some modules only when it needs them: the key covers the whole package, not what is imported."""
     site = tmp_path / "site"
