@@ -6,13 +6,12 @@ Why it is exact, and figures: docs/speedups.md#debugtext.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import sys
 from typing import Any
 
 from .patching import Patch
-from .sourcepin import resolve, source_digest
+from .sourcepin import code_of, resolve, source_digest
 
 # The passes' ``call`` methods, which hand ``graph_module.print_readable(print_output=False)`` to ``logger.debug``
 # as they begin and end, and torch's print_readable (executorch 1.5.1, torch 2.13.0).
@@ -60,7 +59,7 @@ def _apply() -> None:
 
     if sources_digest() != _AUDITED_DIGEST:
         return
-    _sites.update(inspect.unwrap(resolve(name)).__code__ for name in _SITE_NAMES)
+    _sites.update(code_of(name) for name in _SITE_NAMES)
     _originals["print_readable"] = GraphModule.__dict__["print_readable"]
     GraphModule.print_readable = print_readable
 

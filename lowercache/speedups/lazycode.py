@@ -5,7 +5,6 @@ Why it is exact, and figures: docs/speedups.md#lazycode.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import sys
 from typing import Any
@@ -90,9 +89,9 @@ def _discarded(frame: Any) -> bool:
     if frame is None or logging.getLogger().isEnabledFor(logging.DEBUG):
         return False
     if not _DEBUG_SITES:
-        from .sourcepin import resolve
+        from .sourcepin import code_of
 
-        _DEBUG_SITES.extend(inspect.unwrap(resolve(name)).__code__ for name in _DEBUG_SITE_NAMES)
+        _DEBUG_SITES.extend(code_of(name) for name in _DEBUG_SITE_NAMES)
     return frame.f_code in _DEBUG_SITES
 
 

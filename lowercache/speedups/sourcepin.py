@@ -55,6 +55,12 @@ def resolve(target: str) -> Any:
     return obj
 
 
+def code_of(target: str) -> Any:
+    """The code object of the function ``module:Qual.name`` names, under any decorator that keeps ``__wrapped__``: how a
+    speed-up knows its caller (``sys._getframe(1).f_code``) is that function."""
+    return inspect.unwrap(resolve(target)).__code__
+
+
 def targets_digest(targets: Iterable[str]) -> str | None:
     """sha256 over the installed sources of ``module:qualname`` targets; None when one is missing
     or has no source, ``"patched"`` when one is currently lowercache's own replacement."""
