@@ -12,6 +12,7 @@ from typing import Any
 
 from .steps import listed
 from .store import Store
+from .toolchain import changed_files
 
 KEEP_RUNS = 10
 
@@ -121,8 +122,16 @@ def explain(store: Store, model: str, target: str) -> list[str]:
         if not changed:
             lines.append(f"{label}: missed with the same key parts (entry evicted, corrupt or never stored)")
         else:
-            lines.append(f"{label}: missed; changed: {', '.join(changed)}")
+            named = [_with_files(k, before["parts"].get(k), step["parts"].get(k)) for k in changed]
+            lines.append(f"{label}: missed; changed: {', '.join(named)}")
     return lines
+
+
+def _with_files(part: str, before: Any, after: Any) -> str:
+    """A toolchain source part with the files whose change took it from ``before`` to ``after`` (``executorch_src
+    (exir/passes/x.py)``), when this machine saw that change."""
+    files = changed_files(before, after) if part.endswith("_src") and isinstance(before, str) and isinstance(after, str) else []
+    return f"{part} ({', '.join(files)})" if files else part
 
 
 def _step(run: dict[str, Any], kind: str, name: str | None = None) -> dict[str, Any] | None:

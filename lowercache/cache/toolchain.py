@@ -148,16 +148,20 @@ def source_digest(root: str, skip_dirs: frozenset[str] = frozenset({"test", "tes
     dirs, files = _listing(root, skip_dirs, suffixes)
     dirs_stats, stats = _stats(root, dirs), _stats(root, files)
     h = xxhash.xxh3_128()
+    each = {}  # file -> its own digest, for saying which files a change of the whole digest came from
     for rel in files:
         h.update(rel.encode() + b"\0")
         with open(os.path.join(root, rel), "rb") as f:
-            h.update(f.read())
+            content = f.read()
+        h.update(content)
+        each[rel] = xxhash.xxh3_64_hexdigest(content)
     digest = h.hexdigest()
     # Kept only when nothing moved while it was read: a file added between the walk and the directories' stats is seen
     # by the second walk, one added after them moves a directory.
     if stats and (_listing(root, skip_dirs, suffixes), _stats(root, dirs), _stats(root, files)) == ((dirs, files), dirs_stats, stats):
         memo.put("sources", place, {"dirs": dirs, "dirs_stats": dirs_stats, "files": "\n".join(files), "stats": stats,
                                     "digest": digest})
+        _note_changes(place, digest, each)
     return digest
 
 
@@ -174,6 +178,45 @@ def _listing(root: str, skip_dirs: frozenset[str], suffixes: tuple[str, ...]) ->
     return dirs, files
 
 
+def _note_changes(place: str, digest: str, each: dict[str, str]) -> None:
+    """Keep each file's digest (``toolchain-files.json``, read only here) and, under the new digest, the files that
+    differ from the last ones seen at ``place``: what ``explain`` names when a toolchain part changed."""
+    from ..config import default_cache_dir
+
+    path = default_cache_dir() / "toolchain-files.json"
+    try:
+        known = json.loads(path.read_text())
+        known = known if isinstance(known, dict) and known.get("version") == _MEMO_VERSION else {}
+    except (OSError, ValueError):
+        known = {}
+    before = known.get(place)
+    if isinstance(before, dict) and isinstance(before.get("digest"), str) and isinstance(before.get("files"), dict):
+        moved = sorted(rel for rel in set(before["files"]) | set(each) if before["files"].get(rel) != each.get(rel))
+        if moved:
+            named = moved[:_NAMED_CHANGES] + ([f"{len(moved) - _NAMED_CHANGES} more"] if len(moved) > _NAMED_CHANGES else [])
+            _PartsMemo().put("changes", digest, {"from": before["digest"], "files": named})
+    known = {k: v for k, v in known.items() if k != "version" and os.path.isdir(k.split("|")[0])}
+    known.update({"version": _MEMO_VERSION, place: {"digest": digest, "files": each}})
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".toolchain-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(known, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only or full cache directory: explain names no files
+
+
+def changed_files(before: str, after: str) -> list[str]:
+    """The files whose change took a source digest from ``before`` to ``after``, when this machine saw that change
+    happen; else none."""
+    found = _PartsMemo().get("changes", after)
+    if isinstance(found, dict) and found.get("from") == before and isinstance(found.get("files"), list):
+        return [str(name) for name in found["files"]]
+    return []
+
+
+_NAMED_CHANGES = 5
+_KEPT_CHANGES = 50
 _STAT = struct.Struct("<5q")
 
 
@@ -354,6 +397,8 @@ class _PartsMemo:
         kept = fresh.get(kind) if isinstance(fresh.get(kind), dict) else {}
         if kind == "sources":  # trees since removed (temporary copies, old environments) would make every read slower
             kept = {place: known for place, known in kept.items() if os.path.isdir(place.split("|")[0])}
+        if kind == "changes":  # the latest changes are the ones explain is asked about
+            kept = dict(list(kept.items())[-_KEPT_CHANGES + 1:])
         fresh.update({"version": _MEMO_VERSION, kind: {**kept, name: value}})
         self.entries = fresh
         try:

@@ -185,3 +185,24 @@ def test_an_edit_to_a_hashed_package_that_no_one_imported_changes_the_toolchain(
     toolchain.toolchain_parts.cache_clear()
     assert "fakestack.passes.late" not in __import__("sys").modules
     assert before != after
+
+
+def test_explain_names_the_files_a_source_part_changed_for(tmp_path):
+    """ccache's debug mode names the input that changed: a toolchain part that moved names its files too."""
+    from lowercache.cache import history
+
+    root = tmp_path / "pkg"
+    (root / "passes").mkdir(parents=True)
+    (root / "passes" / "fuse.py").write_text("A = 1\n")
+    (root / "ops.yaml").write_text("- add\n")
+    first = toolchain.source_digest(str(root), every_file=True)
+    (root / "passes" / "fuse.py").write_text("A = 2\n")
+    (root / "passes" / "new.py").write_text("")
+    second = toolchain.source_digest(str(root), every_file=True)
+    assert toolchain.changed_files(first, second) == ["passes/fuse.py", "passes/new.py"]
+    assert history._with_files("executorch_src", first, second) == "executorch_src (passes/fuse.py, passes/new.py)"
+    assert history._with_files("target", first, second) == "target"
+    (root / "ops.yaml").write_text("- sub\n")
+    third = toolchain.source_digest(str(root), every_file=True)
+    assert toolchain.changed_files(second, third) == ["ops.yaml"]
+    assert toolchain.changed_files(first, third) == []  # not a change this machine saw in one step: no files named
