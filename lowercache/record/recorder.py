@@ -567,13 +567,12 @@ class Recorder:
         return files, listed
 
     def installed_code(self) -> list[list[Any]]:
-        """Every file in site-packages the process loaded as a module or read in the window, each with its stat and
-        content digest.
+        """Every file in site-packages the process loaded as a module or read in the window, and every standard library
+        module it loaded, each with its stat and content digest.
 
         The site directories' listings, recorded with the inputs, see an install, an upgrade or a removal; these see
         an edit in place, which no listing or version shows. Left out: the packages hashed whole into the toolchain
-        identity (torch, executorch, ...), lowercache's own code (its identity too) and the standard library (the
-        interpreter's version is in the identity)."""
+        identity (torch, executorch, ...) and lowercache's own code (its identity too)."""
         skip = (*hashed_package_dirs(), os.path.join(_PACKAGE, ""))
         found = {}
         loaded = [_module_file(module) for module in list(sys.modules.values())]
@@ -581,8 +580,8 @@ class Recorder:
             if origin is None or origin in found or origin.startswith(skip) or os.path.isdir(origin):
                 continue
             ref = self.places.ref(origin)
-            if ref[0] in ("root", "abs"):
-                continue  # the user's code, or not in a site directory: a file input when read (``_user``)
+            if ref[0] == "root" or (ref[0] == "abs" and not origin.startswith(self.stdlib)):
+                continue  # the user's code, or outside site-packages and the standard library: a file input when read
             try:
                 found[origin] = [ref, *installed_state(origin)]
             except OSError:

@@ -100,3 +100,20 @@ def test_a_data_file_read_in_site_packages_is_checked_with_the_installed_code(tm
     assert inputs_changed(inputs, here, 0, str(tmp_path), {}) is None
     data.write_text('{"a": 2}\n')
     assert inputs_changed(inputs, here, 0, str(tmp_path), {}) == f"installed code changed: {data}"
+
+
+def test_a_standard_library_module_the_process_loaded_is_checked_too(tmp_path, site):
+    import textwrap as loaded  # in sys.modules, from the standard library
+
+    rec = recorder.Recorder(str(tmp_path / "project"), Settings(cache_dir=tmp_path / "cache"))
+    found = {rec.places.path(ref): state for ref, *state in rec.installed_code()}
+    assert os.path.abspath(loaded.__file__) in found
+    copy = tmp_path / "textwrap.py"
+    copy.write_bytes(open(loaded.__file__, "rb").read())
+    here = places.Places(str(tmp_path / "project"))
+    state = found[os.path.abspath(loaded.__file__)]
+    assert places.same_installed(loaded.__file__, state)
+    assert places.same_installed(str(copy), state)  # another file, the same bytes (another machine)
+    copy.write_text(copy.read_text() + "# edited\n")
+    assert not places.same_installed(str(copy), state)
+    assert inputs_changed(_inputs([[["abs", str(copy)], *state]]), here, 0, str(tmp_path), {}) == f"installed code changed: {copy}"
