@@ -125,7 +125,12 @@ def _stamp(path: str) -> list[int]:
         return []
 
 
-def source_digest(root: str, skip_dirs: frozenset[str] = frozenset({"test", "tests", "__pycache__"}),
+# Directories a source digest does not enter: tests, bytecode, and a source checkout's build outputs (an editable install
+# of ExecuTorch maps the package to its checkout). Hidden directories (``.git``) are left out too: no module lives there.
+SKIP_DIRS = frozenset({"test", "tests", "__pycache__", "cmake-out", "pip-out", "buck-out"})
+
+
+def source_digest(root: str, skip_dirs: frozenset[str] = SKIP_DIRS,
                   suffixes: tuple[str, ...] = (".py",), memo: _PartsMemo | None = None, every_file: bool = False) -> str:
     """Digest of every file under ``root`` whose name ends in one of ``suffixes`` (``every_file``: every file but those
     named in :data:`NOT_READ_AT_RUN`): relative path and content, in sorted order.
@@ -171,7 +176,7 @@ def _listing(root: str, skip_dirs: frozenset[str], suffixes: tuple[str, ...]) ->
     dirs, files = [], []
     prefix = os.path.join(root, "")
     for directory, subdirs, names in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if d not in skip_dirs)
+        subdirs[:] = sorted(d for d in subdirs if d not in skip_dirs and not d.startswith("."))
         dirs.append(directory[len(prefix):] if directory.startswith(prefix) else "")
         files += [os.path.join(dirs[-1], name) for name in sorted(names)
                   if (name.endswith(suffixes) if suffixes else not name.endswith(NOT_READ_AT_RUN))]
@@ -265,8 +270,18 @@ def toolchain_parts() -> dict[str, str]:
 
 
 def hashed_package_dirs() -> tuple[str, ...]:
-    """Where the packages hashed whole are, each with a trailing separator: their files are in the toolchain part."""
+    """Where the packages hashed whole are, each with a trailing separator."""
     return tuple(os.path.join(found, "") for found in map(package_dir, HASHED_PACKAGES) if found)
+
+
+def in_toolchain_part(path: str, dirs: tuple[str, ...]) -> bool:
+    """Whether the toolchain part's source digests count ``path``: in one of the hashed package ``dirs``
+    (:func:`hashed_package_dirs`), outside the directories a digest skips, and not a file kind it leaves out."""
+    root = next((d for d in dirs if path.startswith(d)), None)
+    if root is None or path.endswith(NOT_READ_AT_RUN):
+        return False
+    inside = path[len(root):].split(os.sep)[:-1]
+    return not any(part in SKIP_DIRS or part.startswith(".") for part in inside)
 
 
 def package_dir(name: str) -> str:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 from .. import sweep
 from ..cache.digests import digest_json
-from ..cache.toolchain import hashed_package_dirs, lowercache_digest, memo_prefixes
+from ..cache.toolchain import hashed_package_dirs, in_toolchain_part, lowercache_digest, memo_prefixes
 from ..config import Settings
 from .places import (RACY_NS, STAT_FIELDS, Places, bytecode_matches, dir_listing, entries, installed_state, named, on_system, path_state, size,
                      stdlib_dirs, work_tree)
@@ -571,13 +571,15 @@ class Recorder:
         module it loaded, each with its stat and content digest.
 
         The site directories' listings, recorded with the inputs, see an install, an upgrade or a removal; these see
-        an edit in place, which no listing or version shows. Left out: the packages hashed whole into the toolchain
-        identity (torch, executorch, ...) and lowercache's own code (its identity too)."""
-        skip = (*hashed_package_dirs(), os.path.join(_PACKAGE, ""))
+        an edit in place, which no listing or version shows. Left out: what the toolchain identity's source digests
+        count (torch, executorch, ... but their tests, which ``examples/arm``'s script imports) and lowercache's own
+        code (its identity too)."""
+        hashed, own = hashed_package_dirs(), os.path.join(_PACKAGE, "")
         found = {}
         loaded = [_module_file(module) for module in list(sys.modules.values())]
         for origin in [*loaded, *sorted(self.installed_reads)]:
-            if origin is None or origin in found or origin.startswith(skip) or os.path.isdir(origin):
+            if (origin is None or origin in found or origin.startswith(own) or in_toolchain_part(origin, hashed)
+                    or os.path.isdir(origin)):
                 continue
             ref = self.places.ref(origin)
             if ref[0] == "root" or (ref[0] == "abs" and not origin.startswith(self.stdlib)):

@@ -206,3 +206,20 @@ def test_explain_names_the_files_a_source_part_changed_for(tmp_path):
     third = toolchain.source_digest(str(root), every_file=True)
     assert toolchain.changed_files(second, third) == ["ops.yaml"]
     assert toolchain.changed_files(first, third) == []  # not a change this machine saw in one step: no files named
+
+
+def test_in_toolchain_part_is_what_the_digest_counts(tmp_path):
+    """Records leave out what the toolchain part counts, and only that: a package's tests and compiled libraries
+    are not in the digest, so a record checks them itself."""
+    root = str(tmp_path / "pkg") + os.sep
+    assert toolchain.in_toolchain_part(root + "exir/passes/x.py", (root,))
+    assert toolchain.in_toolchain_part(root + "data/bin/flatc", (root,))
+    assert not toolchain.in_toolchain_part(root + "backends/arm/test/common.py", (root,))
+    assert not toolchain.in_toolchain_part(root + ".git/config", (root,))
+    assert not toolchain.in_toolchain_part(root + "extension/_portable_lib.cpython-311-x86_64-linux-gnu.so", (root,))
+    assert not toolchain.in_toolchain_part(str(tmp_path / "other" / "x.py"), (root,))
+    (tmp_path / "pkg" / "backends" / "arm" / "test").mkdir(parents=True)
+    (tmp_path / "pkg" / "backends" / "arm" / "test" / "common.py").write_text("A = 1\n")
+    (tmp_path / "pkg" / ".git").mkdir()
+    (tmp_path / "pkg" / ".git" / "config").write_text("[core]\n")
+    assert toolchain.source_digest(root.rstrip(os.sep), every_file=True) == toolchain.source_digest(str(tmp_path / "empty"), every_file=True)
