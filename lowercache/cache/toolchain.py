@@ -61,6 +61,8 @@ NOT_STACK = {
     "cryptography": "imported by redis's client; moves no lowering bytes",
     "platformdirs": "says where the cache lives",
     "tqdm": "progress bars",
+    "colorama": "imported by torch's inductor, when installed, to colour log lines",
+    "wcwidth": "imported by tabulate, when installed, to measure printed columns",
 }
 # Packages whose code does the lowering, hashed whole outside test directories, by content: Python, and the data files
 # it reads (ExecuTorch's operator YAML and flatbuffer schemas, the flatc it runs, torchgen's templates).
