@@ -572,7 +572,7 @@ class Recorder:
 
         The site directories' listings, recorded with the inputs, see an install, an upgrade or a removal; these see
         an edit in place, which no listing or version shows. Left out: what the toolchain identity's source digests
-        count (torch, executorch, ... but their tests, which ``examples/arm``'s script imports) and lowercache's own
+        count (torch, executorch, ... but their tests, whose helpers a user's script may import) and lowercache's own
         code (its identity too)."""
         hashed, own = hashed_package_dirs(), os.path.join(_PACKAGE, "")
         found = {}
