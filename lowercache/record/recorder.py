@@ -21,8 +21,8 @@ from .. import sweep
 from ..cache.digests import digest_json
 from ..cache.toolchain import hashed_package_dirs, in_toolchain_part, lowercache_digest, memo_prefixes
 from ..config import Settings
-from .places import (RACY_NS, STAT_FIELDS, Places, bytecode_matches, dir_listing, entries, installed_state, named, on_system, path_state, size,
-                     stdlib_dirs, work_tree)
+from .places import (RACY_NS, STAT_FIELDS, Places, bytecode_matches, dir_listing, entries, installed_state, named, on_system,
+                     path_state, size, stdlib_dirs, work_tree)
 from .trust import env_digest
 
 if TYPE_CHECKING:  # the tracer is imported only to record: a hit needs none of it
