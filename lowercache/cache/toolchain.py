@@ -205,13 +205,7 @@ def _note_changes(place: str, digest: str, each: dict[str, str]) -> None:
             _PartsMemo().put("changes", digest, {"from": before["digest"], "files": named})
     known = {k: v for k, v in known.items() if k != "version" and os.path.isdir(k.split("|")[0])}
     known.update({"version": _MEMO_VERSION, place: {"digest": digest, "files": each}})
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".toolchain-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(known, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only or full cache directory: explain names no files
+    _write_memo(path, known)  # a read-only or full cache directory: explain names no files
 
 
 def changed_files(before: str, after: str) -> list[str]:
@@ -221,6 +215,18 @@ def changed_files(before: str, after: str) -> list[str]:
     if isinstance(found, dict) and found.get("from") == before and isinstance(found.get("files"), list):
         return [str(name) for name in found["files"]]
     return []
+
+
+def _write_memo(path: Any, value: Any) -> None:
+    """Write a memo file atomically (processes share them); a read-only or full cache directory writes nothing."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".toolchain-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(value, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 _NAMED_CHANGES = 5
@@ -381,14 +387,7 @@ class _Memo:
     def save(self) -> None:
         if not (self.changed and self.remember):
             return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".toolchain-")
-            with os.fdopen(fd, "w") as f:
-                json.dump({"version": _MEMO_VERSION, "modules": self.entries}, f)
-            os.replace(tmp, self.path)
-        except OSError:
-            pass  # a read-only or full cache directory: the next process parses again
+        _write_memo(self.path, {"version": _MEMO_VERSION, "modules": self.entries})  # on a fault the next process parses again
 
 
 class _PartsMemo:
@@ -419,11 +418,4 @@ class _PartsMemo:
             kept = dict(list(kept.items())[-_KEPT_CHANGES + 1:])
         fresh.update({"version": _MEMO_VERSION, kind: {**kept, name: value}})
         self.entries = fresh
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".toolchain-")
-            with os.fdopen(fd, "w") as f:
-                json.dump(fresh, f)
-            os.replace(tmp, self.path)
-        except OSError:
-            pass
+        _write_memo(self.path, fresh)
