@@ -21,7 +21,7 @@ from .. import sweep
 from ..cache.digests import digest_json
 from ..cache.toolchain import hashed_package_dirs, in_toolchain_part, lowercache_digest, memo_prefixes
 from ..config import Settings
-from .places import (RACY_NS, STAT_FIELDS, Places, bytecode_matches, dir_listing, entries, installed_state, named, on_system,
+from .places import (RACY_NS, STAT_FIELDS, InstalledDigests, Places, bytecode_matches, dir_listing, entries, named, on_system,
                      path_state, size, stdlib_dirs, work_tree)
 from .trust import env_digest
 
@@ -575,6 +575,7 @@ class Recorder:
         count (torch, executorch, ... but their tests, whose helpers a user's script may import) and lowercache's own
         code (its identity too)."""
         hashed, own = hashed_package_dirs(), os.path.join(_PACKAGE, "")
+        digests = InstalledDigests()
         found = {}
         loaded = [_module_file(module) for module in list(sys.modules.values())]
         for origin in [*loaded, *sorted(self.installed_reads)]:
@@ -585,9 +586,10 @@ class Recorder:
             if ref[0] == "root" or (ref[0] == "abs" and not origin.startswith(self.stdlib)):
                 continue  # the user's code, or outside site-packages and the standard library: a file input when read
             try:
-                found[origin] = [ref, *installed_state(origin)]
+                found[origin] = [ref, *digests.state(origin)]
             except OSError:
                 continue  # a module whose file has gone since it was loaded: nothing there to come back
+        digests.save()
         return [found[origin] for origin in sorted(found)]
 
     def read_written(self, path: str) -> None:

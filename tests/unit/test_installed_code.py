@@ -118,3 +118,32 @@ def test_a_standard_library_module_the_process_loaded_is_checked_too(tmp_path, s
     copy.write_text(copy.read_text() + "# edited\n")
     assert not places.same_installed(str(copy), state)
     assert inputs_changed(_inputs([[["abs", str(copy)], *state]]), here, 0, str(tmp_path), {}) == f"installed code changed: {copy}"
+
+
+def test_making_a_record_reads_only_installed_files_that_moved(tmp_path, site, monkeypatch):
+    """Digests found before are kept under their stats (``InstalledDigests``); a file past the racy window is read once."""
+    import time
+
+    module = site / "fakelib" / "__init__.py"
+    time.sleep(places.RACY_NS / 1e9 + 0.2)  # its ctime past the racy window: only then may its stat stand for its bytes
+    reads = []
+    digest_of = places._file_digest
+    monkeypatch.setattr(places, "_file_digest", lambda path: reads.append(path) or digest_of(path))
+    first = places.InstalledDigests()
+    state = first.state(str(module))
+    first.save()
+    assert reads == [str(module)]
+    again = places.InstalledDigests()
+    assert again.state(str(module)) == state and reads == [str(module)]  # from the memo: not read
+    module.write_text("SCALE = 2\n")
+    moved = places.InstalledDigests().state(str(module))
+    assert reads == [str(module)] * 2 and moved[1] != state[1]
+    assert places.same_installed(str(module), moved) and not places.same_installed(str(module), state)
+
+
+def test_a_file_inside_the_racy_window_is_not_kept(tmp_path, site):
+    module = site / "fakelib" / "fresh.py"
+    module.write_text("X = 1\n")
+    memo = places.InstalledDigests()
+    memo.state(str(module))
+    assert str(module) not in memo.known and not memo.changed
