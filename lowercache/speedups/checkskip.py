@@ -6,10 +6,11 @@ Why it is exact, and figures: docs/speedups.md#checkskip.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any
+from typing import Any, Iterator
 
-from . import graphpicture
+from . import graphpicture, passrun
 from .patching import Counters, Patch
 from .sourcepin import source_digest
 
@@ -194,12 +195,13 @@ def _check(self: Any, exported_program: Any) -> None:
     return None
 
 
-def _transform(self: Any) -> Any:
+@contextlib.contextmanager
+def _run(manager: Any) -> Iterator[None]:
     """The pass manager's run: the programs that passed a check are remembered during it, and forgotten after."""
     outer = getattr(_tls, "passed", None)
     _tls.passed = {}
     try:
-        return _originals["transform"](self)
+        yield
     finally:
         _tls.passed = outer
 
@@ -207,23 +209,20 @@ def _transform(self: Any) -> Any:
 def _apply() -> None:
     if sources_digest() != _AUDITED_DIGEST:
         return
-    from executorch.backends.xnnpack._passes import XNNPACKPassManager
     from executorch.exir.pass_manager import ExportedProgramPassManager
 
     _originals["check"] = ExportedProgramPassManager.check
-    _originals["transform"] = XNNPACKPassManager.transform
     ExportedProgramPassManager.check = _check
-    XNNPACKPassManager.transform = _transform
+    passrun.add("checkskip", _run)
 
 
 def _undo() -> None:
     if "check" not in _originals:
         return
-    from executorch.backends.xnnpack._passes import XNNPACKPassManager
     from executorch.exir.pass_manager import ExportedProgramPassManager
 
+    passrun.remove("checkskip")
     ExportedProgramPassManager.check = _originals.pop("check")
-    XNNPACKPassManager.transform = _originals.pop("transform")
 
 
 _patch = Patch(_apply, _undo)

@@ -6,11 +6,12 @@ Why it is exact, and figures: docs/speedups.md#retraceskip.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
-from . import graphpicture, retrace
+from . import graphpicture, passrun, retrace
 from .patching import Counters, Patch
 from .sourcepin import source_digest
 
@@ -42,11 +43,10 @@ def _audited_sources() -> list[Any]:
     """The retrace whose idempotence the skip relies on, and the pass manager whose scope it is on in."""
     import torch.fx.proxy
     import torch.fx.traceback
-    from executorch.backends.xnnpack._passes import XNNPACKPassManager
     from executorch.exir.pass_base import ExportPass, _ExportPassBase
 
     return [
-        XNNPACKPassManager.transform,
+        passrun.original(),  # the wrapper another speed-up's scope installed is not the code pinned
         _ExportPassBase.call,
         _ExportPassBase.inputs,
         _ExportPassBase.call_submodule,
@@ -114,13 +114,14 @@ def _call(self: Any, graph_module: Any) -> Any:
     return result
 
 
-def _transform(self: Any) -> Any:
+@contextlib.contextmanager
+def _run(manager: Any) -> Iterator[None]:
     """The pass manager's run: its passes' retrace outputs are remembered during it, and forgotten after (the
     passes' own helpers, such as the patterns some export and lower to edge, retrace as stock does)."""
     outer = getattr(_tls, "outputs", None), getattr(_tls, "passes", None)
-    _tls.outputs, _tls.passes = weakref.WeakKeyDictionary(), frozenset(self.passes)
+    _tls.outputs, _tls.passes = weakref.WeakKeyDictionary(), frozenset(manager.passes)
     try:
-        return _originals["transform"](self)
+        yield
     finally:
         _tls.outputs, _tls.passes = outer
 
@@ -128,23 +129,20 @@ def _transform(self: Any) -> Any:
 def _apply() -> None:
     if sources_digest() != _AUDITED_DIGEST:
         return
-    from executorch.backends.xnnpack._passes import XNNPACKPassManager
     from executorch.exir.pass_base import _ExportPassBase
 
     _originals["call"] = _ExportPassBase.call
-    _originals["transform"] = XNNPACKPassManager.transform
     _ExportPassBase.call = _call
-    XNNPACKPassManager.transform = _transform
+    passrun.add("retraceskip", _run)
 
 
 def _undo() -> None:
     if "call" not in _originals:
         return
-    from executorch.backends.xnnpack._passes import XNNPACKPassManager
     from executorch.exir.pass_base import _ExportPassBase
 
+    passrun.remove("retraceskip")
     _ExportPassBase.call = _originals.pop("call")
-    XNNPACKPassManager.transform = _originals.pop("transform")
 
 
 _patch = Patch(_apply, _undo)
