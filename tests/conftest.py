@@ -8,6 +8,8 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -60,11 +62,28 @@ def cache_dir(tmp_path):
     return tmp_path / "cache"
 
 
+@pytest.fixture(scope="session")
+def _toolchain_memos(tmp_path_factory) -> list[Path]:
+    """The toolchain's memos (``lowercache/cache/toolchain.py``), made once per worker in a process of their own.
+    Each test has a default cache directory of its own, and a process without these memos reads every file of the
+    lowering stack (seconds), as on a new machine; a user's machine has them from its first lowering on. A test of that
+    first lowering removes them."""
+    xdg = tmp_path_factory.mktemp("toolchain-memos")
+    subprocess.run([sys.executable, "-c", "from lowercache.cache.toolchain import toolchain_parts; toolchain_parts()"],
+                   env={**os.environ, "XDG_CACHE_HOME": str(xdg)}, check=True, timeout=600)
+    return sorted((xdg / "lowercache").glob("toolchain-*.json"))
+
+
 @pytest.fixture(autouse=True)
-def _isolated_config(tmp_path, monkeypatch):
-    """No test reads the developer's own config file or cache."""
+def _isolated_config(tmp_path, monkeypatch, _toolchain_memos):
+    """No test reads the developer's own config file or cache; its default cache directory starts with the toolchain's
+    memos (above)."""
     isolate(monkeypatch, tmp_path)
     logging.getLogger("lowercache").propagate = True
+    default = tmp_path / "xdg-cache" / "lowercache"
+    default.mkdir(parents=True, exist_ok=True)
+    for memo in _toolchain_memos:
+        shutil.copyfile(memo, default / memo.name)
 
 
 # Real servers for the shared-cache tests, on loopback only.
