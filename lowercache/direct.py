@@ -204,6 +204,30 @@ def recording(request: Request, settings: Settings, before: Callable[[], None] =
         recorder.close()
 
 
+def likely_hit(request: Request, settings: Settings) -> bool:
+    """Whether the run of ``request`` will most likely hit its flow step: its record (unconfirmed, or one that cannot
+    answer in this directory) names inputs that are all unchanged, so the run will export the same program. A guess
+    that only orders imports (``lowerer``): the flow key decides."""
+    from .cache.tiers import open_store
+
+    try:
+        store = open_store(settings)
+    except LowercacheError:
+        return False
+    if store is None:
+        return False
+    try:
+        record = _load(store, request.key())
+        if record is None:
+            return False
+        syspath = [Places(request.root).ref(os.path.abspath(p or ".")) for p in sys.path]
+        return _changed(record, request, settings, syspath, initial_environ()) is None
+    except (ValueError, KeyError, TypeError):
+        return False
+    finally:
+        store.close()
+
+
 def _recorder(request: Request, settings: Settings) -> LowerRecorder:
     recorder = LowerRecorder(request, settings)
     recorder.watch_below()

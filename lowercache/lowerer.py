@@ -62,7 +62,6 @@ def lower(model: str, target: str, out_dir: Path, console: Any, *, verbose: bool
 def _lower(request: direct.Request, settings: Settings, console: Any) -> tuple[Any, list[Path], phases.Phases]:
     """The lowering itself: its artifacts, the files written, the phases as timed."""
     from . import api
-    from .lowering.flow import import_stack
     from .targets import resolve
 
     resolved = resolve(request.target, system_config=request.system_config, memory_mode=request.memory_mode)
@@ -70,7 +69,7 @@ def _lower(request: direct.Request, settings: Settings, console: Any) -> tuple[A
     api.check_output_dir(out_dir)
     if not settings.disable:
         api.open_store(settings).close()  # fail early on an unusable cache directory
-    with direct.recording(request, settings, before=import_stack) as recorder:  # what the factory reads
+    with direct.recording(request, settings, before=lambda: _import_first(request, settings)) as recorder:  # what the factory reads
         with phases.progress(console, phases.planned(resolved.quantized, settings.check), resolved.family.backend) as timed:
             timed.begin("load")
             loaded, samples = _load(recorder, request)
@@ -89,6 +88,16 @@ def _lower(request: direct.Request, settings: Settings, console: Any) -> tuple[A
             )
         direct.finish(recorder, artifacts.records, artifacts.manifest)
     return artifacts, api.write_artifacts(artifacts, out_dir), timed
+
+
+def _import_first(request: direct.Request, settings: Settings) -> None:
+    """What a recording run imports before its backstop starts: the whole lowering stack, or only the export's when
+    the flow step will likely hit (``direct.likely_hit``). Imports after that are traced: those of a miss cost seconds
+    more, and a hit spares the lowering stack's (seconds)."""
+    from .lowering.flow import import_stack, stack_imported
+
+    if not stack_imported():
+        import_stack(lowering=not direct.likely_hit(request, settings))
 
 
 def confirm(args: list[str]) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -35,12 +36,21 @@ from ..cache.toolchain import toolchain_parts
 # ``lower`` that records (direct mode) imports it before the backstop below Python starts, which would trace each import.
 STACK = ("executorch.exir", *dict.fromkeys(m for f in FAMILIES for m in f.stack), "torchao.quantization.pt2e.quantize_pt2e",
          "torch.export")
+# What the export alone imports (``torch.export`` loads the rest on its first call): a run whose flow step hits needs no more.
+EXPORT_STACK = ("torch.export._trace",)
 
 
-def import_stack() -> None:
-    """Import :data:`STACK` now (as a lowering would later)."""
-    for name in STACK:
+def import_stack(lowering: bool = True) -> None:
+    """Import :data:`STACK` now (as a lowering would later), or with ``lowering`` False only :data:`EXPORT_STACK`; and
+    find the toolchain parts, which the flow key needs and which read installed files."""
+    for name in STACK if lowering else EXPORT_STACK:
         importlib.import_module(name)
+    toolchain_parts()
+
+
+def stack_imported() -> bool:
+    """Whether :data:`STACK` is imported already (the warm server and its children)."""
+    return all(name in sys.modules for name in STACK)
 
 # Names the stock flow below; part of the flow key. v2: partitions lowered in
 # discovery order (partitionorder.py); v1 entries followed the hash seed.

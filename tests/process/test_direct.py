@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import torch
 
 from lowercache.cache.store import Store
 
-from tests.helpers.direct import MODEL, PORTABLE_MODEL, confirmed, explain, lower, make_project, served, stock, weights
+from tests.helpers.direct import (MODEL, PORTABLE_MODEL, TARGET, cli_env, confirmed, explain, lower, make_project, served, stock,
+                                  weights)
 from tests.helpers.isolation import isolate
 from tests.helpers.seeded import restored, set_aside
 
@@ -208,3 +210,35 @@ def test_module_files_looked_up_ahead_are_the_modules_own(tmp_path):
     relative = types.ModuleType("rel")
     relative.__file__ = "rel.py"
     assert recorder._module_file(relative) == os.path.abspath("rel.py")
+
+
+PROBE = """
+import sys
+from lowercache import direct, lowerer
+from lowercache.record.recorder import keep_initial_environ
+
+keep_initial_environ()
+request = direct.Request(model="model.py:model", target=sys.argv[1], out_dir="out")
+lowerer._import_first(request, request.settings())
+print("executorch.exir" in sys.modules)
+"""
+
+
+def test_a_re_run_with_unchanged_inputs_imports_only_the_export_before_it_records(tmp_path):
+    """A confirming re-run (its record's inputs all unchanged) will hit the flow step: the lowering stack's imports, which
+    its backstop would make seconds slower, wait for a miss. A changed input imports them first."""
+    project, cache = make_project(tmp_path / "proj"), tmp_path / "cache"
+    first, pte, _ = lower(project, cache)
+
+    def stack_first() -> bool:
+        result = subprocess.run([sys.executable, "-c", PROBE, TARGET], capture_output=True, text=True, cwd=project,
+                                env=cli_env(cache), timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout.split()[-1] == "True"
+
+    assert first["direct"]["record"] == "unconfirmed" and not stack_first()
+    (project / "helper.py").write_text("OFFSET = 0.5\n")
+    assert stack_first()
+    (project / "helper.py").write_text("OFFSET = 0.0\n")
+    again, same, _ = lower(project, cache)
+    assert again["direct"]["record"] == "confirmed" and same == pte
