@@ -1,7 +1,8 @@
 """One ``lower`` below the CLI: settings -> target -> record -> load -> lower -> write, and the report to print.
 
-The ``lower`` command parses its options, calls :func:`lower` with them and prints the
-:class:`lowercache.output.Report` it returns (text or ``--json``), mapping errors to exit codes.
+The ``lower`` command parses its options into a :class:`lowercache.direct.Request`, calls :func:`lower`
+with it and prints the :class:`lowercache.output.Report` it returns (text or ``--json``), mapping errors
+to exit codes.
 The warm server's child runs that command, and settles a record in the background with :func:`confirm`;
 ``watch`` and ``build`` run the ``lower`` command line, so each of them reaches this one sequence (a
 direct-mode hit answers before it, from :func:`lowercache.direct.serve`). Direct mode is a context around
@@ -25,24 +26,18 @@ from .errors import LowercacheError
 from .output import Report, report, run_summary
 
 
-def lower(model: str, target: str, out_dir: Path, console: Any, *, verbose: bool = False, cache_dir: Optional[Path] = None,
-          no_cache: bool = False, calibration: Optional[Path] = None, per_tensor: bool = False, remote: Optional[str] = None,
-          no_direct: bool = False, system_config: Optional[str] = None, memory_mode: Optional[str] = None,
-          check: Optional[str] = None, min_snr: Optional[float] = None) -> Report:
-    """Lower ``model`` for ``target`` through the cache into ``out_dir``, with ``lower``'s options; what to print at the end.
+def lower(request: direct.Request, console: Any, *, verbose: bool = False) -> Report:
+    """Lower ``request.model`` for ``request.target`` through the cache into ``request.out_dir``, with ``lower``'s
+    options as the request holds them; what to print at the end.
 
     ``console``: where the phases are shown as they run (a counter at a terminal, a line each in a log);
     ``verbose``: the table lists every cached step too.
     """
-    request = direct.Request(model=model, target=target, out_dir=str(out_dir), per_tensor=per_tensor,
-                             calibration=str(calibration) if calibration is not None else None,
-                             cache_dir=str(cache_dir) if cache_dir is not None else None, no_cache=no_cache, remote=remote,
-                             no_direct=no_direct, system_config=system_config, memory_mode=memory_mode, check=check,
-                             min_snr=min_snr)
     settings = None
     try:
         settings = request.settings()
-        problem = precheck.problem(model, target, system_config, memory_mode)  # before torch is imported
+        # before torch is imported:
+        problem = precheck.problem(request.model, request.target, request.system_config, request.memory_mode)
         if problem is not None:
             raise LowercacheError(problem)
         artifacts, written, timed = _lower(request, settings, console)
@@ -54,7 +49,7 @@ def lower(model: str, target: str, out_dir: Path, console: Any, *, verbose: bool
         raise
     out_dir = Path(request.out_dir)
     said = report(_run_summary(artifacts, written, out_dir), estimates.outcome(artifacts.delegation, out_dir, request.target),
-                  artifacts.numerics, written, out_dir, min_snr)
+                  artifacts.numerics, written, out_dir, float(request.min_snr) if request.min_snr is not None else None)
     said.table, said.total = phases.table(timed, artifacts.records, verbose)
     return said
 
@@ -69,7 +64,8 @@ def _lower(request: direct.Request, settings: Settings, console: Any) -> tuple[A
     api.check_output_dir(out_dir)
     if not settings.disable:
         api.open_store(settings).close()  # fail early on an unusable cache directory
-    with direct.recording(request, settings, before=lambda: _import_first(request, settings)) as recorder:  # what the factory reads
+    # What the factory reads:
+    with direct.recording(request, settings, before=lambda: _import_first(request, settings)) as recorder:
         with phases.progress(console, phases.planned(resolved.quantized, settings.check), resolved.family.backend) as timed:
             timed.begin("load")
             loaded, samples = _load(recorder, request)

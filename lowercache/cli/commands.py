@@ -217,12 +217,16 @@ def lower(
     min_snr: Optional[float] = MinSnr,
 ) -> None:
     """Lower MODEL for a target, serving unchanged work from the cache."""
+    from ..direct import Request
     from ..lowerer import lower as lowered
 
+    request = Request(model=model, target=target, out_dir=str(out_dir), per_tensor=per_tensor,
+                      calibration=str(calibration) if calibration is not None else None,
+                      cache_dir=str(cache_dir) if cache_dir is not None else None, no_cache=no_cache, remote=remote,
+                      no_direct=no_direct, as_json=as_json, system_config=system_config, memory_mode=memory_mode, check=check,
+                      min_snr=min_snr)
     try:
-        said = lowered(model, target, out_dir, err, verbose=_verbose, cache_dir=cache_dir, no_cache=no_cache, calibration=calibration,
-                       per_tensor=per_tensor, remote=remote, no_direct=no_direct, system_config=system_config,
-                       memory_mode=memory_mode, check=check, min_snr=min_snr)
+        said = lowered(request, err, verbose=_verbose)
     except LowercacheError as e:
         _fail_input(e, as_json)
     except Exception as e:  # a failure inside torch.export or ExecuTorch
