@@ -206,8 +206,9 @@ def recording(request: Request, settings: Settings, before: Callable[[], None] =
 
 def likely_hit(request: Request, settings: Settings) -> bool:
     """Whether the run of ``request`` will most likely hit its flow step: its record (unconfirmed, or one that cannot
-    answer in this directory) names inputs that are all unchanged, so the run will export the same program. A guess
-    that only orders imports (``lowerer``): the flow key decides."""
+    answer in this directory) names inputs that are all unchanged, so the run will export the same program. An
+    untrusted record says nothing (a factory that reads the time gives a new key each run). A guess that only orders
+    imports (``lowerer``): the flow key decides."""
     from .cache.tiers import open_store
 
     try:
@@ -218,7 +219,7 @@ def likely_hit(request: Request, settings: Settings) -> bool:
         return False
     try:
         record = _load(store, request.key())
-        if record is None:
+        if record is None or record.get("status") not in ("unconfirmed", "confirmed"):
             return False
         syspath = [Places(request.root).ref(os.path.abspath(p or ".")) for p in sys.path]
         return _changed(record, request, settings, syspath, initial_environ()) is None

@@ -224,21 +224,28 @@ print("executorch.exir" in sys.modules)
 """
 
 
+def _stack_first(project: Path, cache: Path) -> bool:
+    """Whether a run of the project now would import the lowering stack before it records."""
+    result = subprocess.run([sys.executable, "-c", PROBE, TARGET], capture_output=True, text=True, cwd=project,
+                            env=cli_env(cache), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.split()[-1] == "True"
+
+
 def test_a_re_run_with_unchanged_inputs_imports_only_the_export_before_it_records(tmp_path):
     """A confirming re-run (its record's inputs all unchanged) will hit the flow step: the lowering stack's imports, which
-    its backstop would make seconds slower, wait for a miss. A changed input imports them first."""
+    its backstop would make seconds slower, wait for a miss. A changed input, or an untrusted record (an unseeded
+    factory: a new key each run), imports them first."""
     project, cache = make_project(tmp_path / "proj"), tmp_path / "cache"
     first, pte, _ = lower(project, cache)
-
-    def stack_first() -> bool:
-        result = subprocess.run([sys.executable, "-c", PROBE, TARGET], capture_output=True, text=True, cwd=project,
-                                env=cli_env(cache), timeout=300)
-        assert result.returncode == 0, result.stderr[-2000:]
-        return result.stdout.split()[-1] == "True"
-
-    assert first["direct"]["record"] == "unconfirmed" and not stack_first()
+    assert first["direct"]["record"] == "unconfirmed" and not _stack_first(project, cache)
     (project / "helper.py").write_text("OFFSET = 0.5\n")
-    assert stack_first()
+    assert _stack_first(project, cache)
     (project / "helper.py").write_text("OFFSET = 0.0\n")
     again, same, _ = lower(project, cache)
     assert again["direct"]["record"] == "confirmed" and same == pte
+
+    unseeded = MODEL.replace("    torch.manual_seed(0)\n", "").replace("net.load_state_dict(weights)", "pass")
+    project, cache = make_project(tmp_path / "unseeded", model=unseeded), tmp_path / "cache-unseeded"
+    assert [lower(project, cache)[0]["direct"]["record"] for _ in range(2)] == ["unconfirmed", "untrusted"]
+    assert _stack_first(project, cache)
