@@ -24,13 +24,21 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional
 
 import typer
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 from rich.console import Console
 from rich.table import Table
 
 from ..errors import INTERRUPTED, LowercacheError, by_ctrl_c, interrupted, user_line
 from ..output import counted
 from ..targets import help_text
+
+def _flags_take_no_value(params: list[Any]) -> list[Any]:
+    """A flag's help shows no value: typer prints ``<bool>`` beside every flag without a metavar (``--help`` too)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
 
 class _Command(TyperCommand):
     """Usage lines as users read them (``lower [OPTIONS] MODEL``): typer braces a required argument (``{MODEL}``)."""
@@ -39,7 +47,21 @@ class _Command(TyperCommand):
         return [re.sub(r"^\{(.*)\}(\.\.\.)?$", r"\1\2", piece) for piece in super().collect_usage_pieces(ctx)]
 
 
+class _Group(TyperGroup):
+    """A command group whose flags, and its commands' flags, show no value in their help (``--help`` included)."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _flags_take_no_value(super().get_params(ctx))
+
+    def get_command(self, ctx: Any, name: str) -> Any:
+        command = super().get_command(ctx, name)
+        if command is not None:
+            _flags_take_no_value(command.get_params(ctx))
+        return command
+
+
 app = typer.Typer(
+    cls=_Group,
     help="Incremental, caching lowering of PyTorch models to Arm targets (TOSA, Ethos-U).",
     no_args_is_help=True,
     add_completion=True,
@@ -69,15 +91,15 @@ RemoteUrl = typer.Option(
     None, "--remote", help=r"Shared cache: redis://host:port/db or s3://bucket/prefix \[env: LOWERCACHE_REMOTE]."
 )
 # Read by main() before the command runs (lowercache.client); declared so the command accepts it.
-NoServer = typer.Option(False, "--no-server", metavar="", help=r"Run in this process, not through the warm server \[env: LOWERCACHE_SERVER=0].")
+NoServer = typer.Option(False, "--no-server", help=r"Run in this process, not through the warm server \[env: LOWERCACHE_SERVER=0].")
 
-PerTensor = typer.Option(False, "--per-tensor", metavar="", help="Quantize weights per tensor instead of per channel.")
+PerTensor = typer.Option(False, "--per-tensor", help="Quantize weights per tensor instead of per channel.")
 SystemConfig = typer.Option(None, "--system-config", help="Ethos-U: Vela's system config from its Arm/vela.ini (default: ExecuTorch's for the target).")
 MemoryMode = typer.Option(None, "--memory-mode", help="Ethos-U: Vela's memory mode from its Arm/vela.ini, e.g. Shared_Sram, Sram_Only (default: ExecuTorch's for the target).")
-Check = typer.Option(False, "--check", metavar="", help=r"Also run the lowering on the TOSA reference model against the float model: error, SNR, cosine, top-1 per output; cached; no lowered byte changes (docs/numerics.md) \[env: LOWERCACHE_CHECK].")
+Check = typer.Option(False, "--check", help=r"Also run the lowering on the TOSA reference model against the float model: error, SNR, cosine, top-1 per output; cached; no lowered byte changes (docs/numerics.md) \[env: LOWERCACHE_CHECK].")
 CheckMode = typer.Option(None, "--check", is_flag=False, flag_value="outputs", metavar="[=layers]", help=r"Also run the lowering on the TOSA reference model against the float model: error, SNR, cosine, top-1 per output; --check=layers also compares the quantized model with the float one at each module's output (where the error enters); cached; no lowered byte changes (docs/numerics.md) \[env: LOWERCACHE_CHECK].")
 MinSnr = typer.Option(None, "--min-snr", metavar="DB", help="With the check (implied): exit 1, after writing the output, when an output's SNR is below DB or the reference model rejected a partition.")
-NoDirect = typer.Option(False, "--no-direct", metavar="", help=r"Do not answer from a direct-mode record (docs/direct-mode.md) \[env: LOWERCACHE_DIRECT=0].")
+NoDirect = typer.Option(False, "--no-direct", help=r"Do not answer from a direct-mode record (docs/direct-mode.md) \[env: LOWERCACHE_DIRECT=0].")
 
 
 def _setup_logging() -> None:
@@ -204,12 +226,12 @@ def lower(
     target: str = TargetOption,
     out_dir: Path = typer.Option(..., "--out", "-o", help="Directory that receives model.pte, TOSA, Vela output, manifest.json."),
     cache_dir: Optional[Path] = CacheDir,
-    no_cache: bool = typer.Option(False, "--no-cache", metavar="", help="Lower without reading or writing the cache."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Lower without reading or writing the cache."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help=".pt file with a list of input tuples (torch.load weights_only), or .npz with one array per input, samples on axis 0."),
     per_tensor: bool = PerTensor,
     remote: Optional[str] = RemoteUrl,
     no_server: bool = NoServer,
-    as_json: bool = typer.Option(False, "--json", metavar="", help="Print a machine-readable summary of the run on stdout."),
+    as_json: bool = typer.Option(False, "--json", help="Print a machine-readable summary of the run on stdout."),
     no_direct: bool = NoDirect,
     system_config: Optional[str] = SystemConfig,
     memory_mode: Optional[str] = MemoryMode,
@@ -311,7 +333,7 @@ def watch(
     targets: List[str] = typer.Option(..., "--target", "-t", help="A target, as for lower; repeat -t for several.", autocompletion=_complete_target),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Output directory; with several -t, each target's output goes to DIR/<target>/."),
     cache_dir: Optional[Path] = CacheDir,
-    no_cache: bool = typer.Option(False, "--no-cache", metavar="", help="Lower without reading or writing the cache (no record of what the factory read is kept: the model file is watched)."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Lower without reading or writing the cache (no record of what the factory read is kept: the model file is watched)."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Calibration file, as for lower (.pt or .npz)."),
     per_tensor: bool = PerTensor,
     remote: Optional[str] = RemoteUrl,
@@ -356,7 +378,7 @@ def build(
     names: Optional[List[str]] = typer.Argument(None, metavar="NAME", help="Models to build, by their names in the build file (default: all)."),
     build_file: Optional[Path] = typer.Option(None, "--file", "-f", help=r"Build file (default: lowercache.toml, else \[tool.lowercache] in pyproject.toml, in the working directory)."),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Pairs lowered at once (default: the core count, bounded by memory; with ray: every pair)."),
-    keep_going: bool = typer.Option(False, "--keep-going", "-k", metavar="", help="Build the other pairs after a failure; report failures at the end (exit 1)."),
+    keep_going: bool = typer.Option(False, "--keep-going", "-k", help="Build the other pairs after a failure; report failures at the end (exit 1)."),
     executor: str = typer.Option("local", "--executor", help=r"local (worker processes on this machine) or ray (pip install 'lowercache\[ray]')."),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help=r"The Ray cluster (default: a Ray on this machine) \[env: RAY_ADDRESS]."),
     compare: Optional[Path] = typer.Option(None, "--compare", help="A previous build-report.json: say what changed since."),
@@ -394,8 +416,8 @@ def bench(ctx: typer.Context) -> None:
 @app.command()
 def stats(
     cache_dir: Optional[Path] = CacheDir,
-    as_json: bool = typer.Option(False, "--json", metavar="", help="Print the figures as one JSON object on stdout."),
-    zero: bool = typer.Option(False, "--zero", "-z", metavar="", help="Set the counters (hits, misses, time saved) back to zero; entries stay."),
+    as_json: bool = typer.Option(False, "--json", help="Print the figures as one JSON object on stdout."),
+    zero: bool = typer.Option(False, "--zero", "-z", help="Set the counters (hits, misses, time saved) back to zero; entries stay."),
 ) -> None:
     """Size against the limit, when counters were zeroed, lowerings served and lowered, errors, hit rate by step (as ccache -s)."""
     from . import stats as report
@@ -418,7 +440,7 @@ def stats(
 def explain(
     model: str = typer.Argument(..., metavar="MODEL", help="The MODEL as given to `lowercache lower`."),
     target: str = TargetOption,
-    passes: bool = typer.Option(False, "--passes", metavar="", help="List every Arm pass of the latest run that ran passes."),
+    passes: bool = typer.Option(False, "--passes", help="List every Arm pass of the latest run that ran passes."),
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Say which named key parts changed for the last miss of MODEL on a target."""
@@ -456,7 +478,7 @@ def _model_name(model: str) -> str:
 @app.command()
 def gc(
     max_size: Optional[str] = typer.Option(None, "--max-size", help="Evict least-recently-used entries down to this size (e.g. 2G)."),
-    verify: bool = typer.Option(False, "--verify", metavar="", help="Also check every entry and drop corrupt ones."),
+    verify: bool = typer.Option(False, "--verify", help="Also check every entry and drop corrupt ones."),
     cache_dir: Optional[Path] = CacheDir,
 ) -> None:
     """Evict entries over the size limit (and, with --verify, corrupt ones)."""
@@ -488,8 +510,8 @@ def run(
     cache_dir: Optional[Path] = CacheDir,
     remote: Optional[str] = RemoteUrl,
     outs: List[Path] = typer.Option([], "--out", metavar="DIR", help="A directory outside the working directory the command may write (replayed like the rest)."),
-    explain: bool = typer.Option(False, "--explain", metavar="", help="Say what the latest run of this command did with its record, and why; run nothing."),
-    no_server: bool = typer.Option(False, "--no-server", metavar="", help=r"Run the command as a new process, not in a child of the warm server \[env: LOWERCACHE_SERVER=0]."),
+    explain: bool = typer.Option(False, "--explain", help="Say what the latest run of this command did with its record, and why; run nothing."),
+    no_server: bool = typer.Option(False, "--no-server", help=r"Run the command as a new process, not in a child of the warm server \[env: LOWERCACHE_SERVER=0]."),
 ) -> None:
     """Run a command (e.g. `lowercache run -- python export.py`): replayed from its record when nothing it read changed, else run with its lowering steps cached (Arm, XNNPACK), in a child of the warm server when that can stand in for a new python (docs/run.md)."""
     if not ctx.args:
@@ -602,6 +624,7 @@ def speedups() -> None:
 
 
 server_app = typer.Typer(
+    cls=_Group,
     help="The warm lowering server: lower and verify run in a process with torch already imported (docs/server.md).",
     no_args_is_help=True,
 )
@@ -703,8 +726,8 @@ def _print_version(asked: bool) -> None:
 
 @app.callback()
 def _options(
-    verbose: bool = typer.Option(False, "--verbose", "-v", metavar="", help="Also show the third-party warnings lowercache holds back."),
-    show_version: bool = typer.Option(False, "--version", metavar="", is_eager=True, callback=_print_version,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show the third-party warnings lowercache holds back."),
+    show_version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
                                       help="Print lowercache's version and its toolchain's, and exit."),
 ) -> None:
     global _verbose

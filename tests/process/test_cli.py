@@ -273,6 +273,30 @@ def test_usage_lines_name_arguments_as_users_write_them():
     assert usage["export"].endswith(" FILE") and not any("{" in line for line in usage.values()), usage
 
 
+@pytest.mark.quick
+def test_no_help_page_shows_a_value_for_a_flag():
+    """A flag takes no value: no ``--help``, ``--json`` or ``--install-completion <bool>`` in any command's or group's help,
+    nested groups' commands included."""
+    import click
+    import typer.main
+    from typer.testing import CliRunner
+
+    from lowercache.cli.commands import app
+
+    def paths(command: click.Command, prefix: list[str]) -> list[list[str]]:
+        found = [prefix]
+        for name, sub in getattr(command, "commands", {}).items():
+            found += paths(sub, [*prefix, name])
+        return found
+
+    pages = paths(typer.main.get_command(app), [])
+    for path in pages:
+        result = CliRunner().invoke(app, [*path, "--help"], prog_name="lowercache", env={"COLUMNS": "200", "TERM": "dumb"})
+        assert result.exit_code == 0 and "--help" in result.output, (path, result.output)
+        assert "<bool>" not in result.output and "BOOLEAN" not in result.output, (path, result.output)
+    assert ["server", "start"] in pages and len(pages) >= 15
+
+
 def test_a_model_stock_cannot_lower_gives_the_root_cause(tmp_path, cache_dir):
     """ExecuTorch wraps the failure in a line listing every pass; the error names the cause and the node instead."""
     model = f"{ROOT}/tests/helpers/op_zoo.py:unlowerable"
