@@ -87,13 +87,16 @@ def _lower(request: direct.Request, settings: Settings, console: Any) -> tuple[A
 
 
 def _import_first(request: direct.Request, settings: Settings) -> None:
-    """What a recording run imports before its backstop starts: the whole lowering stack, or only the export's when
-    the flow step will likely hit (``direct.likely_hit``). Imports after that are traced: those of a miss cost seconds
-    more, and a hit spares the lowering stack's (seconds)."""
+    """What a recording run does before its backstop starts, which would trace each file it names: import the whole
+    lowering stack, or only the export's when the flow step will likely hit (``direct.likely_hit``; the imports of a
+    miss cost seconds more traced, and a hit spares the lowering stack's); and find the toolchain parts, which stat
+    thousands of installed files (a warm server's child finds them again: ``server/child.py``)."""
+    from .cache.toolchain import toolchain_parts
     from .lowering.flow import import_stack, stack_imported
 
     if not stack_imported():
         import_stack(lowering=not direct.likely_hit(request, settings))
+    toolchain_parts()
 
 
 def confirm(args: list[str]) -> str:

@@ -41,11 +41,9 @@ EXPORT_STACK = ("torch.export._trace",)
 
 
 def import_stack(lowering: bool = True) -> None:
-    """Import :data:`STACK` now (as a lowering would later), or with ``lowering`` False only :data:`EXPORT_STACK`; and
-    find the toolchain parts, which the flow key needs and which read installed files."""
+    """Import :data:`STACK` now (as a lowering would later), or with ``lowering`` False only :data:`EXPORT_STACK`."""
     for name in STACK if lowering else EXPORT_STACK:
         importlib.import_module(name)
-    toolchain_parts()
 
 
 def stack_imported() -> bool:
