@@ -107,6 +107,10 @@ class Request:
         path, _, factory = self.model.rpartition(":")
         return f"{os.path.abspath(path)}:{factory}"
 
+    def snr_floor(self) -> float | None:
+        """``--min-snr`` as a number (a ``ValueError`` for text that is none)."""
+        return float(self.min_snr) if self.min_snr is not None else None
+
     def settings(self) -> Settings:
         settings = load_settings(
             cache_dir=Path(self.cache_dir) if self.cache_dir else None,
@@ -221,7 +225,7 @@ def likely_hit(request: Request, settings: Settings) -> bool:
         record = _load(store, request.key())
         if record is None or record.get("status") not in ("unconfirmed", "confirmed"):
             return False
-        syspath = [Places(request.root).ref(os.path.abspath(p or ".")) for p in sys.path]
+        syspath = Places(request.root).search_path()
         return _changed(record, request, settings, syspath, initial_environ()) is None
     except (ValueError, KeyError, TypeError):
         return False
@@ -350,7 +354,7 @@ def confirm(args: list[str], key_of: Callable[[LowerRecorder], str | None]) -> s
         record = _load(store, request.key())
         if record is None or record.get("status") != "unconfirmed":
             return "nothing to confirm"
-        syspath = [Places(request.root).ref(os.path.abspath(p or ".")) for p in sys.path]
+        syspath = Places(request.root).search_path()
         try:
             since = _changed(record, request, settings, syspath, initial_environ())
         except (ValueError, KeyError, TypeError) as e:
@@ -449,7 +453,7 @@ def serve(args: list[str]) -> int | None:
         if not settings.direct or settings.disable:
             return None
         request.check = settings.check
-        min_snr = float(request.min_snr) if request.min_snr is not None else None
+        min_snr = request.snr_floor()
         resolve(request.target)
         check_output_dir(request.out_dir)
         from .cache.tiers import open_store
@@ -478,7 +482,7 @@ def lookup(request: Request, settings: Settings, store: Any, environ: dict[str, 
         elif (why := _elsewhere(record, request, settings)) is not None:
             pass
         else:
-            syspath = [Places(request.root).ref(os.path.abspath(p or ".")) for p in sys.path]
+            syspath = Places(request.root).search_path()
             why = _changed(record, request, settings, syspath, environ if environ is not None else initial_environ())
     except (ValueError, KeyError, TypeError) as e:
         why = f"the record is unusable ({e})"

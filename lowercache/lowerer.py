@@ -49,7 +49,7 @@ def lower(request: direct.Request, console: Any, *, verbose: bool = False) -> Re
         raise
     out_dir = Path(request.out_dir)
     said = report(_run_summary(artifacts, written, out_dir), estimates.outcome(artifacts.delegation, out_dir, request.target),
-                  artifacts.numerics, written, out_dir, float(request.min_snr) if request.min_snr is not None else None)
+                  artifacts.numerics, written, out_dir, request.snr_floor())
     said.table, said.total = phases.table(timed, artifacts.records, verbose)
     return said
 

@@ -205,7 +205,7 @@ def _note_changes(place: str, digest: str, each: dict[str, str]) -> None:
             _PartsMemo().put("changes", digest, {"from": before["digest"], "files": named})
     known = {k: v for k, v in known.items() if k != "version" and os.path.isdir(k.split("|")[0])}
     known.update({"version": _MEMO_VERSION, place: {"digest": digest, "files": each}})
-    _write_memo(path, known)  # a read-only or full cache directory: explain names no files
+    write_memo(path, known)  # a read-only or full cache directory: explain names no files
 
 
 def changed_files(before: str, after: str) -> list[str]:
@@ -217,8 +217,9 @@ def changed_files(before: str, after: str) -> list[str]:
     return []
 
 
-def _write_memo(path: Any, value: Any) -> None:
-    """Write a memo file atomically (processes share them); a read-only or full cache directory writes nothing."""
+def write_memo(path: Any, value: Any) -> None:
+    """Write a memo file (JSON) atomically, for lowercache's memos beside the default cache (processes share them); a
+    read-only or full cache directory writes nothing."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".toolchain-")
@@ -387,7 +388,7 @@ class _Memo:
     def save(self) -> None:
         if not (self.changed and self.remember):
             return
-        _write_memo(self.path, {"version": _MEMO_VERSION, "modules": self.entries})  # on a fault the next process parses again
+        write_memo(self.path, {"version": _MEMO_VERSION, "modules": self.entries})  # on a fault the next process parses again
 
 
 class _PartsMemo:
@@ -418,4 +419,4 @@ class _PartsMemo:
             kept = dict(list(kept.items())[-_KEPT_CHANGES + 1:])
         fresh.update({"version": _MEMO_VERSION, kind: {**kept, name: value}})
         self.entries = fresh
-        _write_memo(self.path, fresh)
+        write_memo(self.path, fresh)

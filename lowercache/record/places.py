@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-import tempfile
+import sys
 import time
 from typing import Any
 
@@ -66,6 +66,10 @@ class Places:
             if path == base or path.startswith(base + os.sep):
                 return [name, os.path.relpath(path, base)]
         return ["abs", path]
+
+    def search_path(self) -> list[list[str]]:
+        """This process's module search path (``sys.path``, ``""`` as the working directory), entry by entry as references."""
+        return [self.ref(os.path.abspath(p or ".")) for p in sys.path]
 
     def path(self, ref: Any) -> str:
         if not (isinstance(ref, list) and len(ref) == 2 and all(isinstance(p, str) for p in ref)):
@@ -222,15 +226,10 @@ class InstalledDigests:
         """Written atomically when it changed; concurrent writers each keep what they found (the last one's file stays)."""
         if not self.changed:
             return
+        from ..cache.toolchain import write_memo
+
         self.known = {path: found for path, found in self.known.items() if os.path.exists(path)}  # gone: old venvs
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".toolchain-")
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.known, f)
-            os.replace(tmp, self.path)
-        except OSError:
-            pass
+        write_memo(self.path, self.known)
 
 
 def same_installed(path: str, recorded: Any) -> bool:

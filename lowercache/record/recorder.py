@@ -200,7 +200,7 @@ class Recorder:
         # unlinked at once); a project elsewhere in /dev/shm is a project like any other.
         self.scratch = (os.path.realpath(tempfile.gettempdir()) + os.sep, os.path.abspath(tempfile.gettempdir()) + os.sep,
                         "/dev/shm/sem.")
-        self.syspath = [self.places.ref(os.path.abspath(p or ".")) for p in sys.path]
+        self.syspath = self.places.search_path()
         self.started_ns = time.time_ns()
         self._threads = set(threading.enumerate())
         self.meta: dict[str, dict[str, set[str]]] = {}  # path -> ``meta``/``lmeta`` -> stat fields a caller observed
