@@ -180,6 +180,9 @@ class Recorder:
         self.memos = memo_prefixes()  # found once: each write the window makes is checked against them
         self.site = tuple(os.path.join(base, "") for name, base in self.places.anchors.items() if name != "root")
         self.installed_reads: set[str] = set()  # files read in site-packages: installed code's data (``installed_code``)
+        self._installed_before: dict[str, list[Any]] = {}  # the installed code loaded before the backstop started
+        self._digests: InstalledDigests | None = None
+        self._packages_before: dict[int, tuple[Any, list[str]]] = {}  # the packages' own paths then (``_search_dirs``)
         self.covered += self.memos
         self._paused = True
         self.below: backstop.Backstop | None = None  # the tracer below Python (``watch_below``)
@@ -229,6 +232,11 @@ class Recorder:
         not allow one, the record will be untrusted, naming why."""
         from . import backstop
 
+        # The installed code loaded by now, found while its stats are cheap: under the backstop each of these thousands
+        # of stats stops for the tracer (about 0.2 s a record). It is the code that runs, unless the window reads it again.
+        self._digests = InstalledDigests()
+        self._installed_before = self._installed_states(self._loaded_files(), self._digests)
+        self._packages_before = _package_dirs()
         started = backstop.start()
         if isinstance(started, str):
             self.below_why = f"could not be watched below Python ({started})"
@@ -520,7 +528,7 @@ class Recorder:
             self.refuse(why)
         if any(pid not in exempt for pid in report.get("processes", [])):
             self.refuse("ran a process")
-        search = _search_dirs()
+        search = _search_dirs(self._packages_before)
         installed = self._installed()
         own_dirs = self.own_dirs()  # once: a call may stat (``realpath``), and every stat here stops for the tracer
         for path, hows in sorted(report.get("seen", {}).items()):
@@ -574,23 +582,34 @@ class Recorder:
         an edit in place, which no listing or version shows. Left out: what the toolchain identity's source digests
         count (torch, executorch, ... but their tests, whose helpers a user's script may import) and lowercache's own
         code (its identity too)."""
+        digests = self._digests or InstalledDigests()
+        found = {origin: state for origin, state in self._installed_before.items() if origin not in self.installed_reads}
+        found |= self._installed_states([*self._loaded_files(), *sorted(self.installed_reads)], digests, known=found)
+        digests.save()
+        return [found[origin] for origin in sorted(found)]
+
+    @staticmethod
+    def _loaded_files() -> list[str | None]:
+        return [_module_file(module) for module in list(sys.modules.values())]
+
+    def _installed_states(self, origins: list[str | None], digests: InstalledDigests,
+                          known: dict[str, list[Any]] | None = None) -> dict[str, list[Any]]:
+        """Each installed file among ``origins`` (not one ``known`` already) with its reference and state."""
         hashed, own = hashed_package_dirs(), os.path.join(_PACKAGE, "")
-        digests = InstalledDigests()
-        found = {}
-        loaded = [_module_file(module) for module in list(sys.modules.values())]
-        for origin in [*loaded, *sorted(self.installed_reads)]:
-            if (origin is None or origin in found or origin.startswith(own) or in_toolchain_part(origin, hashed)
-                    or os.path.isdir(origin)):
+        found: dict[str, list[Any]] = {}
+        for origin in origins:
+            if (origin is None or origin in found or (known and origin in known) or origin.startswith(own)
+                    or in_toolchain_part(origin, hashed)):
                 continue
             ref = self.places.ref(origin)
             if ref[0] == "root" or (ref[0] == "abs" and not origin.startswith(self.stdlib)):
                 continue  # the user's code, or outside site-packages and the standard library: a file input when read
             try:
-                found[origin] = [ref, *digests.state(origin)]
+                if not os.path.isdir(origin):
+                    found[origin] = [ref, *digests.state(origin)]
             except OSError:
                 continue  # a module whose file has gone since it was loaded: nothing there to come back
-        digests.save()
-        return [found[origin] for origin in sorted(found)]
+        return found
 
     def read_written(self, path: str) -> None:
         """Native code read a file the window wrote: scratch, unless a kind of record keeps it as an output."""
@@ -667,14 +686,32 @@ def _exempt_processes() -> set[int]:
     return {found} if isinstance(found, int) else set()
 
 
-def _search_dirs() -> set[str]:
-    """The directories the import system lists: the module search path and every imported package's own path."""
+def _search_dirs(before: dict[int, tuple[Any, list[str]]] | None = None) -> set[str]:
+    """The directories the import system lists: the module search path and every imported package's own path.
+
+    ``before``: :func:`_package_dirs` found before the backstop started, where the modules loaded then are looked up
+    cheaply (a module's ``__getattr__`` may search for ``__path__``, and each stat of that stops for the tracer).
+    """
     dirs = {os.path.abspath(p or ".") for p in sys.path if isinstance(p, str)}
-    for module in list(sys.modules.values()):
-        found = getattr(module, "__path__", None)
-        if isinstance(found, (list, tuple)) or type(found).__name__ == "_NamespacePath":  # torch's ops namespaces fake one
-            dirs.update(os.path.abspath(d) for d in found if isinstance(d, str))
+    for found in _package_dirs(before).values():
+        dirs.update(found[1])
     return dirs
+
+
+def _package_dirs(before: dict[int, tuple[Any, list[str]]] | None = None) -> dict[int, tuple[Any, list[str]]]:
+    """Each imported package's own path, by the module's identity (kept with the module, so that the identity stays its)."""
+    found = {}
+    for module in list(sys.modules.values()):
+        known = (before or {}).get(id(module))
+        if known is not None and known[0] is module:
+            found[id(module)] = known
+            continue
+        path = getattr(module, "__path__", None)
+        if isinstance(path, (list, tuple)) or type(path).__name__ == "_NamespacePath":  # torch's ops namespaces fake one
+            found[id(module)] = (module, [os.path.abspath(d) for d in path if isinstance(d, str)])
+        else:
+            found[id(module)] = (module, [])
+    return found
 
 
 # Where a listing of the environment reads every value: ItemsView/ValuesView.__iter__, _Environ.copy.

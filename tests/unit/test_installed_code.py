@@ -147,3 +147,20 @@ def test_a_file_inside_the_racy_window_is_not_kept(tmp_path, site):
     memo = places.InstalledDigests()
     memo.state(str(module))
     assert str(module) not in memo.known and not memo.changed
+
+
+def test_installed_code_loaded_before_the_window_is_recorded_as_it_ran(tmp_path, site, monkeypatch):
+    """Its state is found before the backstop starts (where each stat is cheap), which is also the code that ran: an
+    edit in place during the window leaves a record that no longer answers, not one that vouches for the edit."""
+    from lowercache.record import backstop
+
+    monkeypatch.setattr(backstop, "start", lambda: "not started in this test")
+    module = site / "fakelib" / "__init__.py"
+    ran = places.installed_state(str(module))
+    rec = recorder.Recorder(str(tmp_path / "project"), Settings(cache_dir=tmp_path / "cache"))
+    rec.watch_below()
+    module.write_text("SCALE = 2\n")  # edited after it was loaded, while the window runs
+    found = {rec.places.path(ref): state for ref, *state in rec.installed_code()}
+    assert found[str(module)] == ran
+    here = places.Places(str(tmp_path / "project"))
+    assert inputs_changed(_inputs(rec.installed_code()), here, 0, str(tmp_path), {}) == f"installed code changed: {module}"
