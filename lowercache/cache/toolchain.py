@@ -257,11 +257,42 @@ def _stats(root: str, names: list[str]) -> str:
     return h.hexdigest()
 
 
-@functools.lru_cache(maxsize=1)
 def toolchain_parts() -> dict[str, str]:
-    """Named toolchain parts, computed once per process."""
-    # Found without importing it: importing the Arm backend costs seconds.
-    executorch_dir = importlib.util.find_spec("executorch").submodule_search_locations[0]
+    """Named toolchain parts, of the packages where the import system finds them now: an imported package's own
+    directory, else where its import would find it (without importing it: importing the Arm backend costs seconds).
+
+    Computed once per process for each set of places, so that parts found early (before a recorder's backstop starts,
+    which would trace each of their thousands of stats) agree with the parts a lowering finds later, after a script
+    changed its search path and imports a package from elsewhere.
+    """
+    return _parts_at(package_dirs())
+
+
+def package_dirs() -> tuple[str, ...]:
+    """ExecuTorch's directory, then each of :data:`HASHED_PACKAGES`' ("" for one not installed).
+
+    Looked up again only when the search path, the finders or the set of those packages imported changed: a search
+    stats each path entry, and keys ask for the parts hundreds of times a lowering."""
+    names = ("executorch", *HASHED_PACKAGES)
+    return _dirs_for(names, tuple(sys.path), tuple(map(id, sys.meta_path)), tuple(name in sys.modules for name in names))
+
+
+@functools.lru_cache(maxsize=8)
+def _dirs_for(names: tuple[str, ...], *_state: Any) -> tuple[str, ...]:
+    return tuple(map(package_dir, names))
+
+
+def forget_parts() -> None:
+    """Find the toolchain parts again on the next call (a forked server child: files may have changed since the warm-up)."""
+    _parts_at.cache_clear()
+    _dirs_for.cache_clear()
+
+
+@functools.lru_cache(maxsize=4)
+def _parts_at(dirs: tuple[str, ...]) -> dict[str, str]:
+    executorch_dir, hashed = dirs[0], dirs[1:]
+    if not executorch_dir:
+        raise ModuleNotFoundError("No module named 'executorch'")
     memo = _PartsMemo()  # read once: it holds every part below
     found = versions(("torch", "executorch", "tosa-tools", "ethos-u-vela", *STACK), memo)
     parts = {
@@ -273,15 +304,15 @@ def toolchain_parts() -> dict[str, str]:
         "stack": ", ".join(f"{dist} {found[dist]}" for dist in STACK),
         "arm_backend_src": source_digest(os.path.join(executorch_dir, "backends", "arm"), memo=memo),
     }
-    for package in HASHED_PACKAGES:
-        parts[f"{package}_src"] = source_digest(package_dir(package), memo=memo, every_file=True)
+    for package, found in zip(HASHED_PACKAGES, hashed):
+        parts[f"{package}_src"] = source_digest(found, memo=memo, every_file=True)
     parts["lowercache_src"] = lowercache_digest()
     return parts
 
 
 def hashed_package_dirs() -> tuple[str, ...]:
     """Where the packages hashed whole are, each with a trailing separator."""
-    return tuple(os.path.join(found, "") for found in map(package_dir, HASHED_PACKAGES) if found)
+    return tuple(os.path.join(found, "") for found in package_dirs()[1:] if found)
 
 
 def in_toolchain_part(path: str, dirs: tuple[str, ...]) -> bool:

@@ -236,6 +236,14 @@ def record_in_process(at_exit: bool = True, warm: dict[str, Any] | None = None) 
 
     if site.ENABLE_USER_SITE:
         recorder.looked_at(site.getusersitepackages())
+    # A lowering's keys stat thousands of installed files (the toolchain parts): found now, before the backstop traces
+    # each of those stats; a script that changes its search path before it lowers has them found again there.
+    from ..cache.toolchain import toolchain_parts
+
+    try:
+        toolchain_parts()
+    except Exception:  # noqa: BLE001 - found again when a lowering asks, and said there
+        pass
     recorder.watch_below()
     listen(recorder)
     if sys.stdin is not None:

@@ -12,7 +12,7 @@ import warnings
 from typing import Any
 
 from .. import process_state, terminal
-from ..cache.toolchain import toolchain_parts
+from ..cache.toolchain import forget_parts
 from ..record.recorder import refuse_listening
 from ..run import pyexec
 from .warm import Warm
@@ -204,7 +204,7 @@ def _become_client(message: dict[str, Any], warm: Warm) -> None:
         pass
     # Keys are of the installed code there now: a module the warm-up did not import is imported from it (a change to one
     # it did import stops the server first: loop.py).
-    toolchain_parts.cache_clear()
+    forget_parts()
     # warnings the warm-up raised would count as already shown; a new process shows them again
     warnings.onceregistry.clear()
     warnings._filters_mutated()

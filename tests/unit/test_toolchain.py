@@ -177,14 +177,41 @@ def test_an_edit_to_a_hashed_package_that_no_one_imported_changes_the_toolchain(
     (site / "fakestack" / "passes" / "late.py").write_text("SCALE = 1\n")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setattr(toolchain, "HASHED_PACKAGES", (*toolchain.HASHED_PACKAGES, "fakestack"))
-    toolchain.toolchain_parts.cache_clear()
+    toolchain.forget_parts()
     before = toolchain.toolchain_parts()["fakestack_src"]
-    toolchain.toolchain_parts.cache_clear()
+    toolchain.forget_parts()
     (site / "fakestack" / "passes" / "late.py").write_text("SCALE = 2\n")
     after = toolchain.toolchain_parts()["fakestack_src"]
-    toolchain.toolchain_parts.cache_clear()
+    toolchain.forget_parts()
     assert "fakestack.passes.late" not in __import__("sys").modules
     assert before != after
+
+
+def test_parts_follow_the_package_a_changed_search_path_finds_and_an_imported_ones_own(tmp_path, monkeypatch):
+    """Parts found early (before a recorder's backstop) must agree with a lowering's later, after a script put another
+    copy of a package first on its search path; once a package is imported, its own directory is the one hashed."""
+    import sys
+
+    copies = {}
+    for name, scale in (("a", 1), ("b", 2)):
+        site = tmp_path / name
+        (site / "fakestack").mkdir(parents=True)
+        (site / "fakestack" / "__init__.py").write_text(f"SCALE = {scale}\n")
+        copies[name] = site
+    monkeypatch.setattr(toolchain, "HASHED_PACKAGES", (*toolchain.HASHED_PACKAGES, "fakestack"))
+    monkeypatch.syspath_prepend(str(copies["a"]))
+    toolchain.forget_parts()
+    first = toolchain.toolchain_parts()["fakestack_src"]
+    monkeypatch.syspath_prepend(str(copies["b"]))
+    second = toolchain.toolchain_parts()["fakestack_src"]
+    assert first != second and toolchain.package_dirs()[-1] == str(copies["b"] / "fakestack")
+    monkeypatch.delitem(sys.modules, "fakestack", raising=False)
+    __import__("fakestack")  # from b, first on the path
+    monkeypatch.syspath_prepend(str(copies["a"]))
+    assert toolchain.toolchain_parts()["fakestack_src"] == second
+    monkeypatch.delitem(sys.modules, "fakestack")
+    assert toolchain.toolchain_parts()["fakestack_src"] == first
+    toolchain.forget_parts()
 
 
 def test_explain_names_the_files_a_source_part_changed_for(tmp_path):
