@@ -11,6 +11,7 @@ never served from a record. See docs/direct-mode.md.
 from __future__ import annotations
 
 import os
+import posix
 import sys
 import threading
 import time
@@ -347,6 +348,11 @@ class Recorder:
         scratch = path.startswith((*self.scratch, *self.memos)) or "__pycache__" in path or path == os.devnull
         if not scratch:
             self.refuse(f"wrote {path}")
+
+    def users(self, path: Any) -> bool:
+        """Whether ``path`` names one of the user's files (:meth:`looked_at` keeps no other)."""
+        found = _abspath(path)
+        return found is not None and self._user(found)
 
     def looked_at(self, path: Any, how: str = "kind") -> None:
         """``os.stat`` and friends: whether a file exists can decide what the factory does, and so can its
@@ -742,6 +748,8 @@ def _install() -> None:
     if _hooked:
         return
     _hooked = True
+    from .tracer import HEARD_DIRFD
+
     sys.addaudithook(_audit)
     cls = type(os.environ)
     getitem, iterate, length = cls.__getitem__, cls.__iter__, cls.__len__
@@ -769,18 +777,24 @@ def _install() -> None:
 
     cls.__getitem__, cls.__iter__, cls.__len__ = watched_getitem, watched_iter, watched_len
 
-    def wrap(fn: Callable[..., Any], how: str) -> Callable[..., Any]:
+    def wrap(fn: Callable[..., Any], how: str, heard: bool) -> Callable[..., Any]:
+
         def watched(path: Any, *args: Any, **kwargs: Any) -> Any:
-            if (recorder := _current()) is not None:
+            if (recorder := _current()) is not None and recorder.users(named := _named(path, kwargs.get("dir_fd"))):
                 seen = "lstat" if how == "stat" and not kwargs.get("follow_symlinks", True) else how
-                recorder.looked_at(_named(path, kwargs.get("dir_fd")), _observed(sys._getframe(1), seen))
+                recorder.looked_at(named, _observed(sys._getframe(1), seen))  # its frames walked only for a user's path
+            if heard and "dir_fd" not in kwargs and _is_absolute(path):
+                kwargs["dir_fd"] = HEARD_DIRFD  # heard here: the backstop need not stop for it (``tracer.HEARD_DIRFD``)
             return fn(path, *args, **kwargs)
 
         return watched
 
     # ``os.readlink`` shows a link's text, as ``os.path.realpath`` does through ``os.lstat``: the path's state keeps it.
+    # All but ``os.fstat`` (a descriptor, no path) take ``dir_fd`` where ``os.stat`` does.
+    at = posix.stat in os.supports_dir_fd
     for name, how in (("stat", "stat"), ("lstat", "lstat"), ("fstat", "stat"), ("access", "mode"), ("readlink", "kind")):
-        setattr(os, name, wrap(getattr(os, name), how))
+        setattr(os, name, wrap(getattr(os, name), how, at and name != "fstat"))
+    _hear_import_lookups(HEARD_DIRFD)
 
     def located(fn: Callable[[], Any]) -> Callable[[], Any]:
         def watched() -> Any:
@@ -792,6 +806,26 @@ def _install() -> None:
 
     os.getcwd, os.getcwdb = located(os.getcwd), located(os.getcwdb)
     _watch_posix_environ()
+
+
+def _is_absolute(path: Any) -> bool:
+    return isinstance(path, (str, bytes)) and os.path.isabs(path)
+
+
+def _hear_import_lookups(heard_dirfd: int) -> None:
+    """The import system's stats of absolute paths go untraced by the backstop (``tracer.HEARD_DIRFD``): its lookups
+    are recorded by name, the modules it loads by their files, so the tracer's stop for each would add nothing. The
+    files it opens stay traced."""
+    from importlib import _bootstrap_external as external  # type: ignore[attr-defined]
+
+    stat = external._path_stat
+    if posix.stat not in os.supports_dir_fd:
+        return
+
+    def _path_stat(path: Any) -> Any:
+        return posix.stat(path, dir_fd=heard_dirfd) if _is_absolute(path) else stat(path)
+
+    external._path_stat = _path_stat
 
 
 def _named(path: Any, dir_fd: Any = None) -> Any:
@@ -903,8 +937,6 @@ def _raw(key: Any = _LISTED) -> None:
 
 def _watch_posix_environ() -> None:
     """Put :class:`_WatchedEnvironData` in place of ``posix.environ``, as the one dict ``os.environ`` and ``os.environb`` share."""
-    import posix
-
     data = getattr(os.environ, "_data", None)
     if type(data) is not dict or data is not getattr(posix, "environ", None) or getattr(os.environb, "_data", None) is not data:
         return

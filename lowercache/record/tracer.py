@@ -102,6 +102,11 @@ AT_SYMLINK_NOFOLLOW = 0x100
 AT_EMPTY_PATH = 0x1000
 O_ACCMODE, O_CREAT, O_TRUNC, O_PATH, O_DIRECTORY = 0o3, 0o100, 0o1000, 0o10000000, 0o200000
 _SECCOMP_RET_TRACE, _SECCOMP_RET_ALLOW = 0x7FF00000, 0x7FFF0000
+# The directory descriptor lowercache's own look at an absolute path passes (``os.stat(path, dir_fd=HEARD_DIRFD)``): the
+# kernel ignores it there, and no descriptor is negative but AT_FDCWD. The filter lets such a call go untraced: it comes
+# from Python, where the recorder's wrapper of ``os.stat`` (or the import system's lookups by name) heard it already.
+HEARD_DIRFD = -0x4C434D47
+_HEARD_KINDS = ("look", "fstatat", "link")
 MARK = "/proc/lowercache-backstop-"  # a procfs name no process can make: the marker calls fail, and say what to do
 
 
@@ -111,25 +116,37 @@ def marker(token: str, command: str) -> str:
 
 
 def filter_program() -> bytes | None:
-    """The seccomp-BPF program: stop (``RET_TRACE``) on the table's calls and on any other architecture's, else allow."""
+    """The seccomp-BPF program: stop (``RET_TRACE``) on the table's calls and on any other architecture's, else allow;
+    but allow a look (stat, access, readlink) whose directory argument is :data:`HEARD_DIRFD`."""
     found = arch()
     if found is None:
         return None
     table, audit_arch, x32 = found
-    ins: list[tuple[int, int, int, int]] = []
+    heard = [n for n in sorted(table) if table[n][1] in _HEARD_KINDS and table[n][2][:1] == [(0, 1)]]
+    traced = [n for n in sorted(table) if n not in heard]
     ld_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
-    numbers = sorted(table)
-    ins.append((ld_abs, 0, 0, 4))  # seccomp_data.arch
-    ins.append((jeq, 1, 0, audit_arch))
-    ins.append((ret, 0, 0, _SECCOMP_RET_TRACE))  # another architecture's calls (int 0x80): traced, and refused there
-    ins.append((ld_abs, 0, 0, 0))  # seccomp_data.nr
+    # (code, jump if true, jump if false, k), jumps named by label and resolved below
+    ins: list[tuple[int, Any, Any, int]] = [
+        (ld_abs, 0, 0, 4),  # seccomp_data.arch
+        (jeq, "next", "trace", audit_arch),  # another architecture's calls (int 0x80): traced, and refused there
+        (ld_abs, 0, 0, 0),  # seccomp_data.nr
+    ]
     if x32 is not None:
-        ins.append((jge, len(numbers) + 1, 0, x32))
-    for i, number in enumerate(numbers):
-        ins.append((jeq, len(numbers) - i, 0, number))
+        ins.append((jge, "trace", "next", x32))
+    ins += [(jeq, "trace", "next", n) for n in traced] + [(jeq, "heard", "next", n) for n in heard]
     ins.append((ret, 0, 0, _SECCOMP_RET_ALLOW))
+    labels = {"heard": len(ins)}
+    ins.append((ld_abs, 0, 0, 16))  # the low half of seccomp_data.args[0] (little-endian): the directory descriptor, an int
+    ins.append((jeq, "allow", "trace", HEARD_DIRFD & 0xFFFFFFFF))
+    labels["trace"] = len(ins)
     ins.append((ret, 0, 0, _SECCOMP_RET_TRACE))
-    return b"".join(struct.pack("HBBI", *i) for i in ins)
+    labels["allow"] = len(ins)
+    ins.append((ret, 0, 0, _SECCOMP_RET_ALLOW))
+
+    def offset(at: int, target: Any) -> int:
+        return 0 if target in (0, "next") else labels[target] - at - 1
+
+    return b"".join(struct.pack("HBBI", code, offset(i, jt), offset(i, jf), k) for i, (code, jt, jf, k) in enumerate(ins))
 
 
 # -- the tracer process ------------------------------------------------------------------------------
