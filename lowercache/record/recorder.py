@@ -813,19 +813,34 @@ def _is_absolute(path: Any) -> bool:
 
 
 def _hear_import_lookups(heard_dirfd: int) -> None:
-    """The import system's stats of absolute paths go untraced by the backstop (``tracer.HEARD_DIRFD``): its lookups
-    are recorded by name, the modules it loads by their files, so the tracer's stop for each would add nothing. The
-    files it opens stay traced."""
+    """The import system's stats and reads of absolute paths go untraced by the backstop (``tracer.HEARD_DIRFD``): its
+    lookups are recorded by name, and each file it reads raises an ``open`` audit event the recorder hears, so the
+    tracer's stop for each would add nothing. Native code's own loads (``dlopen``) stay traced."""
     from importlib import _bootstrap_external as external  # type: ignore[attr-defined]
 
-    stat = external._path_stat
-    if posix.stat not in os.supports_dir_fd:
+    if posix.stat not in os.supports_dir_fd or posix.open not in os.supports_dir_fd:
         return
+    stat, get_data = external._path_stat, external.FileLoader.get_data
 
     def _path_stat(path: Any) -> Any:
         return posix.stat(path, dir_fd=heard_dirfd) if _is_absolute(path) else stat(path)
 
+    def _get_data(self: Any, path: Any) -> bytes:
+        """``FileLoader.get_data``: the file's bytes, opened by ``os.open`` (whose audit event names the path, where
+        ``io.open_code``'s did)."""
+        if not _is_absolute(path):
+            return get_data(self, path)
+        fd = posix.open(path, posix.O_RDONLY | posix.O_CLOEXEC, dir_fd=heard_dirfd)
+        try:
+            chunks = []
+            while chunk := posix.read(fd, 1 << 20):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            posix.close(fd)
+
     external._path_stat = _path_stat
+    external.FileLoader.get_data = _get_data
 
 
 def _named(path: Any, dir_fd: Any = None) -> Any:

@@ -102,11 +102,12 @@ AT_SYMLINK_NOFOLLOW = 0x100
 AT_EMPTY_PATH = 0x1000
 O_ACCMODE, O_CREAT, O_TRUNC, O_PATH, O_DIRECTORY = 0o3, 0o100, 0o1000, 0o10000000, 0o200000
 _SECCOMP_RET_TRACE, _SECCOMP_RET_ALLOW = 0x7FF00000, 0x7FFF0000
-# The directory descriptor lowercache's own look at an absolute path passes (``os.stat(path, dir_fd=HEARD_DIRFD)``): the
-# kernel ignores it there, and no descriptor is negative but AT_FDCWD. The filter lets such a call go untraced: it comes
-# from Python, where the recorder's wrapper of ``os.stat`` (or the import system's lookups by name) heard it already.
+# The directory descriptor lowercache's own look at or read of an absolute path passes (``os.stat(path,
+# dir_fd=HEARD_DIRFD)``): the kernel ignores it there, and no descriptor is negative but AT_FDCWD. The filter lets such a
+# call go untraced: it comes from Python, where the recorder heard it already (a wrapper of ``os.stat``, the import
+# system's lookups by name, the audit event of the import system's read).
 HEARD_DIRFD = -0x4C434D47
-_HEARD_KINDS = ("look", "fstatat", "link")
+_HEARD_KINDS = ("look", "fstatat", "link", "open")
 MARK = "/proc/lowercache-backstop-"  # a procfs name no process can make: the marker calls fail, and say what to do
 
 
@@ -117,7 +118,7 @@ def marker(token: str, command: str) -> str:
 
 def filter_program() -> bytes | None:
     """The seccomp-BPF program: stop (``RET_TRACE``) on the table's calls and on any other architecture's, else allow;
-    but allow a look (stat, access, readlink) whose directory argument is :data:`HEARD_DIRFD`."""
+    but allow a look (stat, access, readlink) or an ``openat`` whose directory argument is :data:`HEARD_DIRFD`."""
     found = arch()
     if found is None:
         return None

@@ -1,5 +1,5 @@
-"""What the backstop lets go untraced (``tracer.HEARD_DIRFD``): lowercache's own looks at absolute paths, which Python
-heard already, and nothing native code does unless it passes that very descriptor.
+"""What the backstop lets go untraced (``tracer.HEARD_DIRFD``): lowercache's own looks at absolute paths and the import
+system's reads, which Python heard already, and nothing native code does unless it passes that very descriptor.
 
 A process starts the real tracer and filter, turns recording on and makes
 each kind of call on a file of its own; the tracer's report must name
@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
 
     d = sys.argv[1]
     paths = {name: os.path.join(d, name) for name in ("native", "other_fd", "heard_fd", "os_stat", "os_lstat", "os_access",
-                                                      "realpath", "opened", "relative")}
+                                                      "realpath", "opened", "relative", "heard_open", "module_.py")}
     for path in paths.values():
         open(path, "w").close()
     number = {spec[0]: nr for nr, spec in tracer.arch()[0].items()}
@@ -47,9 +47,15 @@ SCRIPT = textwrap.dedent(
     os.access(paths["os_access"], os.R_OK)
     os.path.realpath(paths["realpath"])
     os.stat("relative")  # relative to the working directory: the descriptor matters, so traced
-    fd = libc.syscall(number["openat"], ctypes.c_long(tracer.HEARD_DIRFD), paths["opened"].encode(), 0)
+    fd = libc.syscall(number["openat"], ctypes.c_long(-5), paths["opened"].encode(), 0)  # native, another descriptor
     assert fd >= 0
-    os.close(fd)  # an open is traced whatever its descriptor says
+    os.close(fd)
+    fd = libc.syscall(number["openat"], ctypes.c_long(tracer.HEARD_DIRFD), paths["heard_open"].encode(), 0)
+    assert fd >= 0
+    os.close(fd)
+    sys.path.insert(0, d)
+    sys.dont_write_bytecode = True
+    import module_  # the import system's stat and read of it, by absolute paths
     report = started.report()
     print(json.dumps(sorted(os.path.basename(p) for p in report["seen"] if p.startswith(d + os.sep))))
     """
