@@ -778,7 +778,6 @@ def _install() -> None:
     cls.__getitem__, cls.__iter__, cls.__len__ = watched_getitem, watched_iter, watched_len
 
     def wrap(fn: Callable[..., Any], how: str, heard: bool) -> Callable[..., Any]:
-
         def watched(path: Any, *args: Any, **kwargs: Any) -> Any:
             if (recorder := _current()) is not None and recorder.users(named := _named(path, kwargs.get("dir_fd"))):
                 seen = "lstat" if how == "stat" and not kwargs.get("follow_symlinks", True) else how
@@ -794,7 +793,7 @@ def _install() -> None:
     at = posix.stat in os.supports_dir_fd
     for name, how in (("stat", "stat"), ("lstat", "lstat"), ("fstat", "stat"), ("access", "mode"), ("readlink", "kind")):
         setattr(os, name, wrap(getattr(os, name), how, at and name != "fstat"))
-    _hear_import_lookups(HEARD_DIRFD)
+    _untrace_import_system(HEARD_DIRFD)
 
     def located(fn: Callable[[], Any]) -> Callable[[], Any]:
         def watched() -> Any:
@@ -812,7 +811,7 @@ def _is_absolute(path: Any) -> bool:
     return isinstance(path, (str, bytes)) and os.path.isabs(path)
 
 
-def _hear_import_lookups(heard_dirfd: int) -> None:
+def _untrace_import_system(heard_dirfd: int) -> None:
     """The import system's stats and reads of absolute paths go untraced by the backstop (``tracer.HEARD_DIRFD``): its
     lookups are recorded by name, and each file it reads raises an ``open`` audit event the recorder hears, so the
     tracer's stop for each would add nothing. Native code's own loads (``dlopen``) stay traced."""
