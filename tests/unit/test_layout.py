@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -117,8 +118,8 @@ def test_the_fast_path_is_kept_from_torch_by_contract():
                     "lowercache.cache.store", "lowercache.cache.tiers", "lowercache.cache.remote"}
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -135,11 +136,11 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def private_reaches() -> list[str]:
-    """Every place a lowercache module imports or reads another lowercache module's underscore name."""
+def private_reaches(root: Path = ROOT) -> list[str]:
+    """Every place a lowercache module under ``root`` imports or reads another lowercache module's underscore name."""
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        module = _module_name(path)
+    for path in sorted((root / "lowercache").rglob("*.py")):
+        module = _module_name(path, root)
         is_package = path.name == "__init__.py"
         tree = ast.parse(path.read_text(), str(path))
         modules_bound: dict[str, str] = {}  # local name -> lowercache module it is bound to
@@ -150,7 +151,7 @@ def private_reaches() -> list[str]:
                     continue
                 for alias in node.names:
                     if _private(alias.name) and source != module:
-                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {source} import {alias.name}")
+                        found.append(f"{path.relative_to(root)}:{node.lineno}: from {source} import {alias.name}")
                     modules_bound[alias.asname or alias.name] = f"{source}.{alias.name}"
         for node in ast.walk(tree):
             if (
@@ -160,7 +161,7 @@ def private_reaches() -> list[str]:
                 and _private(node.attr)
                 and modules_bound[node.value.id] != module
             ):
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{node.attr}")
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value.id}.{node.attr}")
     return found
 
 
@@ -169,13 +170,12 @@ def test_no_module_reaches_into_another_modules_private_names():
 
 
 def test_the_check_finds_a_private_reach(tmp_path, monkeypatch):
-    """The checker itself can fail: a planted reach into a private name is reported."""
-    planted = PACKAGE / "cache" / "_planted_for_test.py"
+    """The checker itself can fail: a reach into a private name, planted in a copy of the package (not the tree the
+    other layout tests read, which may run at the same time), is reported."""
+    shutil.copytree(PACKAGE, tmp_path / "lowercache", ignore=shutil.ignore_patterns("__pycache__"))
+    planted = tmp_path / "lowercache" / "cache" / "_planted_for_test.py"
     planted.write_text("from .store import _private_thing\nfrom . import steps\nx = steps._hidden\n")
-    try:
-        reaches = private_reaches()
-    finally:
-        planted.unlink()
+    reaches = private_reaches(tmp_path)
     assert any("_planted_for_test.py:1: from lowercache.cache.store import _private_thing" in r for r in reaches)
     assert any("_planted_for_test.py:3: steps._hidden" in r for r in reaches)
 
