@@ -160,6 +160,17 @@ def _import_and_lower(warm: Warm) -> None:
                 pass
     quiet.inherit(imports.lines)
     _lower_tiny([t for family in FAMILIES for t in family.warm_up])
+    _pin_sources()
+
+
+def _pin_sources() -> None:
+    """Turn on and off the hooks of each family whose backend the imports loaded but no warm-up lowered (XNNPACK for
+    Arm's export script): its speed-ups read and digest their audited sources (``speedups/sourcepin.py``) once here,
+    and each ``run`` child that wraps that backend reuses the digests instead of reading the sources again."""
+    for family in FAMILIES:
+        if any(m in sys.modules for m in family.hook_modules):
+            with importlib.import_module(family.hooks).hooks():
+                pass
 
 
 def _lower_tiny(targets: Iterable[str]) -> None:

@@ -4,6 +4,7 @@ any one speed-up off, or all of them, the bytes are stock's."""
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import subprocess
 import sys
@@ -161,3 +162,24 @@ def test_speedups_command_reports_each_state(tmp_path):
     per_family = {column: sum(c[i] == "on" for c in cells.values()) for i, column in enumerate(("TOSA", "Ethos-U", "XNNPACK"))}
     assert per_family["TOSA"] == sum("arm-tosa" in s.families for s in registry.SPEEDUPS if s.name in registry.DEFAULT) - 1
     assert f"({per_family['TOSA']} for TOSA, {per_family['Ethos-U']} for Ethos-U, {per_family['XNNPACK']} for XNNPACK)" in result.stdout
+
+
+def test_the_warm_up_reads_the_sources_a_loaded_backends_speedups_pin(monkeypatch):
+    """Arm's export script loads XNNPACK's backend, so each ``run`` child of a warm server wraps it: the server's
+    warm-up reads and digests the sources its speed-ups pin, and the hooks read none of them again."""
+    import inspect
+
+    from lowercache.lowering import xnnpack
+    from lowercache.server import warm
+    from lowercache.speedups import sourcepin
+
+    importlib.import_module(xnnpack.XNNPACK_MODULE)
+    monkeypatch.setattr(sourcepin, "_digests", {})  # what a server that never lowered for XNNPACK holds
+    reads = []
+    monkeypatch.setattr(inspect, "getsource", lambda fn, read=inspect.getsource: reads.append(fn) or read(fn))
+    warm._pin_sources()
+    assert reads, "the warm-up read no source: the check below could not fail"
+    reads.clear()
+    with xnnpack.hooks():
+        pass
+    assert reads == []
