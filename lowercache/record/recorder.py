@@ -23,7 +23,7 @@ from ..cache.digests import digest_json
 from ..cache.toolchain import hashed_package_dirs, in_toolchain_part, lowercache_digest, memo_prefixes
 from ..config import Settings
 from .places import (RACY_NS, STAT_FIELDS, InstalledDigests, Places, bytecode_matches, dir_listing, entries, named, on_system,
-                     path_state, size, stdlib_dirs, work_tree)
+                     path_state, read_file, size, stdlib_dirs, work_tree)
 from .trust import env_digest
 
 if TYPE_CHECKING:  # the tracer is imported only to record: a hit needs none of it
@@ -656,8 +656,7 @@ class Recorder:
                 break
             if path.endswith(".py") and not path.startswith(self.package):  # lowercache's own: the toolchain's
                 try:
-                    with open(path, "rb") as f:
-                        found = sweep.LOCATION_NAMES.search(f.read())
+                    found = sweep.LOCATION_NAMES.search(read_file(path))
                 except OSError:
                     found = None
                 if found is not None:
@@ -817,6 +816,8 @@ def _untrace_import_system(heard_dirfd: int) -> None:
     tracer's stop for each would add nothing. Native code's own loads (``dlopen``) stay traced."""
     from importlib import _bootstrap_external as external  # type: ignore[attr-defined]
 
+    from .tracer import read_heard
+
     if posix.stat not in os.supports_dir_fd or posix.open not in os.supports_dir_fd:
         return
     stat, get_data = external._path_stat, external.FileLoader.get_data
@@ -827,16 +828,7 @@ def _untrace_import_system(heard_dirfd: int) -> None:
     def _get_data(self: Any, path: Any) -> bytes:
         """``FileLoader.get_data``: the file's bytes, opened by ``os.open`` (whose audit event names the path, where
         ``io.open_code``'s did)."""
-        if not _is_absolute(path):
-            return get_data(self, path)
-        fd = posix.open(path, posix.O_RDONLY | posix.O_CLOEXEC, dir_fd=heard_dirfd)
-        try:
-            chunks = []
-            while chunk := posix.read(fd, 1 << 20):
-                chunks.append(chunk)
-            return b"".join(chunks)
-        finally:
-            posix.close(fd)
+        return read_heard(os.fsdecode(path)) if _is_absolute(path) else get_data(self, path)
 
     external._path_stat = _path_stat
     external.FileLoader.get_data = _get_data
