@@ -57,15 +57,14 @@ def lower(request: direct.Request, console: Any, *, verbose: bool = False) -> Re
 def _lower(request: direct.Request, settings: Settings, console: Any) -> tuple[Any, list[Path], phases.Phases]:
     """The lowering itself: its artifacts, the files written, the phases as timed."""
     from . import api
+    from .cache.tiers import held
     from .targets import resolve
 
     resolved = resolve(request.target, system_config=request.system_config, memory_mode=request.memory_mode)
     out_dir = Path(request.out_dir)
     api.check_output_dir(out_dir)
-    if not settings.disable:
-        api.open_store(settings).close()  # fail early on an unusable cache directory
-    # What the factory reads:
-    with direct.recording(request, settings, before=lambda: _import_first(request, settings)) as recorder:
+    # The store opened once (an unusable cache directory fails here, early), then what the factory reads:
+    with held(settings), direct.recording(request, settings, before=lambda: _import_first(request, settings)) as recorder:
         with phases.progress(console, phases.planned(resolved.quantized, settings.check), resolved.family.backend) as timed:
             timed.begin("load")
             loaded, samples = _load(recorder, request)

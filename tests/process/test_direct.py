@@ -249,3 +249,31 @@ def test_a_re_run_with_unchanged_inputs_imports_only_the_export_before_it_record
     project, cache = make_project(tmp_path / "unseeded", model=unseeded), tmp_path / "cache-unseeded"
     assert [lower(project, cache)[0]["direct"]["record"] for _ in range(2)] == ["unconfirmed", "untrusted"]
     assert _stack_first(project, cache)
+
+
+OPENS = """
+import sys
+from rich.console import Console
+from lowercache import direct, lowerer
+from lowercache.cache import store
+from lowercache.record.recorder import keep_initial_environ
+
+opened = []
+init = store.Store.__init__
+store.Store.__init__ = lambda self, *args, **kwargs: opened.append(1) or init(self, *args, **kwargs)
+keep_initial_environ()
+for _ in range(2):  # the run that records, then the one that confirms
+    report = lowerer.lower(direct.Request(model="model.py:model", target=sys.argv[1], out_dir="out"), Console(stderr=True))
+    print(len(opened), report.summary["flow"])
+    opened.clear()
+"""
+
+
+def test_a_lowering_and_its_record_open_the_store_once(tmp_path):
+    """The lowering, the guess whether it will hit, and the record all use one store (``cache.tiers.held``): each open
+    is a probe write and two databases, and in a recording process the backstop's tracer stops for each of their calls."""
+    project, cache = make_project(tmp_path / "proj"), tmp_path / "cache"
+    result = subprocess.run([sys.executable, "-c", OPENS, TARGET], capture_output=True, text=True, cwd=project,
+                            env=cli_env(cache), timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["1", "miss", "1", "hit"]
