@@ -21,6 +21,7 @@ from typing import Any, Callable
 from .. import client, direct, startup
 from ..config import load_settings
 from ..run import pyexec
+from ..speedups.gcfreeze import freeze_for_children
 from . import child, protocol
 from .warm import Warm, targets_named, family_warmed_on_use, warm_family, warm_up
 
@@ -553,8 +554,7 @@ class Server:
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(marker)
-            gc.collect()
-            gc.freeze()
+            freeze_for_children()
         print(f"lowercache server: warmed {family}", file=sys.stderr, flush=True)
 
     # background confirmation: a new direct-mode record is used once a re-run with the same inputs gave the same flow key;
@@ -677,8 +677,7 @@ def main() -> None:
     identity = client.identity(settings)  # before the imports: a source edited meanwhile makes this server stale
     directory = client.private_dir()
     warm_up(warm)
-    gc.collect()
-    gc.freeze()  # children share the warm heap instead of copying pages the collector would touch
+    freeze_for_children()
     listener = _listen(os.fspath(directory / client.SOCKET_NAME))
     print(f"lowercache server {os.getpid()} listening at {listener.getsockname()}", file=sys.stderr, flush=True)
     Server(listener, identity, warm, settings.server_idle_timeout, settings.server_jobs, started).serve()

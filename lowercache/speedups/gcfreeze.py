@@ -15,6 +15,16 @@ from . import registry
 _lock = threading.Lock()
 _depth = 0
 _owned = False
+_kept: list[bool] = []  # the process keeps its heap frozen itself (:func:`freeze_for_children`)
+
+
+def freeze_for_children() -> None:
+    """Collect, then freeze the heap for good: a forking server's children share its pages instead of copying those the
+    collector would touch. Its lowerings then leave the freeze alone without asking ``gc.get_freeze_count()``, which
+    walks every frozen object (millions in a warm server: 0.02-0.06 s a lowering)."""
+    gc.collect()
+    gc.freeze()
+    _kept[:] = [True]
 
 
 @contextlib.contextmanager
@@ -23,7 +33,7 @@ def frozen_heap() -> Iterator[None]:
     global _depth, _owned
     with _lock:
         if _depth == 0:
-            _owned = gc.isenabled() and gc.get_freeze_count() == 0 and registry.is_on("gcfreeze")
+            _owned = not _kept and gc.isenabled() and registry.is_on("gcfreeze") and gc.get_freeze_count() == 0
             if _owned:
                 gc.freeze()
         _depth += 1

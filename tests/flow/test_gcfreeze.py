@@ -80,3 +80,20 @@ def test_an_exception_unfreezes():
         with frozen_heap():
             raise RuntimeError("boom")
     assert gc.get_freeze_count() == 0
+
+
+def test_a_server_that_froze_its_heap_is_not_walked_again(monkeypatch):
+    """The warm server freezes its heap once for its children (``freeze_for_children``): their lowerings leave it frozen,
+    and never ask ``gc.get_freeze_count()``, which walks every frozen object."""
+    from lowercache.speedups import gcfreeze
+
+    monkeypatch.setattr(gcfreeze, "_kept", [])
+    gcfreeze.freeze_for_children()
+    frozen = gc.get_freeze_count()
+    assert frozen > 0
+    counted = []
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: counted.append(1) or 0)
+    with frozen_heap():
+        pass
+    monkeypatch.undo()
+    assert counted == [] and frozen - 1000 < gc.get_freeze_count() <= frozen  # not asked; not frozen again, nor thawed
