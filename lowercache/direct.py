@@ -289,7 +289,9 @@ def finish(recorder: LowerRecorder | None, records: list[dict[str, Any]], manife
 
 def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], manifest: dict[str, Any], how: str = "") -> None:
     """Store the record this run made, judged by the one confirm rule. ``how``: a background confirmation's note; it
-    stores only a settled record (confirmed, untrusted): it lowered nothing, so a record of changed inputs waits for a run that does."""
+    stores only a settled record (confirmed, or untrusted for good: another flow key). A record of changed inputs, or one
+    the background run refused (it ran where no command did: output to /dev/null, long after), waits for a run that
+    lowers: stored, the refusal would drop the record, and the next run would record afresh instead of confirming."""
     request = recorder.request
     inputs = recorder.inputs()
     ident = identity(recorder.settings, recorder.initial_env)
@@ -313,7 +315,7 @@ def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], man
         request.root,
     )
     if how:
-        if found.status == "unconfirmed":
+        if found.status != "confirmed" and not found.for_good:
             manifest["direct"] = {"record": "unconfirmed", "reason": found.reason}
             return
         found = dataclasses.replace(found, reason=f"{found.reason} ({how})")
