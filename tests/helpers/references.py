@@ -4,8 +4,8 @@ xdist worker needs it first; the others get its outputs.
 
 The key is everything the command's outputs may follow: lowercache's sources and the installed toolchain, the command
 line, the working directory, the whole environment, and the content of the trees the command reads (each entry's
-path, type and mode, each file's bytes, each link's target and what it resolves to; a ``.py`` file's mtime where a
-``__pycache__`` beside it may hold its bytecode). Paths below the places a test owns (its temporary directory, the
+path, type and mode, each file's bytes, each link's target and what it resolves to; a ``__pycache__`` file only where
+its code is not what its source compiles to). Paths below the places a test owns (its temporary directory, the
 per-module source snapshot, the per-worker cache home) are written relative to them, so that tests which build the same
 project in their own directories share one reference. A test that changes its project (a model edited, a link
 re-pointed, a variable set) changes the key and gets a fresh run.
@@ -21,11 +21,15 @@ from __future__ import annotations
 import base64
 import fcntl
 import functools
+import glob
 import hashlib
+import importlib.util
 import json
+import marshal
 import os
 import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from importlib import metadata
@@ -87,7 +91,8 @@ def _tree(digest, root: Path, places: Mapping[str, str], seen: set[str], ignore:
         return
     entries = [root] if not root.is_dir() else []
     for folder, dirs, files in os.walk(root):
-        kept = sorted(name for name in dirs + files if name not in ignore and os.path.join(folder, name) not in ignore)
+        kept = sorted(name for name in dirs + files
+                      if name not in ignore and name != "__pycache__" and os.path.join(folder, name) not in ignore)
         dirs[:] = [name for name in dirs if name in kept]
         entries.extend(Path(folder, name) for name in kept)
     for path in entries:
@@ -98,9 +103,50 @@ def _tree(digest, root: Path, places: Mapping[str, str], seen: set[str], ignore:
             digest.update(_normal(os.readlink(path), places).encode() + b"\0")
             _tree(digest, Path(os.path.realpath(path)), places, seen, ignore)
         elif stat.S_ISREG(info.st_mode):
-            digest.update(hashlib.sha256(path.read_bytes()).digest())
+            data = path.read_bytes()
+            digest.update(hashlib.sha256(data).digest())
             if path.suffix == ".py" and (path.parent / "__pycache__").is_dir():
-                digest.update(str(int(info.st_mtime)).encode())  # a .pyc is trusted while its recorded mtime matches
+                _bytecode(digest, path, data, info)
+
+
+def _bytecode(digest, path: Path, source: bytes, info: os.stat_result) -> None:
+    """A ``.py`` file's cached bytecode, which Python runs instead of its source while the mtime and size it recorded
+    are the source's: in the key only then, and only where its code is not what the source compiles to. Python writes
+    one beside every module it imports, naming the path it compiled in its code; one that holds just the source's code,
+    or that Python would not run, changes nothing, and the same project in another test's directory, or after an
+    earlier run, shares a key."""
+    for cached in sorted((path.parent / "__pycache__").glob(f"{glob.escape(path.stem)}.*.pyc")):
+        data = cached.read_bytes()
+        if not _outdated(data, info) and not _compiles_to(source, data, cached.name):
+            digest.update(f"{cached.name}\0{int(info.st_mtime)}\0".encode() + hashlib.sha256(data).digest())
+
+
+def _outdated(cached: bytes, info: os.stat_result) -> bool:
+    """Bytecode checked by timestamp whose recorded mtime or size is not the source's: Python compiles the source
+    instead (``SourceLoader.get_code``). Bytecode checked by the source's hash is never taken for outdated here."""
+    if len(cached) < 16 or int.from_bytes(cached[4:8], "little") != 0:
+        return False
+    recorded = int.from_bytes(cached[8:12], "little"), int.from_bytes(cached[12:16], "little")
+    return recorded != (int(info.st_mtime) & 0xFFFFFFFF, info.st_size & 0xFFFFFFFF)
+
+
+_COMPILED: dict[tuple[bytes, bytes, str], bool] = {}  # by the digests of source and bytecode: each is compiled once
+
+
+def _compiles_to(source: bytes, cached: bytes, name: str) -> bool:
+    """Whether ``cached`` (a ``__pycache__`` file named ``name``) holds this interpreter's code of ``source``, file name
+    aside: code objects compare all else (instructions, constants, names, line and column positions)."""
+    memo = (hashlib.sha256(source).digest(), hashlib.sha256(cached).digest(), name)
+    if memo not in _COMPILED:
+        level = int(name.rsplit(".opt-", 1)[1].split(".")[0]) if ".opt-" in name else 0
+        same = False
+        if f".{sys.implementation.cache_tag}." in name and cached[:4] == importlib.util.MAGIC_NUMBER:
+            try:
+                same = marshal.loads(cached[16:]) == compile(source, "<source>", "exec", dont_inherit=True, optimize=level)
+            except Exception:  # noqa: BLE001 - unreadable bytecode or source: kept in the key
+                same = False
+        _COMPILED[memo] = same
+    return _COMPILED[memo]
 
 
 def _named(env: Mapping[str, str]) -> list[Path]:

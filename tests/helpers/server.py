@@ -166,13 +166,16 @@ class Server:
         return status({**self.env, **extra}, self.project)
 
     def close(self) -> None:
-        found = self.status()
+        """Stop the server that answers here, if any: ``server stop`` names it (one command, not a status first)."""
         result = self("server", "stop", timeout=120)
         assert result.returncode == 0, result.stderr
-        if found:
-            pid = int(found["pid"])
+        stopped = re.search(r"pid (\d+)", result.stdout)
+        if stopped:
+            pid = int(stopped.group(1))
             if not wait_until(lambda: not alive(pid), 60):
                 os.kill(pid, signal.SIGKILL)
+        else:
+            assert "no server running" in result.stdout, result.stdout
         shutil.rmtree(self.run, ignore_errors=True)
 
 

@@ -3,13 +3,24 @@ sources (``helpers/server.py``) and are stopped when their module or test ends."
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from tests.helpers.server import Server, alive, remove_snapshot
+from tests.helpers.server import Server, alive, remove_snapshot, snapshot
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _snapshot_per_module():
+@pytest.fixture(scope="session", autouse=True)
+def _snapshot_per_session(_toolchain_memos):
+    """One snapshot of the sources for the worker's modules (a new one per module was compiled again by its first
+    processes), its digests added to the toolchain's memos each test starts with (``tests/conftest.py``): the first
+    process of each test that runs it read and parsed it again."""
+    if _toolchain_memos:
+        subprocess.run([sys.executable, "-c", "from lowercache.cache.toolchain import toolchain_parts; toolchain_parts()"],
+                       env={**os.environ, "XDG_CACHE_HOME": str(_toolchain_memos[0].parents[1]), "PYTHONPATH": str(snapshot())},
+                       check=True, timeout=600)
     yield
     remove_snapshot()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import TINY
-from tests.helpers.server import TARGET, Server
+from tests.helpers.server import TARGET, Server, fresh
 
 # What CI runners and log-friendly setups export; each only changes how output looks.
 CI_LIKE = {"CI": "true", "GITHUB_ACTIONS": "true", "COLUMNS": "80", "TERM": "dumb", "NO_COLOR": "1"}
@@ -64,9 +64,10 @@ def lowered(server: Server, out: Path, how, **extra: str) -> tuple[dict, bytes, 
     return json.loads((out / "manifest.json").read_text()), (out / "model.pte").read_bytes(), shown
 
 
-def stock(server: Server, out: Path, **extra: str) -> bytes:
-    """A fresh lowering in a new process: no cache, no server, no record."""
-    result = server("lower", "model.py:model", "-t", TARGET, "-o", str(out), "--no-cache", "--no-server", **extra)
+def stock(server: Server, base: Path, out: Path, **extra: str) -> bytes:
+    """A fresh lowering in a new process: no cache, no server, no record. Shared across the run
+    (``helpers/references.py``): five tests lower the same server project first."""
+    result = fresh(server, base, "lower", "model.py:model", "-t", TARGET, "-o", out, **extra)
     assert result.returncode == 0, result.stderr[-3000:]
     return (out / "model.pte").read_bytes()
 
@@ -108,7 +109,7 @@ def test_a_log_gets_a_line_per_phase_with_its_time_and_the_table_adds_them_up(tm
 def test_terminal_pipe_and_ci_log_runs_share_one_record_and_the_third_run_on_is_a_direct_hit(own, tmp_path):
     """A terminal, then a pipe (``| tee``), then a terminal again, then CI-like variables: one record answers them all."""
     server = own()
-    expected = stock(server, tmp_path / "stock")
+    expected = stock(server, tmp_path, tmp_path / "stock")
     runs = [(at_a_terminal, {}), (from_a_pipe, {}), (at_a_terminal, {}), (from_a_pipe, CI_LIKE), (at_a_terminal, CI_LIKE),
             (at_a_terminal, {}), (from_a_pipe, {})]
     for i, (how, extra) in enumerate(runs):
@@ -147,7 +148,7 @@ def test_output_into_a_log_beside_the_model_is_no_input(own, tmp_path, how, flag
     """``lowercache lower ... > build.log 2>&1`` (or ``| tee build.log``) in the model's directory: the log changes while
     the command runs, yet it is the command's output, never the factory's input; the third run on is a direct hit."""
     server = own()
-    expected = stock(server, tmp_path / "stock")
+    expected = stock(server, tmp_path, tmp_path / "stock")
     for i in range(4):
         code, shown = how(server, "lower", "model.py:model", "-t", TARGET, "-o", str(tmp_path / f"out{i}"), *flags)
         assert code == 0, shown[-3000:]
@@ -191,7 +192,7 @@ def model():
 def test_a_variable_only_native_code_reads_is_an_input_of_the_record_and_of_the_server(own, tmp_path):
     server = own()
     (server.project / "model.py").write_text(NATIVE_MODEL)
-    plain, wide = stock(server, tmp_path / "plain"), stock(server, tmp_path / "wide", NATIVE_WIDTH="16")
+    plain, wide = stock(server, tmp_path, tmp_path / "plain"), stock(server, tmp_path, tmp_path / "wide", NATIVE_WIDTH="16")
     assert plain != wide
     for i in range(3):
         manifest, pte, _ = lowered(server, tmp_path / f"p{i}", from_a_pipe)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import marshal
 import os
 import subprocess
 import sys
@@ -90,6 +92,42 @@ def test_a_changed_variable_or_an_earlier_output_counts_only_where_it_is_an_inpu
     assert runs(counter) == 2
     (tmp_path / "project" / "out" / "stale.txt").write_text("an earlier output")
     fresh(tmp_path, counter)
+    assert runs(counter) == 2
+
+
+def test_bytecode_of_the_source_is_no_input_and_other_bytecode_is(tmp_path, run_dir):
+    """Bytecode Python wrote from the source (an earlier run's) leaves the key as it was, so another test's copy of the
+    project shares it; bytecode of other code under the source's recorded mtime and size, which Python runs, does not,
+    until the source's mtime moves on."""
+    counter = tmp_path / "runs.log"
+    script = "import sys, helper\nopen('out.txt', 'w').write(helper.VALUE)\nopen(sys.argv[1], 'a').write('run\\n')\n"
+
+    def run(base: Path) -> str:
+        root = base / "project"
+        result = references.run([sys.executable, "script.py", counter], cwd=root, env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""},
+                                outputs=[root / "out.txt"], places={base: "<tmp>"})
+        assert result.returncode == 0, result.stderr
+        return (root / "out.txt").read_text()
+
+    for name in ("a", "b"):
+        (tmp_path / name / "project").mkdir(parents=True)
+        (tmp_path / name / "project" / "script.py").write_text(script)
+        (tmp_path / name / "project" / "helper.py").write_text("VALUE = 'a'\n")
+    assert run(tmp_path / "a") == "a"
+    assert list((tmp_path / "a" / "project" / "__pycache__").glob("helper.*.pyc"))  # the run wrote it
+    assert run(tmp_path / "a") == run(tmp_path / "b") == "a"
+    assert runs(counter) == 1
+
+    helper = tmp_path / "b" / "project" / "helper.py"
+    info = helper.stat()
+    header = b"".join(value.to_bytes(4, "little") for value in (0, int(info.st_mtime) & 0xFFFFFFFF, info.st_size))
+    (helper.parent / "__pycache__").mkdir()
+    (helper.parent / "__pycache__" / f"helper.{sys.implementation.cache_tag}.pyc").write_bytes(
+        importlib.util.MAGIC_NUMBER + header + marshal.dumps(compile("VALUE = 'b'\n", str(helper), "exec")))
+    assert run(tmp_path / "b") == "b"  # Python trusted the bytecode: the reference ran again and saw it
+    assert runs(counter) == 2
+    os.utime(helper, (info.st_atime, info.st_mtime + 5))
+    assert run(tmp_path / "b") == "a"  # the recorded mtime is not the source's: Python compiled the source, as at first
     assert runs(counter) == 2
 
 

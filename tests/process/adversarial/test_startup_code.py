@@ -15,7 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.helpers.server import WAIT
+from tests.helpers.server import WAIT, fresh
 
 PY = sys.executable
 TARGET = "tosa-fp"
@@ -54,22 +54,26 @@ def lower(server, out: Path, *flags: str, **env: str) -> tuple[bytes, str]:
     return (out / "model.pte").read_bytes(), result.stderr
 
 
-def fresh(server, out: Path) -> bytes:
-    return lower(server, out, "--no-cache", "--no-server")[0]
+def fresh_pte(server, base: Path, out: Path) -> bytes:
+    """``--no-cache --no-server`` in a new process, shared across the run (``helpers/references.py``): the direct-mode
+    and the server case lower the same project under the same start-up code."""
+    result = fresh(server, base, "lower", "model.py:model", "-t", TARGET, "-o", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return (out / "model.pte").read_bytes()
 
 
 def test_direct_mode_serves_what_a_new_sitecustomize_makes(own, tmp_path):
     server = own()
     server.env["LOWERCACHE_SERVER"] = "0"
     tools = project(server)
-    plain = fresh(server, tmp_path / "plain")
+    plain = fresh_pte(server, tmp_path, tmp_path / "plain")
     for run in range(3):
         served, stderr = lower(server, tmp_path / f"a{run}")
         assert served == plain
     assert "direct mode: served from the record" in stderr
     for scale in (3.0, 5.0):
         (tools / "sitecustomize.py").write_text(SITECUSTOMIZE.format(scale))
-        expected = fresh(server, tmp_path / f"fresh{scale}")
+        expected = fresh_pte(server, tmp_path, tmp_path / f"fresh{scale}")
         assert expected != plain
         for run in range(1 if scale == 3.0 else 3):  # then recorded, confirmed and served again
             assert lower(server, tmp_path / f"s{scale}-{run}")[0] == expected, (scale, run)
@@ -81,11 +85,11 @@ def test_the_server_serves_what_a_new_sitecustomize_makes(own, tmp_path):
     server = own()
     tools = project(server)
     server.start()
-    plain = fresh(server, tmp_path / "plain")
+    plain = fresh_pte(server, tmp_path, tmp_path / "plain")
     assert lower(server, tmp_path / "a", "--no-direct", "--no-cache")[0] == plain
     for scale in (3.0, 5.0):
         (tools / "sitecustomize.py").write_text(SITECUSTOMIZE.format(scale))
-        expected = fresh(server, tmp_path / f"fresh{scale}")
+        expected = fresh_pte(server, tmp_path, tmp_path / f"fresh{scale}")
         served, stderr = lower(server, tmp_path / f"s{scale}", "--no-direct", "--no-cache")
         assert served == expected and "warning" not in stderr, (scale, stderr)
 
