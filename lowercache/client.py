@@ -266,12 +266,25 @@ def _start_lock(directory: Path, timeout: float) -> Iterator[None]:
 def _wait_gone(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if _gone(pid):
             return True
         time.sleep(0.05)
     return False
+
+
+def _gone(pid: int) -> bool:
+    """Whether the process has exited: no such process, or a zombie. The server's parent, the ``server start`` that
+    spawned it, is gone, so the init process reaps it: one that reaps late (a container's) kept ``server stop``
+    waiting seconds after the server had exited, or its whole timeout where nothing reaps."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][:1] == "Z"
+    except (OSError, IndexError):  # no /proc (macOS): alive, as kill says; reaped meanwhile: the next look says so
+        return False
 
 
 def ensure_server(settings: Settings) -> dict[str, Any]:

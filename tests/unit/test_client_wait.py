@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -45,3 +48,19 @@ def test_a_marker_of_another_process_does_not_extend_the_wait(pair):
     marker.write_text(str(os.getpid() + 1))
     with pytest.raises(client.ServerNotResponding):
         next(client.frames(mine, limit=1.0))
+
+
+def test_an_exited_process_no_one_has_reaped_is_gone():
+    """``server stop`` waits for the server to exit; a zombie has, whenever its parent (the init process, for a
+    server) reaps it."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 60
+        while not client._gone(child.pid):  # running, then a zombie: this process does not reap it yet
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert os.path.exists(f"/proc/{child.pid}")  # not reaped: os.kill(pid, 0) alone still finds it
+        assert client._wait_gone(child.pid, timeout=1.0)
+    finally:
+        child.wait()
+    assert not client._gone(os.getpid())
