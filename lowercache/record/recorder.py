@@ -792,7 +792,7 @@ def _install() -> None:
     at = posix.stat in os.supports_dir_fd
     for name, how in (("stat", "stat"), ("lstat", "lstat"), ("fstat", "stat"), ("access", "mode"), ("readlink", "kind")):
         setattr(os, name, wrap(getattr(os, name), how, at and name != "fstat"))
-    _untrace_import_system(HEARD_DIRFD)
+    _untrace_import_system()
 
     def located(fn: Callable[[], Any]) -> Callable[[], Any]:
         def watched() -> Any:
@@ -810,20 +810,20 @@ def _is_absolute(path: Any) -> bool:
     return isinstance(path, (str, bytes)) and os.path.isabs(path)
 
 
-def _untrace_import_system(heard_dirfd: int) -> None:
+def _untrace_import_system() -> None:
     """The import system's stats and reads of absolute paths go untraced by the backstop (``tracer.HEARD_DIRFD``): its
     lookups are recorded by name, and each file it reads raises an ``open`` audit event the recorder hears, so the
     tracer's stop for each would add nothing. Native code's own loads (``dlopen``) stay traced."""
     from importlib import _bootstrap_external as external  # type: ignore[attr-defined]
 
-    from .tracer import read_heard
+    from .tracer import HEARD_DIRFD, read_heard
 
     if posix.stat not in os.supports_dir_fd or posix.open not in os.supports_dir_fd:
         return
     stat, get_data = external._path_stat, external.FileLoader.get_data
 
     def _path_stat(path: Any) -> Any:
-        return posix.stat(path, dir_fd=heard_dirfd) if _is_absolute(path) else stat(path)
+        return posix.stat(path, dir_fd=HEARD_DIRFD) if _is_absolute(path) else stat(path)
 
     def _get_data(self: Any, path: Any) -> bytes:
         """``FileLoader.get_data``: the file's bytes, opened by ``os.open`` (whose audit event names the path, where

@@ -40,7 +40,7 @@ from ..cache.store import Entry
 from ..client import exec_through_server
 from ..config import Settings, load_settings
 from ..errors import LowercacheError
-from ..record.places import Places, hop_dirs, path_state, project_root
+from ..record.places import Places, hop_dirs, path_state, project_root, read_file
 from ..record.recorder import Recorder, listen, opens_to_write
 from ..record.trust import (UNSEEN, Words, check_inputs, elsewhere, identity, identity_changed, inputs_changed, put_status, status_lines,
                             verdict)
@@ -581,11 +581,10 @@ def _store(store: Any, command: Command, settings: Settings, env: dict[str, str]
     blobs = {"stdout": out, "stderr": err}
     outputs = []
     for path in observation["outputs"]:
-        state = path_state(path)
+        state = path_state(path, hashed=False)  # its kind: the file is read once, below
         entry: dict[str, Any] = {"ref": places.ref(path), "kind": state["kind"]}
         if state["kind"] == "file":
-            with open(path, "rb") as f:
-                data = f.read()
+            data = read_file(path)
             name = f"file/{len(outputs)}"
             blobs[name] = data
             entry.update(blob=name, digest=digest(data), mode=stat.S_IMODE(os.stat(path).st_mode))

@@ -15,16 +15,17 @@ from . import registry
 _lock = threading.Lock()
 _depth = 0
 _owned = False
-_kept: list[bool] = []  # the process keeps its heap frozen itself (:func:`freeze_for_children`)
+_kept = False  # the process keeps its heap frozen itself (:func:`freeze_for_children`)
 
 
 def freeze_for_children() -> None:
     """Collect, then freeze the heap for good: a forking server's children share its pages instead of copying those the
     collector would touch. Its lowerings then leave the freeze alone without asking ``gc.get_freeze_count()``, which
     walks every frozen object (millions in a warm server: 0.02-0.06 s a lowering)."""
+    global _kept
     gc.collect()
     gc.freeze()
-    _kept[:] = [True]
+    _kept = True
 
 
 @contextlib.contextmanager

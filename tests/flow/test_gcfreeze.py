@@ -87,7 +87,7 @@ def test_a_server_that_froze_its_heap_is_not_walked_again(monkeypatch):
     and never ask ``gc.get_freeze_count()``, which walks every frozen object."""
     from lowercache.speedups import gcfreeze
 
-    monkeypatch.setattr(gcfreeze, "_kept", [])
+    monkeypatch.setattr(gcfreeze, "_kept", False)
     gcfreeze.freeze_for_children()
     frozen = gc.get_freeze_count()
     assert frozen > 0
