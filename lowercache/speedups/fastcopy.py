@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import copy
 import inspect
+import operator
 import textwrap
 import threading
 from typing import Any
@@ -277,8 +278,9 @@ def _chain(cls: type, st: dict[str, Any]) -> tuple[Any, ...] | None:
         fn = klass.__dict__.get("call_operator")
         if fn is None:
             continue
-        guard = _target_guard_params(fn) if _defined_in(fn, klass) else None
-        declared = passregistry.gate_for(klass) if guard is None and _defined_in(fn, klass) else None
+        # A declared condition, where there is one, reads further than the guard that begins the override.
+        declared = passregistry.gate_for(klass) if _defined_in(fn, klass) else None
+        guard = _target_guard_params(fn) if declared is None and _defined_in(fn, klass) else None
         if declared is not None and not passes_updated:
             gates.append(declared)
             covered |= passregistry.covered_by(klass)
@@ -317,6 +319,48 @@ def _not_in(attribute: str) -> Any:
         return None if op in getattr(p, attribute) else op
 
     return gate
+
+
+def hands_every_node_on(pass_: Any, graph_module: Any) -> bool:
+    """Whether ``pass_``'s ``call_operator`` hands every operator node of ``graph_module`` on to ExportPass's own as
+    it is, by the gates the fast copy reads (a pass's ``target_ops`` guards, ``passregistry``'s declared conditions;
+    ``ArmPass``'s own bmm and leaky_relu with input qparams excepted): ``retraceskip`` asks it of a graph a retrace
+    made, whose values and metadata are those the retrace would give each node's copy, so a gate reads here what it
+    reads in the retrace (an argument's value and node metadata through the environment's ProxyValues)."""
+    st = _setup()
+    if st is None or "call_operator" in vars(pass_) or "_fx" in vars(pass_):
+        return False
+    chain = _chain(type(pass_), st)
+    if chain is None:
+        return False
+    edge, overload, getitem = st["edge"], st["overload"], operator.getitem
+    arm = isinstance(pass_, st["arm"])
+    nodes = graph_module.graph.nodes
+    env: dict | None = None
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        target = n.target
+        if target is getitem:
+            continue
+        if type(target) not in edge and type(target) is not overload:
+            return False
+        if chain:
+            if env is None:
+                value = st["proxy_value"]
+                env = {m: value(m.meta.get("val"), m) for m in nodes}
+            op = target
+            for gate in chain:
+                op = gate(pass_, n, op, env)
+                if op is None:
+                    return False
+            if op is not target:
+                return False
+        if arm and target in st["arm_special"]:
+            qparams = n.meta.get("input_qparams", {})
+            if type(qparams) is not dict or qparams:
+                return False
+    return True
 
 
 class _Fallback(Exception):

@@ -11,7 +11,7 @@ import threading
 import types
 from typing import Any
 
-from . import oppolicy, retrace
+from . import oppolicy, retrace, retraceskip
 from .patching import Counters, Patch
 from .sourcepin import source_digest
 
@@ -52,7 +52,7 @@ def _audited_sources() -> list[Any]:
     return [
         base.call,
         base._retrace,
-        _ExportPassBase.call,
+        retraceskip.original_call(),  # the retraceskip speed-up may have replaced it
         _ExportPassBase.inputs,
         _ExportPassBase.call_submodule,
         ExportPass.call_submodule,

@@ -267,14 +267,16 @@ SPEEDUPS: tuple[Speedup, ...] = (
     ),
     Speedup(
         "retraceskip",
-        ("executorch.backends.xnnpack._passes:XNNPACKPassManager.transform", f"{_PB}:_ExportPassBase.call",
+        ("executorch.backends.xnnpack._passes:XNNPACKPassManager.transform",
+         "executorch.backends.arm._passes.arm_pass_manager:ArmPassManager._transform", f"{_PB}:_ExportPassBase.call",
          f"{_PB}:_ExportPassBase.call_submodule", f"{_PB}:ExportPass.call_submodule",
          f"{_PB}:_ExportPassBase.ExportTracer.set_metadata", f"{_PB}:ExportPass.ExportInterpreter.call_function"),
-        "7eebfe880622ed038436a44e0f01974797d21bba70c0e1b4e0dcdb89e0e62eaa",
-        "A retrace of a retrace's output gives back the same graph, so an XNNPACK pass whose body left the graph as "
-        "the last retrace made it (every node, argument, metadata value and user) returns it as it is.",
+        "465a97630fb1eea09225a4fb9e6005a03477f6a641b5105314e5828802644ecc",
+        "A retrace of a retrace's output gives back the same graph, so a pass (XNNPACK's, the Arm TOSA pipeline's) whose "
+        "body left the graph as the last retrace made it (every node, argument, metadata value and user), and whose "
+        "retrace would hand every node on as it is, returns it as it is.",
         "tests/flow/test_retraceskip.py",
-        ("xnnpack",),
+        ("xnnpack", *ARM),
     ),
     Speedup(
         "checkskip",

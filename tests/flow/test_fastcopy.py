@@ -576,9 +576,10 @@ def _pass_nodes(records: list, *names: str) -> dict[str, dict[str, int]]:
     return nodes
 
 
-def test_declared_arm_gates_copy_and_keep_stock_bytes(tmp_path):
+def test_declared_arm_gates_copy_and_keep_stock_bytes(tmp_path, monkeypatch):
     """SymbolicToTosaShapesPass and DecomposeGroupedConvPass: fast copies where their call_operator
-    hands the node on, their own rewrite where it does not, and stock's bytes."""
+    hands the node on, their own rewrite where it does not, and stock's bytes. (``retraceskip`` would skip the
+    first's retrace whole, on this graph: off here.)"""
     import lowercache
     from executorch.backends.arm._passes.decompose_grouped_conv_pass import DecomposeGroupedConvPass
     from executorch.backends.arm._passes.symbolic_to_tosa_shape_pass import SymbolicToTosaShapesPass
@@ -589,6 +590,7 @@ def test_declared_arm_gates_copy_and_keep_stock_bytes(tmp_path):
         assert passregistry.gate_for(cls) is not None, cls.__name__  # pinned digests match the installed sources
     module, example = _GroupedConvs().eval(), (torch.randn(1, 8, 8, 8),)
     expected = stock_pte(module, example, "ethos-u55-128")
+    monkeypatch.setenv("LOWERCACHE_SPEEDUPS", "all,-retraceskip")
     artifacts = lowercache.lower(module, example, target="ethos-u55-128", cache_dir=tmp_path)
     assert artifacts.pte == expected
     nodes = _pass_nodes(artifacts.records, "SymbolicToTosaShapesPass", "DecomposeGroupedConvPass")
@@ -753,3 +755,121 @@ def test_graph_create_node_mirror_equals_torchs():
     ]
     a.lint()
     b.lint()
+
+
+def _gate_cases():
+    """(pass class, TOSA spec, op, argument values, kwargs, node meta) for each declared Arm gate: inputs the pass
+    hands on, and inputs it rewrites. A tensor value becomes a placeholder; ``("shape", [..])`` a CONST_SHAPE node."""
+    from executorch.backends.arm._passes.decompose_gelu_pass import DecomposeGeluPass
+    from executorch.backends.arm._passes.decompose_permute_for_u55_pass import DecomposePermuteForU55Pass
+    from executorch.backends.arm._passes.insert_data_layout_casts_pass import InsertDataLayoutCastsPass
+    from executorch.backends.arm._passes.insert_dynamic_padding import InsertDynamicPaddingPass
+    from executorch.backends.arm._passes.remove_noop_pass import RemoveNoopPass
+    from executorch.backends.arm._passes.rewrite_high_rank_singleton_permute_pass import (
+        RewriteHighRankSingletonPermutePass,
+    )
+    from executorch.exir.dialects._ops import ops as exir_ops
+
+    edge, tosa = exir_ops.edge.aten, exir_ops.backend.tosa
+    f32, i8, i32 = torch.float32, torch.int8, torch.int32
+    qparams = {"input_qparams": {0: object()}, "output_qparams": {0: object()}}
+    INT, FP, U55 = "TOSA-1.0+INT", "TOSA-1.0+FP", "TOSA-1.0+INT+u55"
+
+    def t(*shape, dtype=f32):
+        return ("tensor", shape, dtype)
+
+    return [
+        (DecomposeGeluPass, FP, edge.gelu.default, (t(1, 8),), {}, {}),
+        (DecomposeGeluPass, INT, edge.gelu.default, (t(1, 8, dtype=i8),), {}, qparams),
+        (DecomposeGeluPass, FP, edge.relu.default, (t(1, 8),), {}, {}),
+        (RemoveNoopPass, FP, edge.cat.default, ([t(1, 8)],), {}, {}),
+        (RemoveNoopPass, FP, edge.cat.default, ([t(1, 8), t(1, 8)],), {}, {}),
+        (RemoveNoopPass, FP, exir_ops.edge.dim_order_ops._clone_dim_order.default, (t(1, 8),), {}, {}),
+        (RemoveNoopPass, FP, exir_ops.edge.dim_order_ops._to_dim_order_copy.default, (t(1, 8),), {"dtype": i32}, {}),
+        (RemoveNoopPass, FP, tosa.PAD.default, (t(1, 8), ("shape", [0, 0, 0, 0])), {}, {}),
+        (RemoveNoopPass, FP, tosa.PAD.default, (t(1, 8), ("shape", [0, 1, 0, 0])), {}, {}),
+        (RemoveNoopPass, FP, tosa.SLICE.default, (t(1, 8), ("shape", [0, 0]), ("shape", [1, 8])), {}, {}),
+        (RemoveNoopPass, FP, tosa.SLICE.default, (t(1, 8), ("shape", [0, 2]), ("shape", [1, 4])), {}, {}),
+        (RemoveNoopPass, FP, edge.upsample_nearest2d.vec, (t(1, 2, 4, 4), None, [1.0, 1.0]), {}, {}),
+        (RemoveNoopPass, FP, edge.upsample_nearest2d.vec, (t(1, 2, 4, 4), None, [2.0, 2.0]), {}, {}),
+        (RewriteHighRankSingletonPermutePass, FP, edge.permute_copy.default, (t(1, 8, 1, 4, 16), [0, 2, 1, 4, 3]), {},
+         {"val": t(1, 1, 8, 16, 4)}),
+        (RewriteHighRankSingletonPermutePass, FP, edge.permute_copy.default, (t(2, 8, 4, 16), [0, 2, 1, 3]), {},
+         {"val": t(2, 4, 8, 16)}),
+        (DecomposePermuteForU55Pass, U55, edge.permute_copy.default, (t(1, 8, 4, 16, dtype=i8), [0, 2, 1, 3]), {}, {}),
+        (DecomposePermuteForU55Pass, INT, edge.permute_copy.default, (t(1, 300, 300, 4, dtype=i8), [0, 2, 1, 3]), {},
+         {}),
+        # Over the worst-case bound the pass asks Vela: the gate refuses without asking (conservative).
+        (DecomposePermuteForU55Pass, U55, edge.permute_copy.default, (t(1, 300, 300, 4, dtype=i8), [0, 2, 1, 3]), {},
+         {}),
+        (InsertDataLayoutCastsPass, FP, edge.permute_copy.default, (t(1, 8, 4, 4), [0, 2, 1, 3]), {}, {}),
+        (InsertDataLayoutCastsPass, FP, edge.permute_copy.default, (t(1, 8, 4, 4, dtype=i32), [0, 2, 1, 3]), {}, {}),
+        (InsertDataLayoutCastsPass, INT, edge.cat.default, ([t(1, 8, dtype=i8), t(1, 8, dtype=i32)],), {}, {}),
+        (InsertDynamicPaddingPass, INT, tosa.MAX_POOL2D.default, (t(1, 8, 8, 4, dtype=i8), [2, 2], [1, 1], [0, 0, 0, 0]),
+         {}, {}),
+        (InsertDynamicPaddingPass, INT, tosa.MAX_POOL2D.default,
+         (t(1, 8, 8, 4, dtype=i8), [2, 2], [1, 1], [0, ("shape", [1]), 0, 0]), {}, {}),
+    ]
+
+
+_CONSERVATIVE = {17}  # cases where the gate may refuse a node the pass hands on
+
+
+@pytest.mark.parametrize("case", range(23))
+def test_declared_arm_gates_hand_on_only_what_the_pass_hands_on(case, monkeypatch):
+    """Each new declared gate against its pass: where the gate says the node is handed on, the pass's own
+    ``call_operator`` (its base call stubbed out) reaches ``ArmPass.call_operator`` once, with the same op and the
+    very arguments it was given, and nowhere else (the cases give each gate inputs of both kinds)."""
+    from executorch.backends.arm._passes.arm_pass import ArmPass
+    from executorch.backends.arm.tosa.specification import TosaLoweringContext, TosaSpecification
+    from executorch.exir.dialects._ops import ops as exir_ops
+    from executorch.exir.pass_base import NodeMetadata, ProxyValue
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lowercache.speedups import passregistry
+
+    cases = _gate_cases()
+    assert len(cases) == 23
+    klass, spec, op, values, kwargs, meta = cases[case]
+    gate = passregistry.gate_for(klass)
+    assert gate is not None, klass.__name__  # the pinned digest matches the installed source
+    graph, env = torch.fx.Graph(), {}
+    with FakeTensorMode():
+        def node(value):
+            if isinstance(value, list):
+                return [node(v) for v in value]
+            if not isinstance(value, tuple):
+                return value
+            if value[0] == "shape":
+                made = graph.call_function(exir_ops.backend.tosa.CONST_SHAPE.default, (value[1],))
+                made.meta["val"] = list(value[1])
+            else:
+                made = graph.placeholder(f"x{len(env)}")
+                made.meta["val"] = torch.empty(value[1], dtype=value[2])
+            env[made] = ProxyValue(made.meta["val"], made)
+            return made
+
+        n = graph.call_function(op, tuple(node(v) for v in values), kwargs)
+        n.meta.update({k: node(v) if k == "val" else v for k, v in meta.items()})
+        n.meta.update({"val": n.meta["val"].meta["val"]} if "val" in meta else {})
+    p = klass()
+    calls = []
+
+    def base(self, op_, args_, kwargs_, meta_, updated=False):
+        calls.append((op_, args_, kwargs_))
+        return "handed on"
+
+    args, kw = torch.fx.node.map_arg(n.args, env.__getitem__), torch.fx.node.map_arg(n.kwargs, env.__getitem__)
+    with TosaLoweringContext(TosaSpecification.create_from_string(spec)):
+        said = gate(p, n, op, env)
+        if case in _CONSERVATIVE:
+            assert said is None
+            return
+        monkeypatch.setattr(ArmPass, "call_operator", base)
+        try:
+            result = klass.call_operator(p, op, args, kw, NodeMetadata(n.meta))
+        except Exception:
+            result = None
+    handed_on = result == "handed on" and len(calls) == 1 and calls[0][0] is op and calls[0][1] is args
+    assert said in (op, None)
+    assert (said is op) == handed_on, (klass.__name__, said, calls)
