@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import operator
 import threading
-import weakref
 from typing import Any, Iterator
 
 from . import fastcopy, graphpicture, oppolicy, passrun, retrace
@@ -185,6 +184,9 @@ def _call(self: Any, graph_module: Any) -> Any:
         _count("changed")
     result = original(self, graph_module)
     _count("retraced")
+    # Only the last retrace's output: a pipeline hands each pass the graph the last one left, and a picture holds
+    # its graph alive (and through it the module), so older ones would keep every graph of the run.
+    outputs.clear()
     outputs[result.graph_module] = _snapshot(result.graph_module)
     return result
 
@@ -195,7 +197,7 @@ def _run(manager: Any, arm: bool = False) -> Iterator[None]:
     passes' own helpers, such as the patterns some export and lower to edge, retrace as stock does)."""
     outer = getattr(_tls, "outputs", None), getattr(_tls, "passes", None), getattr(_tls, "arm", False)
     passes = frozenset(p if isinstance(p, type) else type(p) for p in manager.passes)
-    _tls.outputs, _tls.passes, _tls.arm = weakref.WeakKeyDictionary(), passes, arm
+    _tls.outputs, _tls.passes, _tls.arm = {}, passes, arm
     try:
         yield
     finally:
