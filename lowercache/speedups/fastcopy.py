@@ -321,45 +321,46 @@ def _not_in(attribute: str) -> Any:
     return gate
 
 
+def _handed_on(p: Any, n: Any, target: Any, chain: tuple, env: dict, st: dict[str, Any]) -> Any:
+    """The op ``p``'s ``call_operator`` hands ``n`` on to ExportPass's with, through ``chain``'s gates, or None when
+    some override may do anything else (or ``ArmPass.call_operator`` builds the node itself: bmm and leaky_relu with
+    input qparams)."""
+    for gate in chain:
+        target = gate(p, n, target, env)
+        if target is None:
+            return None
+    tt = type(target)
+    if tt not in st["edge"] and tt is not st["overload"]:
+        return None
+    if target in st["arm_special"]:
+        qparams = n.meta.get("input_qparams", {})
+        if type(qparams) is not dict or qparams:
+            return None
+    return target
+
+
 def hands_every_node_on(pass_: Any, graph_module: Any) -> bool:
     """Whether ``pass_``'s ``call_operator`` hands every operator node of ``graph_module`` on to ExportPass's own as
-    it is, by the gates the fast copy reads (a pass's ``target_ops`` guards, ``passregistry``'s declared conditions;
-    ``ArmPass``'s own bmm and leaky_relu with input qparams excepted): ``retraceskip`` asks it of a graph a retrace
-    made, whose values and metadata are those the retrace would give each node's copy, so a gate reads here what it
-    reads in the retrace (an argument's value and node metadata through the environment's ProxyValues)."""
+    it is, by the gates the fast copy reads (:func:`_handed_on`): ``retraceskip`` asks it of a graph a retrace made,
+    whose values and metadata are those the retrace would give each node's copy, so a gate reads here what it reads
+    in the retrace (an argument's value and node metadata through the environment's ProxyValues)."""
     st = _setup()
     if st is None or "call_operator" in vars(pass_) or "_fx" in vars(pass_):
         return False
     chain = _chain(type(pass_), st)
     if chain is None:
         return False
-    edge, overload, getitem = st["edge"], st["overload"], operator.getitem
-    arm = isinstance(pass_, st["arm"])
+    edge, overload, getitem, value = st["edge"], st["overload"], operator.getitem, st["proxy_value"]
     nodes = graph_module.graph.nodes
-    env: dict | None = None
+    env = {m: value(m.meta.get("val"), m) for m in nodes} if chain else {}
     for n in nodes:
-        if n.op != "call_function":
+        if n.op != "call_function" or n.target is getitem:
             continue
         target = n.target
-        if target is getitem:
-            continue
         if type(target) not in edge and type(target) is not overload:
             return False
-        if chain:
-            if env is None:
-                value = st["proxy_value"]
-                env = {m: value(m.meta.get("val"), m) for m in nodes}
-            op = target
-            for gate in chain:
-                op = gate(pass_, n, op, env)
-                if op is None:
-                    return False
-            if op is not target:
-                return False
-        if arm and target in st["arm_special"]:
-            qparams = n.meta.get("input_qparams", {})
-            if type(qparams) is not dict or qparams:
-                return False
+        if _handed_on(pass_, n, target, chain, env, st) is not target:
+            return False
     return True
 
 
@@ -447,21 +448,11 @@ def _copy(interp: Any, n: Any, st: dict[str, Any]) -> Any:
         _count("fallback_pass")
         return None
     env = interp.env
-    for gate in chain:
-        target = gate(p, n, target, env)
-        if target is None:
-            _count("fallback_pass")
-            return None
-    tt = type(target)
-    if tt not in st["edge"] and tt is not st["overload"]:
+    target = _handed_on(p, n, target, chain, env, st)
+    if target is None:
         _count("fallback_pass")
         return None
-    if target in st["arm_special"]:
-        # ArmPass.call_operator builds these itself when len(meta["input_qparams"]) > 0
-        qparams = n.meta.get("input_qparams", {})
-        if type(qparams) is not dict or qparams:
-            _count("fallback_pass")
-            return None
+    tt = type(target)
     tracer = p.tracer
     fx_traceback = st["traceback"]
     meta = n.meta

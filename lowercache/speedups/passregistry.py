@@ -162,142 +162,117 @@ def _decompose_tosa_unsupported_clamp(module: Any) -> Gate:
     return gate
 
 
-def _mapped(n: Any, env: dict) -> tuple[Any, dict]:
-    """The positional and keyword arguments ``ExportInterpreter.call_function`` hands to ``call_operator``."""
-    import torch
+def _past_guard(reading: Callable[[Any, Any, Any, dict], bool]) -> Gate:
+    """The gate of an override that begins with the ``target_ops`` guard and, for a target op, hands the node on
+    where ``reading(pass, node, op, env)`` holds: what it reads is the override's own branches past the guard. A
+    reading that raises refuses (stock would raise from the same expression: let it)."""
 
-    return torch.fx.node.map_arg(n.args, env.__getitem__), torch.fx.node.map_arg(n.kwargs, env.__getitem__)
-
-
-def _decompose_gelu(module: Any) -> Gate:
     def gate(p: Any, n: Any, op: Any, env: dict) -> Any:
-        # Its first two branches hand the node on: another op, or a quantized GELU (a TABLE op later).
-        if op not in p.target_ops:
-            return op
-        return op if p._is_quantized_meta(n.meta) else None
-
-    return gate
-
-
-def _decompose_permute_for_u55(module: Any) -> Gate:
-    def gate(p: Any, n: Any, op: Any, env: dict) -> Any:
-        # The branches before its exact (Vela) check: not U55, or a shape under the worst-case bound.
         if op not in p.target_ops:
             return op
         try:
-            if not module.get_context_spec().is_U55_subset:
-                return op
-            args, _ = _mapped(n, env)
-            data = args[0].data
-            rank = data.ndim
-            tuple(dim % rank for dim in args[1])  # stock computes the permutation before the checks
-            return None if p._violates_u55_worst_case_constraint(data.shape) else op
-        except Exception:  # stock would raise from the same expression: let it
-            return None
-
-    return gate
-
-
-def _rewrite_high_rank_singleton_permute(module: Any) -> Gate:
-    def gate(p: Any, n: Any, op: Any, env: dict) -> Any:
-        # Its branches up to the rank test: anything of rank 4 or less is handed on.
-        if op not in p.target_ops:
-            return op
-        try:
-            args, _ = _mapped(n, env)
-            meta = n.meta
-            if len(args) < 2 or not hasattr(args[0], "data") or "val" not in meta or not hasattr(meta["val"], "shape"):
-                return op
-            if p._extract_permutation(args[1]) is None:
-                return op
-            rank = len(list(args[0].data.shape))
-            return op if rank <= 4 or len(list(meta["val"].shape)) != rank else None
+            return op if reading(p, n, op, env) else None
         except Exception:
             return None
 
     return gate
+
+
+def _decompose_gelu(module: Any) -> Gate:
+    # A quantized GELU is handed on (a TABLE op later); a float one is decomposed.
+    return _past_guard(lambda p, n, op, env: p._is_quantized_meta(n.meta))
+
+
+def _decompose_permute_for_u55(module: Any) -> Gate:
+    def reading(p: Any, n: Any, op: Any, env: dict) -> bool:
+        # The branches before its exact (Vela) check: not U55, or a shape under the worst-case bound.
+        if not module.get_context_spec().is_U55_subset:
+            return True
+        args = _mapped_args(n, env)
+        data = args[0].data
+        rank = data.ndim
+        tuple(dim % rank for dim in args[1])  # stock computes the permutation before the checks
+        return not p._violates_u55_worst_case_constraint(data.shape)
+
+    return _past_guard(reading)
+
+
+def _rewrite_high_rank_singleton_permute(module: Any) -> Gate:
+    def reading(p: Any, n: Any, op: Any, env: dict) -> bool:
+        # Its branches up to the rank test: anything of rank 4 or less is handed on.
+        args = _mapped_args(n, env)
+        meta = n.meta
+        if len(args) < 2 or not hasattr(args[0], "data") or "val" not in meta or not hasattr(meta["val"], "shape"):
+            return True
+        if p._extract_permutation(args[1]) is None:
+            return True
+        rank = len(list(args[0].data.shape))
+        return rank <= 4 or len(list(meta["val"].shape)) != rank
+
+    return _past_guard(reading)
 
 
 def _insert_data_layout_casts(module: Any) -> Gate:
     import torch
 
-    def gate(p: Any, n: Any, op: Any, env: dict) -> Any:
+    def reading(p: Any, n: Any, op: Any, env: dict) -> bool:
         # A dtype the TOSA profile supports is handed on; a cast is inserted otherwise.
-        if op not in p.target_ops:
-            return op
-        try:
-            args, _ = _mapped(n, env)
-            if op in p._concat_ops:
-                dtypes = [arg.data.dtype for arg in args[0]]
-                sizes = [dtype.itemsize for dtype in dtypes]
-                dtype = dtypes[sizes.index(max(sizes))]
-            else:
-                dtype = args[0].data.dtype
-            spec = module.get_context_spec()
-            integer = not dtype.is_floating_point and dtype != torch.bool
-            if integer and not spec.support_integer():
-                return None
-            if dtype.is_floating_point and not spec.support_float():
-                return None
-            return op
-        except Exception:
-            return None
+        args = _mapped_args(n, env)
+        if op in p._concat_ops:
+            dtypes = [arg.data.dtype for arg in args[0]]
+            sizes = [dtype.itemsize for dtype in dtypes]
+            dtype = dtypes[sizes.index(max(sizes))]
+        else:
+            dtype = args[0].data.dtype
+        spec = module.get_context_spec()
+        integer = not dtype.is_floating_point and dtype != torch.bool
+        if integer and not spec.support_integer():
+            return False
+        return not (dtype.is_floating_point and not spec.support_float())
 
-    return gate
+    return _past_guard(reading)
 
 
 def _insert_dynamic_padding(module: Any) -> Gate:
     tosa = module.exir_ops.backend.tosa
 
-    def gate(p: Any, n: Any, op: Any, env: dict) -> Any:
+    def reading(p: Any, n: Any, op: Any, env: dict) -> bool:
         # Static padding is handed on; a PAD op is inserted before a dynamic one.
-        if op not in p.target_ops:
-            return op
         index = 3 if op == tosa.MAX_POOL2D.default else 5 if op == tosa.AVG_POOL2D.default else 4
-        try:
-            args, _ = _mapped(n, env)
-            return None if p._is_dynamic_padding(args[index]) else op
-        except Exception:
-            return None
+        return not p._is_dynamic_padding(_mapped_args(n, env)[index])
 
-    return gate
+    return _past_guard(reading)
 
 
 def _remove_noop(module: Any) -> Gate:
+    import torch
+
     edge, tosa = module.exir_ops.edge.aten, module.exir_ops.backend.tosa
     upsample = (edge.upsample_bilinear2d.vec, edge.upsample_nearest2d.vec)
 
-    def gate(p: Any, n: Any, op: Any, env: dict) -> Any:
+    def reading(p: Any, n: Any, op: Any, env: dict) -> bool:
         # Every branch that ends in the base call hands the node on; one that returns an input removes it.
-        if op not in p.target_ops:
-            return op
-        try:
-            args, kwargs = _mapped(n, env)
-            if op in p._single_input_concat_ops:
-                inputs = args[0]
-                return None if isinstance(inputs, (list, tuple)) and len(inputs) == 1 else op
-            if op in upsample:
-                scales = args[3] if op == edge.upsample_bilinear2d.vec else args[2]
-                identity = isinstance(scales, (list, tuple)) and len(scales) == 2 and all(
-                    type(scale) in (int, float) and scale == 1.0 for scale in scales)
-                return None if identity else op
-            if op == tosa.PAD.default:
-                padding = p._get_static_shape(args[1])
-                identity = padding is not None and len(padding) == 2 * len(args[0].data.shape) and all(
-                    value == 0 for value in padding)
-                return None if identity else op
-            if op == tosa.SLICE.default:
-                starts, sizes = p._get_static_shape(args[1]), p._get_static_shape(args[2])
-                shape = p._get_static_shape(args[0].data.shape)
-                identity = starts is not None and sizes is not None and shape is not None and (
-                    starts == (0,) * len(shape) and sizes == shape)
-                return None if identity else op
-            input_dtype = args[0].data.dtype
-            return op if input_dtype != kwargs.get("dtype", input_dtype) else None
-        except Exception:
-            return None
+        args = _mapped_args(n, env)
+        if op in p._single_input_concat_ops:
+            return not (isinstance(args[0], (list, tuple)) and len(args[0]) == 1)
+        if op in upsample:
+            scales = args[3] if op == edge.upsample_bilinear2d.vec else args[2]
+            return not (isinstance(scales, (list, tuple)) and len(scales) == 2 and all(
+                type(scale) in (int, float) and scale == 1.0 for scale in scales))
+        if op == tosa.PAD.default:
+            padding = p._get_static_shape(args[1])
+            return not (padding is not None and len(padding) == 2 * len(args[0].data.shape) and all(
+                value == 0 for value in padding))
+        if op == tosa.SLICE.default:
+            starts, sizes = p._get_static_shape(args[1]), p._get_static_shape(args[2])
+            shape = p._get_static_shape(args[0].data.shape)
+            return not (starts is not None and sizes is not None and shape is not None and (
+                starts == (0,) * len(shape) and sizes == shape))
+        input_dtype = args[0].data.dtype
+        kwargs = torch.fx.node.map_arg(n.kwargs, env.__getitem__)
+        return input_dtype != kwargs.get("dtype", input_dtype)
 
-    return gate
+    return _past_guard(reading)
 
 
 # ReplaceScalarWithTensorArgPass.call_operator, which ReplaceScalarWithTensorByProfilePass
