@@ -103,11 +103,12 @@ def _snapshot(graph_module: Any) -> tuple:
 
 
 def _bare(pass_: Any) -> bool:
-    """Whether ``pass_``'s retrace is ExportPass's own (no hook it dispatches to is overridden)."""
+    """Whether ``pass_``'s retrace is ExportPass's own (no hook it dispatches to is overridden). A hook a release's
+    ExportPass lacks (ExecuTorch 1.4 has no ``call_size_operator``) counts as overridden if a pass defines it."""
     from executorch.exir.pass_base import ExportPass
 
     kind = type(pass_)
-    return all(getattr(kind, name) is getattr(ExportPass, name) for name in _HOOKS) and not any(
+    return all(getattr(kind, name, None) is getattr(ExportPass, name, None) for name in _HOOKS) and not any(
         name in vars(pass_) for name in _HOOKS)
 
 

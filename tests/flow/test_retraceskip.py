@@ -130,3 +130,21 @@ def test_a_body_that_changed_the_graph_retraces(change, monkeypatch):
     with_skip, stats = lowered(True)
     assert stats == {"retraced": 2, "skipped": 0, "changed": 1}, stats
     assert with_skip == lowered(False)[0]
+
+
+def test_a_hook_the_release_lacks_is_not_an_error(monkeypatch):
+    """ExecuTorch 1.4's ExportPass has no ``call_size_operator``: a pass is still judged by the hooks it has, and one
+    that defines a hook ExportPass lacks is not taken for bare."""
+    from executorch.exir.pass_base import ExportPass, _ExportPassBase
+
+    for name in ("call_size_operator", "call_size_operator_all"):
+        monkeypatch.delattr(_ExportPassBase, name)
+
+    class Plain(ExportPass):
+        pass
+
+    class Sizing(ExportPass):
+        def call_size_operator(self, *args, **kwargs):
+            return 0
+
+    assert retraceskip._bare(Plain()) and not retraceskip._bare(Sizing())
