@@ -324,15 +324,6 @@ def test_config_is_aligned_and_readable(tmp_path):
     assert "None" not in result.stdout
 
 
-def test_output_directory_gets_the_users_normal_permissions(tmp_path):
-    result = cli("lower", TINY, "-t", "tosa-fp", "-o", tmp_path / "out", cache_dir=tmp_path / "cache")
-    assert result.returncode == 0, result.stderr
-    umask = os.umask(0)
-    os.umask(umask)
-    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
-    assert (tmp_path / "out" / "model.pte").stat().st_mode & 0o777 == 0o666 & ~umask
-
-
 def test_json_summary_and_plain_progress_lines_in_a_log(tmp_path):
     """Not a terminal (a CI log): the stages as plain lines on stderr; --json: one JSON document on stdout."""
     runs = []
@@ -461,8 +452,13 @@ def test_a_bad_model_or_target_is_refused_at_once_with_the_server_on(command, ex
 
 
 def test_stats_json_and_zero_and_a_json_error(tmp_path, cache_dir):
+    """Also, after the first lowering: its output directory and files get the user's normal permissions (the umask's)."""
     lowered = cli("lower", TINY, "-t", "tosa-fp", "-o", tmp_path / "out", cache_dir=cache_dir)
     assert lowered.returncode == 0 and "wrote 3 files" in lowered.stdout, lowered.stdout
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
+    assert (tmp_path / "out" / "model.pte").stat().st_mode & 0o777 == 0o666 & ~umask
     figures = json.loads(cli("stats", "--json", cache_dir=cache_dir).stdout)
     assert figures["outcomes"]["flow"]["miss"] == 1 and figures["steps"] > 0
     assert cli("stats", "--zero", cache_dir=cache_dir).returncode == 0

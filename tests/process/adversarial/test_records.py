@@ -209,7 +209,8 @@ def test_files_read_by_native_code_are_inputs(tmp_path):
         manifest, pte, _ = lower(project, cache)
         assert not served(manifest) and name in explain(project, cache), name
         assert pte == fresh(project, tmp_path), name
-        lower(project, cache)  # the re-run confirms the new record
+        if name == "weights/fc.bin":
+            lower(project, cache)  # the re-run confirms the new record, so the next edit meets a trusted one
 
 
 def test_past_the_sweeps_bound_no_record_is_used(tmp_path):
