@@ -558,6 +558,7 @@ def run_through_server(args: list[str]) -> int | None:
         "path": list(sys.path),
         "process": capture_process_state(),
         "timeout": settings.server_timeout,
+        "confirm": settings.server_confirm,
         "warned": warnings_shown(),  # by direct mode's lookup here: the child does not say them again
         **_terminal(),
     }

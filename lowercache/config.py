@@ -8,14 +8,14 @@ Precedence, highest first (as in ccache and sccache):
    ``LOWERCACHE_REMOTE_REQUIRE_SIGNED``, ``LOWERCACHE_SPEEDUPS``,
    ``LOWERCACHE_DIRECT``, ``LOWERCACHE_PORTABLE_RECORDS``, ``LOWERCACHE_CHECK``, and the
    warm server's ``LOWERCACHE_SERVER``, ``LOWERCACHE_SERVER_IDLE_TIMEOUT``,
-   ``LOWERCACHE_SERVER_JOBS``, ``LOWERCACHE_SERVER_TIMEOUT``;
+   ``LOWERCACHE_SERVER_JOBS``, ``LOWERCACHE_SERVER_TIMEOUT``, ``LOWERCACHE_SERVER_CONFIRM``;
 3. the config file: ``$LOWERCACHE_CONFIG``, else ``config.toml`` in the
    platform's user config directory (platformdirs: on Linux
    ``$XDG_CONFIG_HOME/lowercache``, ``~/.config/lowercache``), with keys
    ``cache_dir``, ``max_size``, ``disable``, ``read_only``, ``remote``,
    ``remote_mode``, ``remote_ttl`` (Redis only), ``remote_require_signed``,
    ``speedups``, ``direct``, ``portable_records``, ``check``, ``server``, ``server_idle_timeout``, ``server_jobs``,
-   ``server_timeout``.
+   ``server_timeout``, ``server_confirm``.
 
 The remote's signing secret, ``LOWERCACHE_HMAC_KEY``, is read from the
 environment only, never from a file lowercache reads or writes.
@@ -55,6 +55,7 @@ _ENV = {
     "server_idle_timeout": "LOWERCACHE_SERVER_IDLE_TIMEOUT",
     "server_jobs": "LOWERCACHE_SERVER_JOBS",
     "server_timeout": "LOWERCACHE_SERVER_TIMEOUT",
+    "server_confirm": "LOWERCACHE_SERVER_CONFIRM",
     "run_ahead": "LOWERCACHE_RUN_AHEAD",
     "check": "LOWERCACHE_CHECK",
 }
@@ -82,6 +83,8 @@ class Settings:
     server_idle_timeout: int = 600  # seconds without a request before the server exits
     server_jobs: int = 0  # requests lowered at once, the rest queued; 0: the core count
     server_timeout: int = 3600  # seconds one request may run before its process is killed; 0: no limit
+    # An idle server confirms the direct-mode records its requests made (server/loop.py); false: the next run does.
+    server_confirm: bool = True
     # lowercache run: a copy of the script goes on non-strictly from its first strict export (run/ahead.py).
     run_ahead: bool = True
     check: str = ""  # lower: the numerics check after each lowering: "", "outputs" or "layers" (lowering/check/numerics.py, docs/numerics.md)
@@ -186,6 +189,7 @@ def load_settings(**flags: Any) -> Settings:
         server_idle_timeout=_seconds_setting(resolved.get("server_idle_timeout", 600), "server_idle_timeout"),
         server_jobs=_whole(resolved.get("server_jobs", 0), "server_jobs") or os.cpu_count() or 1,
         server_timeout=_seconds_setting(resolved.get("server_timeout", 3600), "server_timeout"),
+        server_confirm=parse_bool(resolved.get("server_confirm", True), "server_confirm"),
         run_ahead=parse_bool(resolved.get("run_ahead", True), "run_ahead"),
         check=parse_check(resolved.get("check", False), "check"),
         origin=origin,

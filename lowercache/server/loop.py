@@ -561,9 +561,10 @@ class Server:
     # an idle server re-runs the factory and the export of a ``lower`` it served (``direct.confirm``), so the next is a hit
 
     def _confirm_later(self, message: dict[str, Any]) -> None:
-        """A ``lower`` that ran here may have left a new record: confirm it when the server is idle."""
+        """A ``lower`` that ran here may have left a new record: confirm it when the server is idle, unless its client
+        said not to (``server_confirm``)."""
         argv = [str(a) for a in message.get("argv") or []]
-        if not argv or direct.parse_lower(argv) is None:
+        if not argv or message.get("confirm") is False or direct.parse_lower(argv) is None:
             return
         key = (str(message.get("cwd")), *argv)
         self.unconfirmed.pop(key, None)

@@ -88,6 +88,10 @@ def _files(value: Any) -> str | None:
     return None if ok else f"two lists of at most {sweep.MAX_STREAM_FILES} files (a device and an inode each)"
 
 
+def _boolean(value: Any) -> str | None:
+    return None if isinstance(value, bool) else "true or false"
+
+
 def _identity(value: Any) -> str | None:
     return None if isinstance(value, dict) else "an object"
 
@@ -100,7 +104,8 @@ _FIELDS: dict[str, dict[str, Any]] = {
     "stop": {},
     "warm": {"targets": _texts()},
     "run": {**_COMMON, "path": _texts(), "tty": _flags, "columns": _whole(0, _MAX_COLUMNS), "lines": _whole(0, _MAX_COLUMNS),
-            "encoding": _codecs(codecs.lookup), "errors": _codecs(codecs.lookup_error), "files": _files, "warned": _texts()},
+            "encoding": _codecs(codecs.lookup), "errors": _codecs(codecs.lookup_error), "files": _files, "warned": _texts(),
+            "confirm": _boolean},
     "exec": {**_COMMON, "executable": _absolute},
 }
 _REQUIRED = {"warm": ("targets",), "run": ("argv", "cwd", "env", "path", "process"), "exec": ("argv", "cwd", "env", "executable", "process")}

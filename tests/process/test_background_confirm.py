@@ -4,6 +4,7 @@ re-running their factory and export (no lowering) under the one confirm rule, so
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -69,3 +70,24 @@ def test_a_factory_that_lowers_differently_each_time_is_untrusted_by_the_backgro
     assert "identical inputs lowered differently" in latest_record(server, "tosa-fp")
     again = server("lower", "model.py:model", "-t", "tosa-fp", "-o", "out")
     assert again.returncode == 0 and "direct mode: served" not in again.stderr
+
+
+def test_with_server_confirm_off_the_record_waits_for_the_next_run(server):
+    """``LOWERCACHE_SERVER_CONFIRM=0`` on the client: the idle server keeps no request to confirm, and the next run
+    confirms the record as a run without a server does; the run after it is a direct hit with the same bytes."""
+    off = {"LOWERCACHE_SERVER_CONFIRM": "0"}
+    first = server("lower", "model.py:model", "-t", "tosa-fp", "-o", "out", **off)
+    assert first.returncode == 0, first.stderr[-3000:]
+    pte = (server.project / "out" / "model.pte").read_bytes()
+    manifest = lambda: json.loads((server.project / "out" / "manifest.json").read_text())["direct"]  # noqa: E731
+    assert manifest()["record"] == "unconfirmed"
+    assert server.status()["served"] == "1"
+    time.sleep(3)  # three times the idle second after which a kept request would be confirmed
+    assert "latest record: unconfirmed" in latest_record(server, "tosa-fp"), latest_record(server, "tosa-fp")
+    assert server.status()["records"].startswith("0 to confirm when idle, 0 confirmation runs"), server.status()
+    second = server("lower", "model.py:model", "-t", "tosa-fp", "-o", "out", **off)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert manifest()["record"] == "confirmed" and (server.project / "out" / "model.pte").read_bytes() == pte
+    third = server("lower", "model.py:model", "-t", "tosa-fp", "-o", "out", **off)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert manifest()["outcome"] == "hit" and (server.project / "out" / "model.pte").read_bytes() == pte
