@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -11,6 +12,7 @@ import tempfile
 import textwrap
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -81,10 +83,37 @@ def cli_env(cache_dir: Path, env: dict[str, str] | None = None) -> dict[str, str
     return {**base, **_isolated(), "XDG_CACHE_HOME": _XDG_CACHE, "LOWERCACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1", **(env or {})}
 
 
+# Where ``lower`` may go through a warm server of this worker's (``through_server``): its socket directory, else None.
+_SERVER_RUN: list[Path] = []
+
+
+def server_env() -> dict[str, str]:
+    """The variables that send a ``lower`` to this worker's warm server, which confirms nothing in the background (a
+    test's sequence of runs records, confirms and hits as without a server); empty when no server is on."""
+    if not _SERVER_RUN:
+        return {}
+    return {"LOWERCACHE_SERVER": "1", "XDG_RUNTIME_DIR": str(_SERVER_RUN[0]), "LOWERCACHE_SERVER_CONFIRM": "0",
+            "LOWERCACHE_SERVER_IDLE_TIMEOUT": "3600"}
+
+
+@contextlib.contextmanager
+def through_server(run: Path) -> Iterator[None]:
+    """``lower`` goes through a warm server with its socket in ``run`` (started by the first command, as a user's is)
+    unless a test gives it variables of its own, which a server started under other variables declines. A miss then
+    costs a fork, not a new interpreter's imports of torch and ExecuTorch (seconds each)."""
+    _SERVER_RUN.append(run)
+    try:
+        yield
+    finally:
+        _SERVER_RUN.clear()
+
+
 def lower(project: Path, cache_dir: Path, *extra: str, env: dict[str, str] | None = None, out: str = "out"):
+    own = env or {}
+    via = server_env() if all(name.startswith("LOWERCACHE_") for name in own) else {}
     result = subprocess.run(
         [sys.executable, "-m", "lowercache.cli", "lower", "model.py:model", "-t", TARGET, "-o", out, *extra],
-        capture_output=True, text=True, cwd=project, env=cli_env(cache_dir, env), timeout=900,
+        capture_output=True, text=True, cwd=project, env=cli_env(cache_dir, {**via, **own}), timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((project / out / "manifest.json").read_text())

@@ -4,11 +4,15 @@ sources (``helpers/server.py``) and are stopped when their module or test ends."
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
+from tests.helpers import direct
 from tests.helpers.server import Server, alive, remove_snapshot, snapshot
 
 
@@ -56,3 +60,22 @@ def server(tmp_path_factory):
     server.start()
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def _worker_server():
+    """The socket directory of this worker's warm server for direct-mode ``lower`` commands (``through_server``),
+    stopped when the worker's session ends."""
+    run = Path(tempfile.mkdtemp(prefix="lcw", dir="/tmp"))  # short: a socket path holds at most 107 bytes
+    yield run
+    subprocess.run([sys.executable, "-m", "lowercache.cli", "server", "stop"], capture_output=True, timeout=120,
+                   env={**os.environ, "XDG_RUNTIME_DIR": str(run), "LOWERCACHE_SERVER": "1"})
+    shutil.rmtree(run, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def through_server(_worker_server):
+    """A module's direct-mode ``lower`` commands go through the worker's warm server (``helpers/direct.py``), as a
+    user's do by default: a module opts in with ``pytestmark = pytest.mark.usefixtures("through_server")``."""
+    with direct.through_server(_worker_server):
+        yield

@@ -22,6 +22,9 @@ from tests.helpers.direct import explain, fresh, lower, served
 
 from .test_records import _replayed, _same_as_plain, tiny_project, until_served
 
+# A miss goes through the worker's warm server (tests/process/conftest.py), as a user's does by default.
+pytestmark = pytest.mark.usefixtures("through_server")
+
 # Where a factory finds the latest checkpoint, three ways; ``{ckpt}`` is the link, relative to the project.
 FINDS = {
     "realpath": 'os.path.realpath("{ckpt}") + "/w.pt"',

@@ -17,6 +17,9 @@ from tests.helpers.direct import PORTABLE_MODEL, explain, fresh, lower, make_pro
 
 from .test_records import tiny_project, until_served
 
+# A miss goes through the worker's warm server (tests/process/conftest.py), as a user's does by default.
+pytestmark = pytest.mark.usefixtures("through_server")
+
 # The checkout's name, five ways no source scan names (the model's width is its last digit).
 WHERE = {
     "find_spec": "Path(importlib.util.find_spec(__name__).origin).parent.name",

@@ -24,6 +24,9 @@ from tests.helpers import replay
 from tests.helpers.direct import MODEL, PORTABLE_MODEL, TARGET, cli_env, explain, fresh, lower, make_project, served
 
 
+# A miss goes through the worker's warm server (tests/process/conftest.py), as a user's does by default.
+pytestmark = pytest.mark.usefixtures("through_server")
+
 BYTECODE_ON = {"PYTHONDONTWRITEBYTECODE": ""}  # the suite turns bytecode writing off; users have it on
 
 
