@@ -179,6 +179,31 @@ def test_a_factory_that_hangs_past_the_timeout(shared, tmp_path):
     assert shared.status()["pid"] == str(shared.pid)
 
 
+def test_a_corrupt_entry_is_recomputed_in_the_servers_child_as_in_a_new_process(shared, tmp_path):
+    """A fault met in a request's child is what it is in a new process: the same warnings (one per damaged entry), a
+    recompute, stock's bytes."""
+    own = {"LOWERCACHE_DIRECT": "0", "LOWERCACHE_DIR": str(tmp_path / "cache")}  # the second run reads the flow entry
+    before = int(shared.status()["served"])
+    first = shared("lower", TINY, "-t", "tosa-int", "-o", tmp_path / "out", **own)
+    assert first.returncode == 0, first.stderr[-2000:]
+    for path in (tmp_path / "cache" / "entries").rglob("*.val"):
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x55
+        path.write_bytes(bytes(data))
+    shutil.copytree(tmp_path / "cache", tmp_path / "copy")
+    again = shared("lower", TINY, "-t", "tosa-int", "-o", tmp_path / "out", **own)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert int(shared.status()["served"]) == before + 2  # both ran in the server's children
+    here = shared("lower", TINY, "-t", "tosa-int", "-o", tmp_path / "here", "--no-server", **{**own, "LOWERCACHE_DIR": str(tmp_path / "copy")})
+    assert here.returncode == 0, here.stderr[-2000:]
+    assert warnings_of(again) == warnings_of(here) and warnings_of(again), again.stderr[-2000:]
+    assert all("unusable" in line and line.endswith("recomputing") for line in warnings_of(again)), again.stderr[-2000:]
+    assert (tmp_path / "out" / "model.pte").read_bytes() == (tmp_path / "here" / "model.pte").read_bytes() == stock_tiny("tosa-int")
+    third = shared("lower", TINY, "-t", "tosa-int", "-o", tmp_path / "out", **own)
+    assert third.returncode == 0 and not warnings_of(third), third.stderr[-2000:]
+    assert (tmp_path / "out" / "model.pte").read_bytes() == stock_tiny("tosa-int")
+
+
 def test_an_edited_model_and_module_are_lowered_fresh(shared, tmp_path):
     """The server never imports user code: each request imports the model file and what it imports anew."""
 

@@ -21,7 +21,9 @@ from tests.helpers.direct import MODEL, explain, fresh, lower, make_project, ser
 
 from .test_records import _replayed, _same_as_plain, until_served
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm")
+# A miss goes through the worker's warm server (tests/process/conftest.py), as a user's does by default.
+pytestmark = [pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm"),
+              pytest.mark.usefixtures("through_server")]
 
 
 @pytest.fixture
