@@ -83,7 +83,7 @@ def cli_env(cache_dir: Path, env: dict[str, str] | None = None) -> dict[str, str
     return {**base, **_isolated(), "XDG_CACHE_HOME": _XDG_CACHE, "LOWERCACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1", **(env or {})}
 
 
-# Where ``lower`` may go through a warm server of this worker's (``through_server``): its socket directory, else None.
+# The socket directory of this worker's warm server while a module sends ``lower`` through it (``through_server``).
 _SERVER_RUN: list[Path] = []
 
 
@@ -99,7 +99,7 @@ def server_env() -> dict[str, str]:
 @contextlib.contextmanager
 def through_server(run: Path) -> Iterator[None]:
     """``lower`` goes through a warm server with its socket in ``run`` (started by the first command, as a user's is)
-    unless a test gives it variables of its own, which a server started under other variables declines. A miss then
+    unless a test gives it variables of its own: a request under other variables would replace the server. A miss then
     costs a fork, not a new interpreter's imports of torch and ExecuTorch (seconds each)."""
     _SERVER_RUN.append(run)
     try:
