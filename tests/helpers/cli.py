@@ -7,14 +7,23 @@ import os
 import subprocess
 import sys
 
-from . import ROOT
+from lowercache import environment
+
+from . import ROOT, direct
 from .oracle import stock_pte
 
 TINY = f"{ROOT}/examples/tiny_cnn.py:model"
 
 
 def cli(*args, cache_dir, cwd=None, env=None):
-    full_env = {**os.environ, "LOWERCACHE_DIR": str(cache_dir), **(env or {})}
+    """The CLI in a new process with the test's environment and ``env``; through the worker's warm server when the
+    module opts in (``through_server``) and the test changed no variable a server's start-up took in: its ``lower`` and
+    ``verify`` then cost a fork, as a user's do (``helpers/direct.py``)."""
+    own = env or {}
+    if direct.server_env() and all(name.startswith("LOWERCACHE_") for name in own) and not _changed_by_test():
+        full_env = direct.cli_env(cache_dir, {**direct.server_env(), **own})
+    else:
+        full_env = {**os.environ, "LOWERCACHE_DIR": str(cache_dir), **own}
     return subprocess.run(
         [sys.executable, "-m", "lowercache.cli", *map(str, args)],
         capture_output=True,
@@ -23,6 +32,14 @@ def cli(*args, cache_dir, cwd=None, env=None):
         env=full_env,
         timeout=900,
     )
+
+
+def _changed_by_test() -> list[str]:
+    """The variables a process takes in that differ from the worker's start, but for lowercache's own and the default
+    cache's (``cli_env`` sets both) and those torch sets when this process exports (``TORCHINDUCTOR_CACHE_DIR``)."""
+    now, start = environment.inputs(os.environ), environment.inputs(direct.BASE_ENV)
+    return [name for name in {*now, *start} - {"XDG_CACHE_HOME"}
+            if now.get(name) != start.get(name) and not name.startswith("TORCHINDUCTOR_")]
 
 
 def error_lines(result) -> list[str]:

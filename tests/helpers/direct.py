@@ -108,6 +108,17 @@ def through_server(run: Path) -> Iterator[None]:
         _SERVER_RUN.clear()
 
 
+@contextlib.contextmanager
+def without_server() -> Iterator[None]:
+    """A test's commands start new processes though its module goes through the server (``new_processes``)."""
+    saved = list(_SERVER_RUN)
+    _SERVER_RUN.clear()
+    try:
+        yield
+    finally:
+        _SERVER_RUN[:] = saved
+
+
 def lower(project: Path, cache_dir: Path, *extra: str, env: dict[str, str] | None = None, out: str = "out"):
     own = env or {}
     via = server_env() if all(name.startswith("LOWERCACHE_") for name in own) else {}

@@ -79,3 +79,11 @@ def through_server(_worker_server):
     user's do by default: a module opts in with ``pytestmark = pytest.mark.usefixtures("through_server")``."""
     with direct.through_server(_worker_server):
         yield
+
+
+@pytest.fixture
+def new_processes():
+    """A test of a module that goes through the server whose commands must each be a new process: what it checks
+    happens at a process's start or between processes."""
+    with direct.without_server():
+        yield

@@ -21,6 +21,8 @@ from tests.helpers.isolation import isolate
 from tests.helpers.oracle import reference, stock_pte
 from tests.helpers.seeded import restored, set_aside
 
+pytestmark = pytest.mark.usefixtures("through_server")
+
 
 @pytest.fixture(scope="module")
 def _lowered_once(tmp_path_factory):
@@ -186,6 +188,7 @@ def test_corrupt_entry_is_recomputed_with_a_warning(tmp_path, cache_dir):
     assert json.loads((out / "manifest.json").read_text())["steps"][0]["outcome"] == "hit"
 
 
+@pytest.mark.usefixtures("new_processes")  # a server's warm-up imported the quantizer
 def test_quantize_hit_in_a_fresh_process_matches_stock(tmp_path, lowered_once):
     """A fresh process that hits the quantize step (flow entry gone) never imported
     the Arm quantizer; the out variants it loads must still be there for to_executorch."""

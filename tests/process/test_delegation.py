@@ -13,6 +13,8 @@ from lowercache.cache.store import Store
 from tests.helpers.cli import TINY, cli
 from tests.helpers.oracle import stock_pte
 
+pytestmark = pytest.mark.usefixtures("through_server")
+
 TARGET = "ethos-u55-128"
 SORT_MODEL = '''
 import torch

@@ -32,6 +32,8 @@ from lowercache.lowering.flow import Artifacts
 from tests.helpers.cli import TINY, cli, error_lines, stock_tiny
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.usefixtures("through_server")
+
 
 
 

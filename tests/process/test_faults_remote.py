@@ -28,7 +28,7 @@ from tests.helpers.cli import TINY, cli, stock_tiny
 from tests.helpers.oracle import reference
 
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("through_server")]
 
 KEY = "action/flow/" + "ab" * 16
 TEAM_KEY = "team-secret"

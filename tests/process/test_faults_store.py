@@ -28,6 +28,8 @@ from lowercache.cache.store import Entry, Store
 from tests.helpers.cli import ROOT, TINY, warnings_of
 from tests.helpers.disks import tmpfs
 
+pytestmark = pytest.mark.usefixtures("through_server")
+
 
 TARGET = "tosa-fp"
 

@@ -15,6 +15,8 @@ from tests.helpers.cli import TINY, cli, stock_tiny
 from tests.helpers.oracle import reference
 from tests.helpers.services import RedisServer, free_port
 
+pytestmark = pytest.mark.usefixtures("through_server")
+
 
 def flow_record(out):
     steps = json.loads((out / "manifest.json").read_text())["steps"]

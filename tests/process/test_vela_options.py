@@ -15,6 +15,8 @@ from lowercache.targets.arm_ethosu import vela_sections
 
 from tests.helpers.cli import TINY, cli, error_lines, stock_tiny_with
 
+pytestmark = pytest.mark.usefixtures("through_server")
+
 
 MODES = ("Shared_Sram", "Sram_Only")
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 from lowercache.lowering import flow
 from lowercache.cache.steps import step_key
 from lowercache.cache.store import Entry, Store
 from lowercache.targets import resolve
 
 from tests.helpers.cli import TINY, cli
+
+pytestmark = pytest.mark.usefixtures("through_server")
 
 
 def test_verify_passes_then_catches_a_wrong_but_well_formed_entry(tmp_path, cache_dir):

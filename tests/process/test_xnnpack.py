@@ -28,6 +28,8 @@ from tests.helpers.cli import cli
 from tests.helpers.isolation import isolate
 from tests.helpers.xnnstock import stock_bytes
 
+pytestmark = pytest.mark.usefixtures("through_server")
+
 MODELS = textwrap.dedent('''
     import torch
 
