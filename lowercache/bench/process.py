@@ -14,6 +14,8 @@ running:
   (region replay, docs/regions.md), client and server alike;
 - ``lowercache lower`` as installed (direct mode on, server on): a warm hit is answered by direct mode, which
   imports no torch and never asks the server;
+- the same at a terminal: an 80x24 pseudo-terminal as the command's stdin, stdout and stderr, ``TERM`` set and
+  ``COLUMNS`` not, as a person runs it (the other columns run from a pipe, as a script or CI does);
 - for the warm phase, a hit from a shared Redis (``redis-server`` on a loopback port) into an empty local cache:
   direct mode, and with ``--no-direct`` a flow hit that imports torch.
 
@@ -28,14 +30,20 @@ byte with the stock script's for the same model and phase.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
 import secrets
+import select
 import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +74,7 @@ class Mode:
     remote: bool = False  # a Redis row: warm only, each run into an empty local cache
     server: str = ""  # which of the repetition's servers it talks to ("": the default one)
     family_speedup: str = ""  # a column only for the families this speed-up acts on (regions: Ethos-U targets only)
+    terminal: bool = False  # run at a pseudo-terminal, not from a pipe
 
 
 MODES: tuple[Mode, ...] = (
@@ -76,6 +85,7 @@ MODES: tuple[Mode, ...] = (
         server="regions", family_speedup="regions",
     ),
     Mode("direct mode", (), {"LOWERCACHE_SERVER": "1"}),
+    Mode("at a terminal", (), {"LOWERCACHE_SERVER": "1", "TERM": "xterm-256color"}, terminal=True),
     Mode("Redis, direct", ("--no-server",), {}, remote=True),
     Mode("Redis, --no-direct", ("--no-server", "--no-direct"), {}, remote=True),
 )
@@ -89,6 +99,8 @@ MODE_NOTES: dict[str, str] = {
     "direct mode": "`lowercache lower` as installed: direct mode on, server on; a warm hit is answered by direct "
     "mode without torch and without the server (the first re-run after a lowering confirms the record: "
     "`warm, first re-run`)",
+    "at a terminal": "the same at an 80x24 pseudo-terminal (stdin, stdout and stderr), TERM=xterm-256color, no "
+    "COLUMNS: as a person runs it; its own cache, the default server",
     "Redis, direct": "an empty local cache served from a shared Redis (LOWERCACHE_REMOTE, LOWERCACHE_HMAC_KEY), "
     "`--no-server`, direct mode on, after one lowering and one re-run elsewhere filled and confirmed it",
     "Redis, --no-direct": "the same, `--no-server --no-direct`: a remote flow hit, torch imported",
@@ -121,17 +133,58 @@ def lowercache_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "lowercache.cli"]
 
 
-def timed(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = 7200) -> float:
-    """Wall seconds of one command, fork to exit; a failure stops the benchmark with the command's last words.
+def at_a_terminal(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = 7200,
+                  size: tuple[int, int] = (80, 24)) -> tuple[int, str, float]:
+    """Run ``cmd`` with a pseudo-terminal of ``size`` (columns, rows) as its stdin, stdout and stderr, in a session of
+    its own: its exit code, everything it showed and its wall seconds, start to exit. The exit is timed by a thread that waits for it, not by the terminal closing:
+    a process the command started (the server) may hold the terminal open."""
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", size[1], size[0], 0, 0))
+    start = time.perf_counter()
+    process = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=follower, stdout=follower, stderr=follower, start_new_session=True)
+    os.close(follower)
+    ended: list[float] = []
+    waiter = threading.Thread(target=lambda: (process.wait(), ended.append(time.perf_counter())), daemon=True)
+    waiter.start()
+    shown = b""
+    try:
+        while True:
+            ready, _, _ = select.select([leader], [], [], 0.05)
+            if ready:
+                try:
+                    chunk = os.read(leader, 1 << 16)
+                except OSError:  # the terminal's other side closed: the command has exited
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            elif ended:
+                break  # exited, and nothing more to read
+            elif time.perf_counter() - start > timeout:
+                process.kill()
+                raise subprocess.TimeoutExpired(cmd, timeout, output=shown)
+        waiter.join(timeout=60)
+        return process.wait(timeout=60), shown.decode("utf-8", "replace"), ended[0] - start
+    finally:
+        os.close(leader)
+
+
+def timed(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = 7200, terminal: bool = False) -> float:
+    """Wall seconds of one command, fork to exit, from a pipe or at a pseudo-terminal; a failure stops the benchmark
+    with the command's last words.
 
     lowercache's warnings are passed on: a damaged or unwritable cache recomputes, so the figure is not what it seems.
     """
-    start = time.perf_counter()
-    done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    seconds = time.perf_counter() - start
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-2000:]}")
-    for line in done.stderr.splitlines():
+    if terminal:
+        code, said, seconds = at_a_terminal(cmd, env, cwd, timeout)
+        said = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", said)  # colour and cursor codes
+    else:
+        start = time.perf_counter()
+        done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+        code, said, seconds = done.returncode, done.stderr, time.perf_counter() - start
+    if code:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({code}): {said[-2000:]}")
+    for line in said.splitlines():
         if line.startswith("lowercache: warning:"):
             print(f"note: {seconds:.2f} s of `{' '.join(cmd[-3:])}` in {cwd.name}: {line}", file=sys.stderr, flush=True)
     return seconds
@@ -203,7 +256,9 @@ class _Repetition:
         cmd = [*self.lc, "lower", "model.py:model", "-t", self.target, "-o", str(out), *mode.args]
         env = {**self.env, **mode.env, **(extra_env or {}), "LOWERCACHE_DIR": str(cache),
                "XDG_RUNTIME_DIR": str(self.run_dirs[mode.server])}
-        seconds = timed(cmd, env, self.project)
+        if mode.terminal:  # a terminal's size is its own; a person rarely exports it
+            env = {k: v for k, v in env.items() if k not in ("COLUMNS", "LINES")}
+        seconds = timed(cmd, env, self.project, terminal=mode.terminal)
         stock_phase = phase if phase.startswith("edit") else "cold"  # warm and the Redis runs lower the base model
         self.seconds[(phase, mode.name)] = seconds
         self.equal[(phase, mode.name)] = (out / "model.pte").read_bytes() == self.stock_pte[stock_phase]

@@ -40,8 +40,8 @@ def test_quick_benchmark_on_tiny_cnn(tmp_path):
 
 
 def test_process_scenario_on_tiny_cnn_cold(tmp_path):
-    """Whole commands in new processes (stock script, no server, warm server with and without regions, direct mode),
-    bytes checked."""
+    """Whole commands in new processes (stock script, no server, warm server with and without regions, direct mode from
+    a pipe and at a terminal), bytes checked."""
     out = tmp_path / "out"
     code = bench.main([
         "--models", "tiny_cnn", "--targets", "ethos-u55-128", "--scenarios", "process",
@@ -51,7 +51,7 @@ def test_process_scenario_on_tiny_cnn_cold(tmp_path):
     assert code == 0 and results["all_equal"] is True
     (row,) = results["rows"]
     assert row["scenario"] == "process" and row["phases"] == ["cold"] and row["equal"] is True
-    assert set(row["bytes_equal"]["cold"]) == {"--no-server", "warm server", "warm server, regions", "direct mode"}
+    assert set(row["bytes_equal"]["cold"]) == {"--no-server", "warm server", "warm server, regions", "direct mode", "at a terminal"}
     assert all(v == [True] for v in row["bytes_equal"]["cold"].values())
     served = dict(row["served"]["cold"])
     assert served.pop("warm server, regions") == "flow miss; regions recorded"  # region replay engaged: states stored

@@ -3,20 +3,17 @@ CI log, through the warm server; what they see, and that an unchanged lowering i
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
-import select
 import shlex
-import struct
 import subprocess
 import sys
-import termios
-import time
 from pathlib import Path
 
 import pytest
+
+from lowercache.bench import process as bench_process
 
 from tests.helpers.cli import TINY
 from tests.helpers.server import TARGET, Server, fresh
@@ -26,30 +23,12 @@ CI_LIKE = {"CI": "true", "GITHUB_ACTIONS": "true", "COLUMNS": "80", "TERM": "dum
 
 
 def at_a_terminal(server: Server, *args: str, timeout: float = 600, **extra: str) -> tuple[int, str]:
-    """The command with a 100x30 pseudo-terminal as its stdin, stdout and stderr: its exit code and everything it showed."""
-    leader, follower = os.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    """The command with a 100x30 pseudo-terminal as its stdin, stdout and stderr (the benchmark's harness): its exit
+    code and everything it showed."""
     env = {**{k: v for k, v in server.env.items() if k not in ("COLUMNS", "LINES")}, "TERM": "xterm-256color", **extra}
-    process = subprocess.Popen([sys.executable, "-m", "lowercache.cli", *args], cwd=server.project, env=env,
-                               stdin=follower, stdout=follower, stderr=follower, start_new_session=True)
-    os.close(follower)
-    shown = b""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([leader], [], [], 1.0)
-        if ready:
-            try:
-                chunk = os.read(leader, 1 << 16)
-            except OSError:  # the terminal's other side closed: the command has exited
-                break
-            if not chunk:
-                break
-            shown += chunk
-        elif process.poll() is not None:
-            break
-    code = process.wait(timeout=60)
-    os.close(leader)
-    return code, shown.decode("utf-8", "replace")
+    code, shown, _ = bench_process.at_a_terminal([sys.executable, "-m", "lowercache.cli", *args], env, server.project,
+                                                  timeout, size=(100, 30))
+    return code, shown
 
 
 def from_a_pipe(server: Server, *args: str, **extra: str) -> tuple[int, str]:
