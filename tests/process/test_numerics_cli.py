@@ -10,12 +10,17 @@ import shutil
 import subprocess
 import sys
 
-from tests.helpers import ROOT
+import pytest
+
+from tests.helpers import ROOT, direct
+
+pytestmark = pytest.mark.usefixtures("through_server")
 
 
 def _cli(cwd, cache, *args, model="tiny.py:model", target="ethos-u55-128", env=None):
-    full = {k: v for k, v in os.environ.items() if not k.startswith("LOWERCACHE_")}
-    full.update({"LOWERCACHE_DIR": str(cache), "LOWERCACHE_SERVER": "0", "LOWERCACHE_CONFIG": str(cwd / "none.toml"), **(env or {})})
+    """``lower`` in a new process, through the worker's warm server (``through_server``)."""
+    own = {"LOWERCACHE_CONFIG": str(cwd / "none.toml"), **(env or {})}
+    full = direct.cli_env(cache, {"LOWERCACHE_SERVER": "0", **direct.server_env(), **own})
     return subprocess.run([sys.executable, "-m", "lowercache.cli", "lower", model, "-t", target, "-o", "out", *args],
                           cwd=cwd, env=full, capture_output=True, text=True, timeout=900)
 
