@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from lowercache import environment
 
@@ -16,22 +17,26 @@ TINY = f"{ROOT}/examples/tiny_cnn.py:model"
 
 
 def cli(*args, cache_dir, cwd=None, env=None):
-    """The CLI in a new process with the test's environment and ``env``; through the worker's warm server when the
-    module opts in (``through_server``) and the test changed no variable a server's start-up took in: its ``lower`` and
-    ``verify`` then cost a fork, as a user's do (``helpers/direct.py``)."""
-    own = env or {}
-    if direct.server_env() and all(name.startswith("LOWERCACHE_") for name in own) and not _changed_by_test():
-        full_env = direct.cli_env(cache_dir, {**direct.server_env(), **own})
-    else:
-        full_env = {**os.environ, "LOWERCACHE_DIR": str(cache_dir), **own}
+    """The CLI in a new process with the test's environment, its cache directory and ``env`` (``command_env``)."""
     return subprocess.run(
         [sys.executable, "-m", "lowercache.cli", *map(str, args)],
         capture_output=True,
         text=True,
         cwd=cwd,
-        env=full_env,
+        env=command_env({"LOWERCACHE_DIR": str(cache_dir), **(env or {})}),
         timeout=900,
     )
+
+
+def command_env(env: dict[str, str]) -> dict[str, str]:
+    """A CLI process's environment: the test's, then ``env``. Through the worker's warm server when the module opts in
+    (``through_server``), ``env`` holds only lowercache's settings and names the cache directory (the worker's default
+    one is shared), and the test changed no variable a server's start-up took in: its ``lower`` and ``verify`` then
+    cost a fork, as a user's do (``helpers/direct.py``)."""
+    if (direct.server_env() and "LOWERCACHE_DIR" in env and all(name.startswith("LOWERCACHE_") for name in env)
+            and not _changed_by_test()):
+        return direct.cli_env(Path(env["LOWERCACHE_DIR"]), {**direct.server_env(), **env})
+    return {**os.environ, **env}
 
 
 def _changed_by_test() -> list[str]:

@@ -17,7 +17,10 @@ import pytest
 from lowercache.zoo import report
 
 from tests.helpers import ROOT
+from tests.helpers.cli import command_env
 from tests.helpers.oracle import reference
+
+pytestmark = pytest.mark.usefixtures("through_server")
 
 TINY = """
 from lowercache.bench.models import tiny_cnn
@@ -45,7 +48,7 @@ def model():
 
 def cli(*args, cwd, env=None, timeout=900):
     return subprocess.run([sys.executable, "-m", "lowercache.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ, **(env or {})}, timeout=timeout)
+                          env=command_env(env or {}), timeout=timeout)
 
 
 def project(root: Path, files: dict[str, str], build_file: str) -> Path:
