@@ -33,9 +33,9 @@ def command_env(env: dict[str, str]) -> dict[str, str]:
     (``through_server``), ``env`` holds only lowercache's settings and names the cache directory (the worker's default
     one is shared), and the test changed no variable a server's start-up took in: its ``lower`` and ``verify`` then
     cost a fork, as a user's do (``helpers/direct.py``)."""
-    if (direct.server_env() and "LOWERCACHE_DIR" in env and all(name.startswith("LOWERCACHE_") for name in env)
-            and not _changed_by_test()):
-        return direct.cli_env(Path(env["LOWERCACHE_DIR"]), {**direct.server_env(), **env})
+    via = direct.server_env(env)
+    if via and "LOWERCACHE_DIR" in env and not _changed_by_test():
+        return direct.cli_env(Path(env["LOWERCACHE_DIR"]), {**via, **env})
     return {**os.environ, **env}
 
 

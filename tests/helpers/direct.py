@@ -87,10 +87,12 @@ def cli_env(cache_dir: Path, env: dict[str, str] | None = None) -> dict[str, str
 _SERVER_RUN: list[Path] = []
 
 
-def server_env() -> dict[str, str]:
+def server_env(own: dict[str, str] | None = None) -> dict[str, str]:
     """The variables that send a ``lower`` to this worker's warm server, which confirms nothing in the background (a
-    test's sequence of runs records, confirms and hits as without a server); empty when no server is on."""
-    if not _SERVER_RUN:
+    test's sequence of runs records, confirms and hits as without a server); empty when no server is on, or when the
+    command's own variables ``own`` are not all lowercache's settings (a request under other variables would replace
+    the server)."""
+    if not _SERVER_RUN or not all(name.startswith("LOWERCACHE_") for name in own or {}):
         return {}
     return {"LOWERCACHE_SERVER": "1", "XDG_RUNTIME_DIR": str(_SERVER_RUN[0]), "LOWERCACHE_SERVER_CONFIRM": "0",
             "LOWERCACHE_SERVER_IDLE_TIMEOUT": "3600"}
@@ -121,10 +123,9 @@ def without_server() -> Iterator[None]:
 
 def lower(project: Path, cache_dir: Path, *extra: str, env: dict[str, str] | None = None, out: str = "out"):
     own = env or {}
-    via = server_env() if all(name.startswith("LOWERCACHE_") for name in own) else {}
     result = subprocess.run(
         [sys.executable, "-m", "lowercache.cli", "lower", "model.py:model", "-t", TARGET, "-o", out, *extra],
-        capture_output=True, text=True, cwd=project, env=cli_env(cache_dir, {**via, **own}), timeout=900,
+        capture_output=True, text=True, cwd=project, env=cli_env(cache_dir, {**server_env(own), **own}), timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((project / out / "manifest.json").read_text())

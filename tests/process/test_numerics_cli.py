@@ -12,17 +12,17 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, direct
+from tests.helpers import ROOT
+from tests.helpers.cli import command_env
 
 pytestmark = pytest.mark.usefixtures("through_server")
 
 
 def _cli(cwd, cache, *args, model="tiny.py:model", target="ethos-u55-128", env=None):
     """``lower`` in a new process, through the worker's warm server (``through_server``)."""
-    own = {"LOWERCACHE_CONFIG": str(cwd / "none.toml"), **(env or {})}
-    full = direct.cli_env(cache, {"LOWERCACHE_SERVER": "0", **direct.server_env(), **own})
     return subprocess.run([sys.executable, "-m", "lowercache.cli", "lower", model, "-t", target, "-o", "out", *args],
-                          cwd=cwd, env=full, capture_output=True, text=True, timeout=900)
+                          cwd=cwd, env=command_env({"LOWERCACHE_DIR": str(cache), **(env or {})}), capture_output=True,
+                          text=True, timeout=900)
 
 
 def test_cli_check_direct_mode_hit_prints_the_figures_without_torch_and_min_snr_fails_only_when_asked(tmp_path):
