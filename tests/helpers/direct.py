@@ -84,7 +84,7 @@ def cli_env(cache_dir: Path, env: dict[str, str] | None = None) -> dict[str, str
 
 
 # The socket directory of this worker's warm server while a module sends ``lower`` through it (``through_server``).
-_SERVER_RUN: list[Path] = []
+_server_run: Path | None = None
 
 
 def server_env(own: dict[str, str] | None = None) -> dict[str, str]:
@@ -92,9 +92,9 @@ def server_env(own: dict[str, str] | None = None) -> dict[str, str]:
     test's sequence of runs records, confirms and hits as without a server); empty when no server is on, or when the
     command's own variables ``own`` are not all lowercache's settings (a request under other variables would replace
     the server)."""
-    if not _SERVER_RUN or not all(name.startswith("LOWERCACHE_") for name in own or {}):
+    if _server_run is None or not all(name.startswith("LOWERCACHE_") for name in own or {}):
         return {}
-    return {"LOWERCACHE_SERVER": "1", "XDG_RUNTIME_DIR": str(_SERVER_RUN[0]), "LOWERCACHE_SERVER_CONFIRM": "0",
+    return {"LOWERCACHE_SERVER": "1", "XDG_RUNTIME_DIR": str(_server_run), "LOWERCACHE_SERVER_CONFIRM": "0",
             "LOWERCACHE_SERVER_IDLE_TIMEOUT": "3600"}
 
 
@@ -103,22 +103,23 @@ def through_server(run: Path) -> Iterator[None]:
     """``lower`` goes through a warm server with its socket in ``run`` (started by the first command, as a user's is)
     unless a test gives it variables of its own: a request under other variables would replace the server. A miss then
     costs a fork, not a new interpreter's imports of torch and ExecuTorch (seconds each)."""
-    _SERVER_RUN.append(run)
+    global _server_run
+    _server_run = run
     try:
         yield
     finally:
-        _SERVER_RUN.clear()
+        _server_run = None
 
 
 @contextlib.contextmanager
 def without_server() -> Iterator[None]:
     """A test's commands start new processes though its module goes through the server (``new_processes``)."""
-    saved = list(_SERVER_RUN)
-    _SERVER_RUN.clear()
+    global _server_run
+    saved, _server_run = _server_run, None
     try:
         yield
     finally:
-        _SERVER_RUN[:] = saved
+        _server_run = saved
 
 
 def lower(project: Path, cache_dir: Path, *extra: str, env: dict[str, str] | None = None, out: str = "out"):
@@ -181,6 +182,24 @@ def stock(project: Path, env: dict[str, str] | None = None) -> bytes:
         sys.modules.pop("helper", None)
         sys.path[:] = [p for p in sys.path if p != str(project)]
     return stock_pte(net, example, TARGET)
+
+
+def until_served(project: Path, cache: Path, env: dict[str, str] | None = None, runs: int = 4) -> bytes:
+    """Lower until direct mode serves the record (recorded, confirmed, then used); the bytes served."""
+    for _ in range(runs):
+        manifest, pte, _ = lower(project, cache, env=env)
+        if served(manifest):
+            return pte
+    raise AssertionError(f"never served: {explain(project, cache)}")
+
+
+def tiny_project(root: Path, model: str, git: bool = True) -> Path:
+    """A project directory holding ``model.py`` (``model`` dedented), inside a git checkout unless ``git`` is False."""
+    root.mkdir(parents=True)
+    if git:
+        (root / ".git").mkdir()
+    (root / "model.py").write_text(textwrap.dedent(model))
+    return root
 
 
 def confirmed(project: Path, cache_dir: Path, env: dict[str, str] | None = None) -> bytes:

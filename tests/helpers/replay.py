@@ -45,3 +45,21 @@ def explain(project, cache_dir, *args) -> str:
 def plain(project, *args, env=None):
     return subprocess.run([sys.executable, "script.py", *args], cwd=project, capture_output=True, env={**os.environ, **(env or {})},
                           timeout=120)
+
+
+def replayed(project, cache_dir, env=None) -> None:
+    """Run until the command is replayed (recorded, confirmed, replayed)."""
+    for _ in range(3):
+        assert run(project, cache_dir, env=env).returncode == 0
+    assert "latest lookup: hit" in explain(project, cache_dir), explain(project, cache_dir)
+
+
+def same_as_plain(project, cache_dir, env=None) -> str:
+    """Run once more under lowercache, then plainly; both must write and print the same. What explain said."""
+    served_run = run(project, cache_dir, env=env)
+    explained = explain(project, cache_dir)
+    served_file = (project / "out.txt").read_bytes()
+    plain_run = plain(project, env=env)
+    assert (served_run.returncode, served_run.stdout) == (plain_run.returncode, plain_run.stdout)
+    assert served_file == (project / "out.txt").read_bytes(), explained
+    return explained

@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from tests.helpers import replay
-from tests.helpers.direct import MODEL, explain, fresh, lower, make_project, served, weights
+from tests.helpers.direct import MODEL, explain, fresh, lower, make_project, served, until_served, weights
 
-from .test_records import _replayed, _same_as_plain, until_served
 
 # A miss goes through the worker's warm server (tests/process/conftest.py), as a user's does by default.
 pytestmark = [pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm"),
@@ -61,9 +60,9 @@ def test_run_replays_a_script_under_dev_shm_only_while_its_inputs_stay(shm, cach
     time.sleep(0.1)
     for name, edit in (("helper.py", lambda: (project / "helper.py").write_text("VALUE = 'two '\n")),
                        ("in.txt", lambda: (project / "in.txt").write_text("xyz"))):
-        _replayed(project, cache_dir)
+        replay.replayed(project, cache_dir)
         edit()
-        assert name in _same_as_plain(project, cache_dir), name
+        assert name in replay.same_as_plain(project, cache_dir), name
 
 
 def test_run_replays_a_script_whose_locks_are_posix_semaphores(tmp_path, cache_dir):
@@ -72,6 +71,6 @@ def test_run_replays_a_script_whose_locks_are_posix_semaphores(tmp_path, cache_d
     script = ("import multiprocessing\nlock = multiprocessing.Lock()\n"
               "with lock:\n    open('out.txt', 'w').write(open('in.txt').read())\n")
     project = replay.project(tmp_path, script)
-    _replayed(project, cache_dir)
+    replay.replayed(project, cache_dir)
     (project / "in.txt").write_text("xyz")
-    assert "in.txt" in _same_as_plain(project, cache_dir)
+    assert "in.txt" in replay.same_as_plain(project, cache_dir)

@@ -18,9 +18,8 @@ import pytest
 import torch
 
 from tests.helpers import replay
-from tests.helpers.direct import explain, fresh, lower, served
+from tests.helpers.direct import explain, fresh, lower, served, tiny_project, until_served
 
-from .test_records import _replayed, _same_as_plain, tiny_project, until_served
 
 # A miss goes through the worker's warm server (tests/process/conftest.py), as a user's does by default.
 pytestmark = pytest.mark.usefixtures("through_server")
@@ -181,15 +180,15 @@ def test_run_replays_what_a_script_saw_of_a_link(tmp_path, cache_dir, sees, wher
         (runs / f"step_{step}" / "w.txt").write_text(f"weights of step {step}")
     point(project / link, "step_1")
     time.sleep(0.1)
-    _replayed(project, cache_dir)
+    replay.replayed(project, cache_dir)
     point(project / link, "step_2")
-    explained = _same_as_plain(project, cache_dir)
+    explained = replay.same_as_plain(project, cache_dir)
     assert "latest" in explained
     if sees in ("islink", "is_symlink", "scandir"):  # the same link text, but no longer a link
-        _replayed(project, cache_dir)
+        replay.replayed(project, cache_dir)
         os.unlink(project / link)
         (project / link).mkdir()
         (project / link / "w.txt").write_text("weights of step 2")
-        explained = _same_as_plain(project, cache_dir)
+        explained = replay.same_as_plain(project, cache_dir)
         assert "latest" in explained or "checkpoints" in explained or "runs" in explained, explained
 

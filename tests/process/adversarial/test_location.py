@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.direct import PORTABLE_MODEL, explain, fresh, lower, make_project, served
+from tests.helpers.direct import PORTABLE_MODEL, explain, fresh, lower, make_project, served, tiny_project, until_served
 
-from .test_records import tiny_project, until_served
 
 # A miss goes through the worker's warm server (tests/process/conftest.py), as a user's does by default.
 pytestmark = pytest.mark.usefixtures("through_server")

@@ -21,30 +21,14 @@ import torch
 from lowercache import sweep
 
 from tests.helpers import replay
-from tests.helpers.direct import MODEL, PORTABLE_MODEL, TARGET, cli_env, explain, fresh, lower, make_project, served
+from tests.helpers.direct import (MODEL, PORTABLE_MODEL, TARGET, cli_env, explain, fresh, lower, make_project, served, tiny_project,
+                                  until_served)
 
 
 # A miss goes through the worker's warm server (tests/process/conftest.py), as a user's does by default.
 pytestmark = pytest.mark.usefixtures("through_server")
 
 BYTECODE_ON = {"PYTHONDONTWRITEBYTECODE": ""}  # the suite turns bytecode writing off; users have it on
-
-
-def until_served(project: Path, cache: Path, env: dict[str, str] | None = None, runs: int = 4) -> bytes:
-    """Lower until direct mode serves the record (recorded, confirmed, then used); the bytes served."""
-    for _ in range(runs):
-        manifest, pte, _ = lower(project, cache, env=env)
-        if served(manifest):
-            return pte
-    raise AssertionError(f"never served: {explain(project, cache)}")
-
-
-def tiny_project(root: Path, model: str, git: bool = True) -> Path:
-    root.mkdir(parents=True)
-    if git:
-        (root / ".git").mkdir()
-    (root / "model.py").write_text(textwrap.dedent(model))
-    return root
 
 
 # -- direct mode: a helper run from its bytecode --------------------------------------------------------
@@ -277,32 +261,14 @@ def test_at_a_terminal_a_warm_run_is_a_direct_hit_and_a_factorys_thread_still_co
 # -- lowercache run --------------------------------------------------------------------------------------
 
 
-def _replayed(project: Path, cache: Path, env: dict[str, str] | None = None) -> None:
-    """Run until the command is replayed (recorded, confirmed, replayed)."""
-    for _ in range(3):
-        assert replay.run(project, cache, env=env).returncode == 0
-    assert "latest lookup: hit" in replay.explain(project, cache), replay.explain(project, cache)
-
-
-def _same_as_plain(project: Path, cache: Path, env: dict[str, str] | None = None) -> str:
-    """Run once more under lowercache, then plainly; both must write and print the same. What explain said."""
-    served_run = replay.run(project, cache, env=env)
-    explained = replay.explain(project, cache)
-    served_file = (project / "out.txt").read_bytes()
-    plain = replay.plain(project, env=env)
-    assert (served_run.returncode, served_run.stdout) == (plain.returncode, plain.stdout)
-    assert served_file == (project / "out.txt").read_bytes(), explained
-    return explained
-
-
 def test_run_sees_which_checkout_pythonpath_names(tmp_path, cache_dir):
     for name in ("checkout-a", "checkout-b"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "vendored.py").write_text(f"VALUE = {name!r}\n")
     project = replay.project(tmp_path, "import vendored\nopen('out.txt', 'w').write(vendored.VALUE)\nprint(vendored.VALUE)\n")
     behind = os.pathsep + os.environ.get("PYTHONPATH", "")  # where this lowercache is found
-    _replayed(project, cache_dir, {"PYTHONPATH": str(tmp_path / "checkout-a") + behind})
-    explained = _same_as_plain(project, cache_dir, {"PYTHONPATH": str(tmp_path / "checkout-b") + behind})
+    replay.replayed(project, cache_dir, {"PYTHONPATH": str(tmp_path / "checkout-a") + behind})
+    explained = replay.same_as_plain(project, cache_dir, {"PYTHONPATH": str(tmp_path / "checkout-b") + behind})
     assert "PYTHONPATH" in explained and (project / "out.txt").read_text() == "checkout-b"
 
 
@@ -313,17 +279,17 @@ def test_run_sees_which_checkout_pythonpath_names(tmp_path, cache_dir):
 ], ids=["mtime", "mode"])
 def test_run_sees_a_files_mtime_and_mode(tmp_path, cache_dir, script, change):
     project = replay.project(tmp_path, script)
-    _replayed(project, cache_dir)
+    replay.replayed(project, cache_dir)
     change(project)
-    explained = _same_as_plain(project, cache_dir)
+    explained = replay.same_as_plain(project, cache_dir)
     assert "in.txt changed" in explained
 
 
 @pytest.mark.parametrize("read", ["posix.environ[b'GREETING']", "posix.environ.get(b'GREETING')"])
 def test_run_sees_the_bytes_environ(tmp_path, cache_dir, read):
     project = replay.project(tmp_path, f"import os, posix\nopen('out.txt', 'wb').write({read})\n")
-    _replayed(project, cache_dir, {"GREETING": "hello"})
-    explained = _same_as_plain(project, cache_dir, {"GREETING": "bye"})
+    replay.replayed(project, cache_dir, {"GREETING": "hello"})
+    explained = replay.same_as_plain(project, cache_dir, {"GREETING": "bye"})
     assert "environment variable GREETING differs from the record's" in explained  # every variable is in the identity
 
 
@@ -339,9 +305,9 @@ def test_run_sees_a_file_read_by_native_code(tmp_path, cache_dir):
         """)
     project = replay.project(tmp_path, script)
     (project / "weights.bin").write_bytes(b"0123456789")
-    _replayed(project, cache_dir)
+    replay.replayed(project, cache_dir)
     (project / "weights.bin").write_bytes(b"9876543210")
-    explained = _same_as_plain(project, cache_dir)
+    explained = replay.same_as_plain(project, cache_dir)
     assert "weights.bin changed" in explained
 
 
@@ -357,4 +323,4 @@ def test_run_records_with_bytecode_writing_on_and_still_refuses_a_users_descript
     for _ in range(2):
         assert replay.run(project, cache_dir, env=BYTECODE_ON).returncode == 0
     assert "opened a file descriptor" in replay.explain(project, cache_dir)
-    _same_as_plain(project, cache_dir, BYTECODE_ON)
+    replay.same_as_plain(project, cache_dir, BYTECODE_ON)

@@ -14,7 +14,6 @@ import pytest
 
 from tests.helpers import replay
 
-from .test_records import _replayed, _same_as_plain
 
 
 def _chmod_round_trip(project: Path) -> None:
@@ -57,6 +56,6 @@ def test_run_replays_a_stat_field_only_while_it_is_unchanged(tmp_path, cache_dir
     (project / "data" / "b.txt").write_bytes(b"b")
     os.link(project / "in.txt", project / "twin.txt")
     os.utime(project / "data", ns=(1_500_000_000_000_000_000, 1_500_000_000_000_000_000))
-    _replayed(project, cache_dir)
+    replay.replayed(project, cache_dir)
     change(project)
-    _same_as_plain(project, cache_dir)
+    replay.same_as_plain(project, cache_dir)
