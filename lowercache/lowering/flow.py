@@ -24,7 +24,7 @@ import torch
 from .check import numerics, numerics_layers
 from . import partitionorder, quantize
 from .. import delegation as delegation_report
-from ..speedups import fastcopy, registry, retrace
+from ..speedups import fastcopy, registry, retrace, stacklines
 from ..speedups.gcfreeze import frozen_heap
 from ..cache.hashing import Unhashable, digest, digest_json, inputs_digest, program_parts
 from ..cache.steps import Session, activate, listed, outcome_counts, step_key
@@ -101,7 +101,8 @@ def backend(target: Target) -> Any:
 
 
 def export(module: torch.nn.Module, example_inputs: Inputs) -> torch.export.ExportedProgram:
-    return torch.export.export(module, tuple(example_inputs))
+    with stacklines.when_on():  # why: stacklines.py
+        return torch.export.export(module, tuple(example_inputs))
 
 
 def target_spec_digest(target: Target, store: Store | None) -> str:

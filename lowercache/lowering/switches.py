@@ -15,7 +15,7 @@ from ..speedups import registry
 # (but gcfreeze, a context the flow enters), the Arm flow's own patches (qparams, passes, partitionorder).
 ORDER = (
     "provenance", "paramsearch", "qparams", "histogram", "passes", "retrace", "fastcopy", "lazycode", "attrnames",
-    "decompositions", "fakecache", "partitionorder", "signature", "treeiter", "dtypecheck", "callsite",
+    "decompositions", "fakecache", "partitionorder", "signature", "treeiter", "dtypecheck", "callsite", "stacklines",
     "deadcode", "ciaops", "exportguards", "propagate", "retraceskip", "checkskip", "partitioner", "groupmerge",
     "jsonhints", "debugtext", "qpatterns", "regions", "rebind",
 )

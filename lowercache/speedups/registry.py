@@ -154,6 +154,15 @@ SPEEDUPS: tuple[Speedup, ...] = (
         ARM,
     ),
     Speedup(
+        "stacklines",
+        ("torch.utils._traceback:_extract_symbolized_tb", "torch.utils._traceback:CapturedTraceback.summary",
+         "traceback:FrameSummary"),
+        "8b24c2240cbd140d260f3d179896f0fd5a19a3bffde0d34a4839524e07dbce93",
+        "A stack summary's frames look up their line when it is first read, as Python's own StackSummary.extract makes "
+        "them: the same lines, and none looked up for the frames a tracer's filter drops.",
+        "tests/unit/test_stacklines.py",
+    ),
+    Speedup(
         "deadcode",
         ("torch.fx:Graph.eliminate_dead_code", "torch.fx:Node.is_impure"),
         "77a59f571c67df23518ba2f39af5641ac2ef63b0dc803af356edf96100c338ff",
