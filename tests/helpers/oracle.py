@@ -92,6 +92,13 @@ def _saved(program: torch.export.ExportedProgram) -> bytes:
             node.meta["stack_trace"] = trace
 
 
+def threads() -> str:
+    """What sets torch's intra-op thread count, which can move a float's last bit in calibration (an XNNPACK int8
+    attention block: one byte of the .pte): this process's count, and what a new process would start with."""
+    settings = (os.environ.get("OMP_NUM_THREADS"), os.environ.get("MKL_NUM_THREADS"), len(os.sched_getaffinity(0)))
+    return repr((torch.get_num_threads(), settings))
+
+
 def key(program: torch.export.ExportedProgram, example_inputs, target: str, calibration, options: dict) -> str:
     digest = hashlib.sha256(_toolchain())
     digest.update(_saved(program))
@@ -99,7 +106,7 @@ def key(program: torch.export.ExportedProgram, example_inputs, target: str, cali
     _tensors(digest, calibration or [])
     # A multi-partition lowering's order follows the string-hash seed: a seed set for the process is part of the key.
     seed = os.environ.get("PYTHONHASHSEED", "random")
-    digest.update(repr((target, calibration is None, sorted(options.items()), seed)).encode())
+    digest.update(repr((target, calibration is None, sorted(options.items()), seed, threads())).encode())
     return digest.hexdigest()
 
 

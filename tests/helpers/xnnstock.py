@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from lowercache.bench.stockscript import source
 
-from .oracle import DIRECTORY
+from .oracle import DIRECTORY, threads
 
 Lowering = tuple[Any, str, str]  # (edit, factory, target)
 
@@ -38,9 +38,10 @@ DRIVER = textwrap.dedent('''
 
 
 def _key(models: str, lowerings: Sequence[Lowering]) -> str:
-    """Everything the stock bytes depend on: the installed toolchain and the texts that make them."""
+    """Everything the stock bytes depend on: the installed toolchain, the texts that make them and the thread settings."""
     versions = [f"{d}={metadata.version(d)}" for d in ("torch", "executorch", "torchao")]
-    return hashlib.sha256(json.dumps([versions, source(), models, DRIVER, [list(x) for x in lowerings]]).encode()).hexdigest()
+    made = [versions, source(), models, DRIVER, [list(x) for x in lowerings], threads()]
+    return hashlib.sha256(json.dumps(made).encode()).hexdigest()
 
 
 def stock_bytes(models: str, lowerings: Sequence[Lowering], scratch: Path) -> dict[Lowering, bytes]:
