@@ -56,6 +56,7 @@ from ..cache.hashing import Unhashable, digest, digest_json, program_parts
 from ..cache.steps import current_session
 from ..cache.store import Entry
 from ..cache.toolchain import toolchain_parts
+from . import arithmetic
 
 HOOK_MODULES = (TOSA_MODULE, ETHOSU_MODULE)  # the Arm families' hook points (targets/arm_*.py)
 _lock = threading.Lock()
@@ -79,6 +80,7 @@ def tosa_parts(edge_program: Any, compile_spec: Any) -> dict[str, str] | None:
     if regionsplice.engaged():  # the spliced TOSA differs from stock's in names: its own entry
         parts["pipeline"] = regionsplice.VERSION
     parts.update(toolchain_parts())
+    parts.update(arithmetic.numeric_parts())
     return parts
 
 

@@ -31,6 +31,7 @@ from ..cache.steps import Session, activate, listed, outcome_counts, step_key
 from ..cache.store import Entry, Store
 from ..targets import FAMILIES, Target
 from ..cache.toolchain import toolchain_parts
+from . import arithmetic
 
 # The stack a lowering imports (thousands of modules), every family's: the warm server imports it once; an in-process
 # ``lower`` that records (direct mode) imports it before the backstop below Python starts, which would trace each import.
@@ -151,6 +152,7 @@ def flow_parts(
     parts["pass_insertions"] = insertions
     parts["flow"] = FLOW_VERSION
     parts.update(toolchain_parts())
+    parts.update(arithmetic.numeric_parts())
     parts.update(backend(target).backend_source_parts())
     return parts
 

@@ -44,6 +44,7 @@ from ..cache.hashing import Unhashable, canon, digest_json, node_form, signature
 from ..cache.steps import Session, current_session
 from ..cache.store import Entry
 from ..cache.toolchain import toolchain_parts
+from . import arithmetic
 from ..speedups.patching import Patch
 
 log = logging.getLogger("lowercache")
@@ -111,6 +112,7 @@ def edge_parts(program: Any, partitioners: list[Any], config: Any) -> dict[str, 
         return None
     parts["step"] = VERSION
     parts.update(toolchain_parts())
+    parts.update(arithmetic.numeric_parts())
     return parts
 
 

@@ -33,6 +33,7 @@ from ..cache.hashing import IGNORED_META, Unhashable, canon, program_parts
 from ..cache.steps import current_session
 from ..cache.store import Entry
 from ..cache.toolchain import source_digest, toolchain_parts
+from . import arithmetic
 
 log = logging.getLogger("lowercache")
 BACKEND_SOURCES = (".py", ".fbs")  # the delegate's payload is serialized with the backend's own schema
@@ -108,6 +109,7 @@ def preprocess_parts(edge_program: Any, compile_specs: Any) -> dict[str, str] | 
         return None
     parts["compile_specs"] = digest_json([[spec.key, bytes(spec.value).hex()] for spec in compile_specs])
     parts.update(toolchain_parts())
+    parts.update(arithmetic.numeric_parts())
     parts.update(backend_source_parts())
     return parts
 

@@ -211,3 +211,25 @@ def test_a_processs_first_export_keys_its_partition_as_later_ones_do():
     first, later = json.loads(done.stdout.strip().splitlines()[-1])
     assert first["marks"] != later["marks"], "torch no longer marks the first export; this test has nothing left to show"
     assert first["parts"] == later["parts"]
+
+
+@pytest.mark.quick
+def test_the_numeric_settings_a_run_computes_under_change_the_key(base):
+    """Thread count, deterministic algorithms and the default dtype: each its own named part (test_numeric_platform.py
+    shows a thread count moving stock's bytes)."""
+    module, example, parts = base
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert changed(parts, parts_of(module, example)) == ["intra_op_threads"]
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(True)
+        assert changed(parts, parts_of(module, example)) == ["deterministic"]
+        torch.use_deterministic_algorithms(False)
+        torch.set_default_dtype(torch.float64)
+        assert "default_dtype" in changed(parts, parts_of(module, example))
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(False)
+        torch.set_default_dtype(dtype)
+    assert parts_of(module, example) == parts

@@ -23,6 +23,7 @@ import lowercache
 from lowercache.lowering import xnnpack
 from lowercache.speedups import registry
 
+from tests.helpers import attention
 from tests.helpers.xnnstock import stock_bytes
 
 MODELS = textwrap.dedent('''
@@ -40,24 +41,7 @@ MODELS = textwrap.dedent('''
         net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2),
                             nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)).eval()
         return net, (torch.randn(1, 3, 16, 16),)
-
-
-    class Attention(nn.Module):
-        def __init__(self, dim=16, heads=2):
-            super().__init__()
-            self.heads, self.norm, self.qkv, self.proj = heads, nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-
-        def forward(self, x):
-            b, n, d = x.shape
-            q, k, v = self.qkv(self.norm(x)).reshape(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-            weights = ((q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5).softmax(-1)
-            return x + self.proj((weights @ v).transpose(1, 2).reshape(b, n, d))
-
-
-    def attention():
-        torch.manual_seed(2)
-        return Attention().eval(), (torch.randn(1, 6, 16),)
-''')
+''') + attention.SOURCE
 
 CASES = [(None, factory, target) for factory in ("mlp", "cnn", "attention") for target in ("xnnpack", "xnnpack-int8")]
 # Calibrated on samples of growing range, so the observers re-bin their histograms (the stock script calibrates on the

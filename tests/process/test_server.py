@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import attention
 from tests.helpers.cli import TINY, error_lines, stock_tiny, warnings_of
 from tests.helpers.server import MODEL, TARGET, WAIT, alive, base_env, lc, steady, wait_until
 
@@ -135,6 +136,23 @@ def test_the_child_gets_the_clients_thread_count(shared, tmp_path, threads):
     )
     assert child_threads == int(fresh.stdout)
     assert child_pid != shared.pid
+
+
+def test_a_lowering_made_at_one_thread_count_is_not_served_at_another(shared, tmp_path):
+    """Calibration's float sums follow the thread count: this block's .pte differs with OMP_NUM_THREADS=1 from the
+    default's, and each command gets what a new process with its variables makes, direct mode on (the default)."""
+    (tmp_path / "attention.py").write_text(attention.SOURCE)
+    model, pte = f"{tmp_path}/attention.py:attention", {}
+    for name, extra in (("default", {}), ("one", {"OMP_NUM_THREADS": "1"}), ("default again", {})):
+        result = shared("lower", model, "-t", "tosa-int", "-o", tmp_path / name, **extra)
+        assert result.returncode == 0, result.stderr[-2000:]
+        pte[name] = (tmp_path / name / "model.pte").read_bytes()
+        if name != "default again":
+            fresh = shared("lower", model, "-t", "tosa-int", "-o", tmp_path / f"{name} fresh", "--no-cache", "--no-server",
+                           **extra)
+            assert fresh.returncode == 0, fresh.stderr[-2000:]
+            assert pte[name] == (tmp_path / f"{name} fresh" / "model.pte").read_bytes(), name
+    assert pte["one"] != pte["default"] == pte["default again"]
 
 
 def test_a_factory_that_raises(shared, tmp_path):

@@ -22,6 +22,7 @@ from ..stored.programstore import FormatError
 from ...cache.digests import digest_json
 from ...cache.steps import Session, StepRecord, step_key
 from ...cache.toolchain import toolchain_parts
+from .. import arithmetic
 
 log = logging.getLogger("lowercache")
 
@@ -41,6 +42,7 @@ def chain_parts(program: Any, depth: int, order: list[str], fixed: dict[str, str
         parts["upstream"] = digest_json(chain)
         parts.update(fixed)
         parts.update(toolchain_parts())
+        parts.update(arithmetic.numeric_parts())
         out.append(parts)
         chain.append([name, digest_json(own[name])])
     return out
