@@ -5,20 +5,39 @@ Why each is a part: docs/design.md#what-is-cached.
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from ..cache.hashing import digest_json
+
+# Variables the native math libraries read for their own arithmetic (instruction sets, reproducibility modes, reduction
+# order, scheduling), by prefix; the thread-count ones are left out, since the count they give is a part of its own.
+NATIVE_PREFIXES = ("DNNL_", "ONEDNN_", "MKL_", "KMP_", "OMP_", "GOMP_", "OPENBLAS_")
+THREAD_COUNT = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"})
 
 
 def numeric_parts() -> dict[str, str]:
     """What picks the arithmetic a step's own float computations run (calibration, constant folding), read at each key:
-    torch's intra-op thread count (a reduction split over more threads adds in another order: an XNNPACK int8
-    attention block lowers to a .pte one byte apart with one thread and with two), the CPU capability its kernels
-    dispatch to, whether oneDNN is on, deterministic algorithms, and the default dtype. Stock runs with this process's
-    settings, so a step made under others is not this run's. Kept out of :func:`toolchain_parts`: a direct-mode hit
-    imports no torch, and its record holds the machine and variables that set these (docs/direct-mode.md)."""
+    torch's intra-op thread count (a reduction split over more threads adds in another order: a small attention block
+    lowers to a .pte one byte apart with one thread and with two), the CPU capability its kernels dispatch to, oneDNN,
+    deterministic algorithms, float32 matmul precision, whether denormals are flushed, the default dtype, and the
+    native math libraries' variables. Stock runs with this process's settings, so a step made under others is not this
+    run's. Not in ``toolchain_parts``: a direct-mode hit imports no torch, and its record holds the machine and the
+    whole environment instead (docs/direct-mode.md)."""
+    native = sorted((k, v) for k, v in os.environ.items() if k.startswith(NATIVE_PREFIXES) and k not in THREAD_COUNT)
     return {
         "intra_op_threads": str(torch.get_num_threads()),
         "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
         "onednn": str(torch.backends.mkldnn.is_available() and bool(torch.backends.mkldnn.enabled)),
         "deterministic": str(torch.are_deterministic_algorithms_enabled()),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "flush_denormal": str(_flushes_denormals()),
         "default_dtype": str(torch.get_default_dtype()),
+        "native_env": digest_json(native) if native else "none",
     }
+
+
+def _flushes_denormals() -> bool:
+    """Whether ``torch.set_flush_denormal(True)`` is in force (torch has no getter): a denormal float32 times one."""
+    return bool((torch.tensor([1e-39], dtype=torch.float32) * 1.0).item() == 0.0)

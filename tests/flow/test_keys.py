@@ -214,11 +214,10 @@ def test_a_processs_first_export_keys_its_partition_as_later_ones_do():
 
 
 @pytest.mark.quick
-def test_the_numeric_settings_a_run_computes_under_change_the_key(base):
-    """Thread count, deterministic algorithms and the default dtype: each its own named part (test_numeric_platform.py
-    shows a thread count moving stock's bytes)."""
+def test_the_numeric_settings_a_run_computes_under_change_the_key(base, monkeypatch):
+    """Each setting its own named part (test_numeric_platform.py shows a thread count moving stock's bytes)."""
     module, example, parts = base
-    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    threads, dtype, precision = torch.get_num_threads(), torch.get_default_dtype(), torch.get_float32_matmul_precision()
     try:
         torch.set_num_threads(threads + 1)
         assert changed(parts, parts_of(module, example)) == ["intra_op_threads"]
@@ -226,10 +225,23 @@ def test_the_numeric_settings_a_run_computes_under_change_the_key(base):
         torch.use_deterministic_algorithms(True)
         assert changed(parts, parts_of(module, example)) == ["deterministic"]
         torch.use_deterministic_algorithms(False)
+        torch.set_float32_matmul_precision("medium")
+        assert changed(parts, parts_of(module, example)) == ["matmul_precision"]
+        torch.set_float32_matmul_precision(precision)
+        if torch.set_flush_denormal(True):  # False where the CPU cannot
+            assert changed(parts, parts_of(module, example)) == ["flush_denormal"]
+        torch.set_flush_denormal(False)
+        monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")
+        assert changed(parts, parts_of(module, example)) == ["native_env"]
+        monkeypatch.setenv("OMP_NUM_THREADS", "7")  # a thread count's variable: the count it gives is the part
+        assert changed(parts, parts_of(module, example)) == ["native_env"]
+        monkeypatch.delenv("DNNL_MAX_CPU_ISA")
         torch.set_default_dtype(torch.float64)
         assert "default_dtype" in changed(parts, parts_of(module, example))
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(False)
+        torch.set_float32_matmul_precision(precision)
+        torch.set_flush_denormal(False)
         torch.set_default_dtype(dtype)
     assert parts_of(module, example) == parts
