@@ -9,12 +9,18 @@ import os
 
 import torch
 
-from ..cache.hashing import digest_json
+from ..cache.digests import digest_json
+from ..cache.toolchain import toolchain_parts
 
 # Variables the native math libraries read for their own arithmetic (instruction sets, reproducibility modes, reduction
 # order, scheduling), by prefix; the thread-count ones are left out, since the count they give is a part of its own.
 NATIVE_PREFIXES = ("DNNL_", "ONEDNN_", "MKL_", "KMP_", "OMP_", "GOMP_", "OPENBLAS_")
 THREAD_COUNT = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"})
+
+
+def step_parts() -> dict[str, str]:
+    """What a step computes with, for its key: the toolchain (code and versions) and the numeric settings."""
+    return {**toolchain_parts(), **numeric_parts()}
 
 
 def numeric_parts() -> dict[str, str]:

@@ -79,8 +79,7 @@ def tosa_parts(edge_program: Any, compile_spec: Any) -> dict[str, str] | None:
     parts["pass_insertions"] = insertions
     if regionsplice.engaged():  # the spliced TOSA differs from stock's in names: its own entry
         parts["pipeline"] = regionsplice.VERSION
-    parts.update(toolchain_parts())
-    parts.update(arithmetic.numeric_parts())
+    parts.update(arithmetic.step_parts())
     return parts
 
 

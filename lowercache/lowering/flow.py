@@ -151,8 +151,7 @@ def flow_parts(
     parts["compile_spec"] = target_spec_digest(target, store)
     parts["pass_insertions"] = insertions
     parts["flow"] = FLOW_VERSION
-    parts.update(toolchain_parts())
-    parts.update(arithmetic.numeric_parts())
+    parts.update(arithmetic.step_parts())
     parts.update(backend(target).backend_source_parts())
     return parts
 

@@ -43,7 +43,6 @@ from .stored.programstore import FormatError, tensor_record
 from ..cache.hashing import Unhashable, canon, digest_json, node_form, signature_digest
 from ..cache.steps import Session, current_session
 from ..cache.store import Entry
-from ..cache.toolchain import toolchain_parts
 from . import arithmetic
 from ..speedups.patching import Patch
 
@@ -111,8 +110,7 @@ def edge_parts(program: Any, partitioners: list[Any], config: Any) -> dict[str, 
     except (Unhashable, AttributeError):
         return None
     parts["step"] = VERSION
-    parts.update(toolchain_parts())
-    parts.update(arithmetic.numeric_parts())
+    parts.update(arithmetic.step_parts())
     return parts
 
 

@@ -64,7 +64,6 @@ from ..cache.hashing import (
 )
 from ..cache.steps import Session, current_session
 from ..cache.store import Entry
-from ..cache.toolchain import toolchain_parts
 from . import arithmetic
 from ..speedups.decompositions import eager_input_vals
 from ..speedups.patching import AttributePatch
@@ -181,8 +180,7 @@ def template_parts(
     parts["step"] = REEXPORT_VERSION
     if strict:  # only then, so that ``lower``'s non-strict key is unchanged
         parts["strict"] = "true"
-    parts.update(toolchain_parts())
-    parts.update(arithmetic.numeric_parts())
+    parts.update(arithmetic.step_parts())
     return parts
 
 

@@ -32,7 +32,7 @@ from ..cache.digests import digest_json
 from ..cache.hashing import IGNORED_META, Unhashable, canon, program_parts
 from ..cache.steps import current_session
 from ..cache.store import Entry
-from ..cache.toolchain import source_digest, toolchain_parts
+from ..cache.toolchain import source_digest
 from . import arithmetic
 
 log = logging.getLogger("lowercache")
@@ -108,8 +108,7 @@ def preprocess_parts(edge_program: Any, compile_specs: Any) -> dict[str, str] | 
     except Unhashable:
         return None
     parts["compile_specs"] = digest_json([[spec.key, bytes(spec.value).hex()] for spec in compile_specs])
-    parts.update(toolchain_parts())
-    parts.update(arithmetic.numeric_parts())
+    parts.update(arithmetic.step_parts())
     parts.update(backend_source_parts())
     return parts
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowercache.lowering import flow
+from lowercache.lowering import arithmetic, flow
 from lowercache.bench import models
 from lowercache.cache import toolchain
 from lowercache.cache.steps import step_key
@@ -61,7 +61,7 @@ def test_target_quantizer_and_calibration_change_the_key(base):
 def test_toolchain_version_changes_the_key(base, monkeypatch):
     module, example, parts = base
     fake = dict(toolchain.toolchain_parts(), vela="0.0.0")
-    monkeypatch.setattr(flow, "toolchain_parts", lambda: fake)
+    monkeypatch.setattr(arithmetic, "toolchain_parts", lambda: fake)  # what step keys read it through
     assert changed(parts, parts_of(module, example)) == ["vela"]
 
 

@@ -21,7 +21,6 @@ from . import regions, regionstore
 from ..stored.programstore import FormatError
 from ...cache.digests import digest_json
 from ...cache.steps import Session, StepRecord, step_key
-from ...cache.toolchain import toolchain_parts
 from .. import arithmetic
 
 log = logging.getLogger("lowercache")
@@ -36,13 +35,13 @@ def chain_parts(program: Any, depth: int, order: list[str], fixed: dict[str, str
     share (compile spec, pass insertions, pipeline version)."""
     own = regions.region_parts(program, depth)
     chain: list[list[str]] = []
+    computed_with = arithmetic.step_parts()  # one lowering's: the same for every region
     out = []
     for name in order:
         parts = {f"region.{k}": v for k, v in own[name].items() if k != "toolchain"}
         parts["upstream"] = digest_json(chain)
         parts.update(fixed)
-        parts.update(toolchain_parts())
-        parts.update(arithmetic.numeric_parts())
+        parts.update(computed_with)
         out.append(parts)
         chain.append([name, digest_json(own[name])])
     return out
