@@ -200,7 +200,10 @@ def test_quantize_hit_in_a_fresh_process_matches_stock(tmp_path, lowered_once):
     for key in flow_keys:
         store._discard(f"action/flow/{key}")
     store.close()
-    again = cli("lower", TINY, "-t", "ethos-u55-128", "-o", tmp_path / "again", cache_dir=cache_dir)
+    # The fixture's lowering went through the worker's server at one thread (helpers/direct.cli_env); the thread
+    # count is a key part, so this new process takes the same.
+    again = cli("lower", TINY, "-t", "ethos-u55-128", "-o", tmp_path / "again", cache_dir=cache_dir,
+                env={"OMP_NUM_THREADS": "1"})
     assert again.returncode == 0, again.stderr
     outcomes = {s["kind"]: s["outcome"] for s in json.loads((tmp_path / "again" / "manifest.json").read_text())["steps"]}
     assert outcomes["flow"] == "miss" and outcomes["quantize"] == "hit", outcomes
