@@ -215,26 +215,33 @@ def test_a_processs_first_export_keys_its_partition_as_later_ones_do():
 
 @pytest.mark.quick
 def test_the_numeric_settings_a_run_computes_under_change_the_key(base, monkeypatch):
-    """Each setting its own named part (test_numeric_platform.py shows a thread count moving stock's bytes)."""
+    """Each setting its own named part, and the canary (``arithmetic``) where the setting moves its sums
+    (test_numeric_platform.py shows a thread count moving stock's bytes)."""
     module, example, parts = base
+
+    def changed_with(named: str) -> list[str]:
+        now = changed(parts, parts_of(module, example))
+        assert named in now and set(now) <= {named, "arithmetic"}, now
+        return now
+
     threads, dtype, precision = torch.get_num_threads(), torch.get_default_dtype(), torch.get_float32_matmul_precision()
     try:
         torch.set_num_threads(threads + 1)
-        assert changed(parts, parts_of(module, example)) == ["intra_op_threads"]
+        assert changed_with("intra_op_threads") == ["arithmetic", "intra_op_threads"]  # a sum split over one more thread
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(True)
-        assert changed(parts, parts_of(module, example)) == ["deterministic"]
+        changed_with("deterministic")
         torch.use_deterministic_algorithms(False)
         torch.set_float32_matmul_precision("medium")
-        assert changed(parts, parts_of(module, example)) == ["matmul_precision"]
+        changed_with("matmul_precision")
         torch.set_float32_matmul_precision(precision)
         if torch.set_flush_denormal(True):  # False where the CPU cannot
-            assert changed(parts, parts_of(module, example)) == ["flush_denormal"]
+            changed_with("flush_denormal")
         torch.set_flush_denormal(False)
         monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")
-        assert changed(parts, parts_of(module, example)) == ["native_env"]
+        changed_with("native_env")
         monkeypatch.setenv("OMP_NUM_THREADS", "7")  # a thread count's variable: the count it gives is the part
-        assert changed(parts, parts_of(module, example)) == ["native_env"]
+        changed_with("native_env")
         monkeypatch.delenv("DNNL_MAX_CPU_ISA")
         torch.set_default_dtype(torch.float64)
         assert "default_dtype" in changed(parts, parts_of(module, example))
@@ -245,3 +252,34 @@ def test_the_numeric_settings_a_run_computes_under_change_the_key(base, monkeypa
         torch.set_flush_denormal(False)
         torch.set_default_dtype(dtype)
     assert parts_of(module, example) == parts
+
+
+@pytest.mark.quick
+def test_the_canary_moves_with_what_moves_a_sum_and_only_then():
+    """``arithmetic`` is computed, not looked up: the same settings give the same digest, and a thread count (as any
+    setting that moves a sum) gives another, though the canary reads no setting."""
+    from lowercache.lowering import arithmetic
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = arithmetic.canary()
+        torch.set_num_threads(2)
+        two = arithmetic.canary()
+        assert arithmetic.canary() == two and one != two
+        torch.set_num_threads(1)
+        assert arithmetic.canary() == one
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_numeric_parts_compute_on_real_tensors_under_a_fake_mode_or_another_default_device():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lowercache.lowering import arithmetic
+
+    expected = arithmetic.numeric_parts()
+    with FakeTensorMode():
+        assert arithmetic.numeric_parts() == expected
+    with torch.device("meta"):
+        assert arithmetic.numeric_parts() == expected
