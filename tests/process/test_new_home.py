@@ -11,6 +11,7 @@ settles it as the second run would, or leaves it for the second run: no run make
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from typing import Callable, Iterator
 import pytest
 
 from tests.helpers import ROOT
+from tests.helpers.oracle import stock_pte
 from tests.helpers.server import WAIT, alive, wait_until
 
 TARGET = "ethos-u55-128"
@@ -86,6 +88,14 @@ class Home:
         assert code == 0, shown[-3000:] + self.said()
         return json.loads((self.project / out / "manifest.json").read_text()), (self.project / out / "model.pte").read_bytes(), shown
 
+    def stock(self) -> bytes:
+        """What stock ExecuTorch makes of the model, in this process: the bytes every run must give."""
+        path, _, factory = self.model.partition(":")
+        spec = importlib.util.spec_from_file_location("new_home_model", self.project / path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return stock_pte(*getattr(module, factory)(), TARGET)
+
     def said(self) -> str:
         """What the server's log and ``explain`` say of the record, for a failed assertion."""
         explained = subprocess.run([*self.command, "explain", self.model, "-t", TARGET], cwd=self.project, env=self.env,
@@ -120,11 +130,12 @@ def home(tmp_path) -> Iterator[Home]:
 
 
 def three_runs(home: Home, background: str | None, second: Callable[[dict], bool]) -> None:
-    """Runs 1 to 3 of the new home, every .pte the same. ``background``: between runs 1 and 2, wait until the server's
+    """Runs 1 to 3 of the new home, every .pte stock's. ``background``: between runs 1 and 2, wait until the server's
     background run of run 1's record has ended saying this (None: run 2 at once); ``second``: what run 2's
     ``manifest.json`` must say of direct mode."""
     manifest, pte, shown = home.lower("{lower}", OUT, **CI_LIKE)  # the new home's first command: a server starts, records
     assert "starting the lowering server" in shown, shown[-3000:]
+    assert pte == home.stock()
     assert manifest["direct"]["record"] == "unconfirmed", manifest["direct"]
     assert manifest["direct"]["reason"].startswith("recorded;"), manifest["direct"]
     if background is not None:
