@@ -326,10 +326,32 @@ def in_toolchain_part(path: str, dirs: tuple[str, ...]) -> bool:
 
 
 def package_dir(name: str) -> str:
-    """Where a package's code is, found without importing it ("" when it is not installed: its digest is of nothing)."""
+    """Where a package's code is, found without importing it ("" when it is not installed: its digest is of nothing).
+
+    A namespace package (ExecuTorch is one) has a portion in each search path entry that holds its directory, and its
+    search locations follow the path as it changes: a script that puts a vendored copy first would move them while the
+    modules this process runs stay where they were imported from. Once a submodule is imported, its portion is the
+    package's directory."""
     spec = importlib.util.find_spec(name)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if len(locations) > 1 and spec is not None and spec.origin is None:
+        imported = _imported_portion(name, locations)
+        if imported:
+            return imported
     return locations[0] if locations else ""
+
+
+def _imported_portion(name: str, locations: list[str]) -> str:
+    """The portion of namespace package ``name`` its first imported submodule came from ("" if none is imported)."""
+    portions = [os.path.join(location, "") for location in locations]
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith(name + "."):
+            continue
+        where = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", None) or []), None)
+        portion = next((p for p in portions if where and where.startswith(p)), None)
+        if portion:
+            return portion[:-1]
+    return ""
 
 
 def code_digest(source: bytes) -> str:

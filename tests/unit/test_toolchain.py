@@ -187,6 +187,37 @@ def test_an_edit_to_a_hashed_package_that_no_one_imported_changes_the_toolchain(
     assert before != after
 
 
+def test_a_namespace_packages_part_stays_with_the_portion_its_modules_came_from(tmp_path, monkeypatch):
+    """ExecuTorch is a namespace package: a script that puts a vendored copy first on its search path moves the
+    package's search locations, not the modules already imported; the part must not move to the copy's files while
+    the installed ones run (then an edit of the installed ones would go unseen)."""
+    import sys
+
+    copies = {}
+    for name, scale in (("installed", 1), ("vendored", 2)):
+        site = tmp_path / name
+        (site / "fakens").mkdir(parents=True)
+        (site / "fakens" / "mod.py").write_text(f"SCALE = {scale}\n")
+        copies[name] = site
+    monkeypatch.setattr(toolchain, "HASHED_PACKAGES", (*toolchain.HASHED_PACKAGES, "fakens"))
+    monkeypatch.syspath_prepend(str(copies["installed"]))
+    for name in ("fakens", "fakens.mod"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    toolchain.forget_parts()
+    __import__("fakens.mod")
+    installed = toolchain.toolchain_parts()["fakens_src"]
+    monkeypatch.syspath_prepend(str(copies["vendored"]))
+    assert toolchain.package_dirs()[-1] == str(copies["installed"] / "fakens")
+    assert toolchain.toolchain_parts()["fakens_src"] == installed
+    (copies["installed"] / "fakens" / "mod.py").write_text("SCALE = 3\n")  # an edit of the code that runs
+    toolchain.forget_parts()
+    assert toolchain.toolchain_parts()["fakens_src"] != installed
+    for name in ("fakens", "fakens.mod"):
+        monkeypatch.delitem(sys.modules, name)
+    assert toolchain.package_dirs()[-1] == str(copies["vendored"] / "fakens")  # nothing imported: where an import goes
+    toolchain.forget_parts()
+
+
 def test_parts_follow_the_package_a_changed_search_path_finds_and_an_imported_ones_own(tmp_path, monkeypatch):
     """Parts found early (before a recorder's backstop) must agree with a lowering's later, after a script put another
     copy of a package first on its search path; once a package is imported, its own directory is the one hashed."""
