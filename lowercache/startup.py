@@ -16,6 +16,7 @@ start-up state.
 
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import os
 import site
@@ -76,9 +77,11 @@ def _site_dirs() -> list[str]:
 def site_files() -> list[list[Any]]:
     """The files ``site`` runs or that install import hooks: ``.pth`` files, editable finders, top-level modules.
 
-    Each is named with its stat (``stat_key``): ``pip install -e`` of another
-    checkout rewrites ``__editable___*_finder.py`` with the same name, and the
-    site-packages listing alone cannot see that.
+    Each is named with its content's digest: ``pip install -e`` of another
+    checkout rewrites ``__editable___*_finder.py`` with the same name, which
+    the site-packages listing alone cannot see; and ``pip install -e .`` again
+    (the quick start's first command, run twice) rewrites the same content,
+    which a stat would take for a change of what runs.
     """
     found = []
     for directory in _site_dirs():
@@ -89,13 +92,27 @@ def site_files() -> list[list[Any]]:
         for entry in entries:
             if not entry.endswith((".pth", ".py")) and not entry.startswith("__editable__"):
                 continue
+            path = os.path.join(directory, entry)
             try:
-                st = os.stat(os.path.join(directory, entry))
+                regular = stat.S_ISREG(os.stat(path).st_mode)
             except OSError:
                 continue
-            if stat.S_ISREG(st.st_mode):
-                found.append([directory, entry, *stat_key(st)])
+            content = file_digest(path) if regular else None
+            if content is not None:
+                found.append([directory, entry, content])
     return found
+
+
+def top_level_site_file(path: str) -> bool:
+    """Whether ``path`` lies directly in a site-packages directory (an editable finder, a one-file module): a file
+    ``pip install -e .`` rewrites on every run, with the same bytes when nothing changed, so it is named by content."""
+    return os.path.dirname(os.path.normpath(path)) in _site_dir_set()
+
+
+@functools.lru_cache(maxsize=1)
+def _site_dir_set() -> frozenset[str]:
+    """The site directories, once: a server asks of each of thousands of imported files before every request."""
+    return frozenset(os.path.normpath(d) for d in _site_dirs())
 
 
 CUSTOMIZE = ("sitecustomize", "usercustomize")
@@ -126,7 +143,8 @@ def _module_file(directory: str, name: str) -> str | None:
     return None
 
 
-def _content(path: str) -> str | None:
+def file_digest(path: str) -> str | None:
+    """The digest of a file's content, None when it cannot be read."""
     try:
         with open(path, "rb") as f:
             return digest(f.read())
@@ -151,7 +169,7 @@ def start_code(environ: dict[str, str] | Any) -> list[list[Any]]:
     listen, so it is enumerated: each ``.pth`` file's content, the file each
     customize module resolves to (or none), and every module outside the
     standard library that the start-up had imported when lowercache first ran
-    (what that code imported; site-packages' by stat, the rest by content).
+    (what that code imported; site-packages' packages by stat, the rest by content).
     """
     if sys.flags.no_site:
         return []
@@ -175,7 +193,7 @@ def start_code(environ: dict[str, str] | Any) -> list[list[Any]]:
     search = [*(os.path.abspath(p) for p in (pythonpath.split(os.pathsep) if pythonpath else [])), *_stdlib_path(), *tail]
     for name in CUSTOMIZE if site.ENABLE_USER_SITE else CUSTOMIZE[:1]:
         origin = next((f for f in (_module_file(d, name) for d in search) if f is not None), None)
-        found.append(["customize", name, origin, _content(origin) if origin else None])
+        found.append(["customize", name, origin, file_digest(origin) if origin else None])
     return found + _started_with()
 
 
@@ -190,13 +208,15 @@ def _started_with() -> list[list[Any]]:
         origin = getattr(sys.modules.get(name), "__file__", None)
         if name == "__main__" or name.split(".")[0] == "lowercache" or not isinstance(origin, str) or not os.path.isabs(origin):
             continue  # the program being run, and lowercache's own sources (in every identity by their digest)
-        if origin.startswith(sites):  # first: a venv's site-packages is inside its platstdlib
+        if top_level_site_file(origin):
+            found.append(["module", name, origin, file_digest(origin)])
+        elif origin.startswith(sites):  # first: a venv's site-packages is inside its platstdlib
             try:
                 found.append(["module", name, origin, *stat_key(os.stat(origin))])
             except OSError:
                 found.append(["module", name, origin, None])
         elif not origin.startswith(stdlib):
-            found.append(["module", name, origin, _content(origin)])
+            found.append(["module", name, origin, file_digest(origin)])
     return found
 
 

@@ -27,7 +27,7 @@ class Warm:
     lookups: list[str] = field(default_factory=list)  # module names they looked up
     imported: dict[str, list[str]] = field(default_factory=dict)  # top-level names of those and of every module imported, where found
     installed: tuple[str, ...] = ()  # directories of installed code (stdlib, site-packages, lowercache)
-    files: dict[str, list[int] | None] = field(default_factory=dict)  # every imported module's file: its stat_key
+    files: dict[str, list[int] | str | None] = field(default_factory=dict)  # every imported module's file: _file_stamp
     families: set[str] = field(default_factory=set)  # the target families warmed so far, by name
 
     def remember_files(self) -> None:
@@ -45,8 +45,11 @@ class Warm:
         return None
 
 
-def _file_stamp(path: str) -> list[int] | None:
-    """The file's ``stat_key``, None when it is gone (a file missing at the warm-up stays missing)."""
+def _file_stamp(path: str) -> list[int] | str | None:
+    """The file's ``stat_key``, None when it is gone (a file missing at the warm-up stays missing); a top-level file of
+    site-packages by its content (``pip install -e .`` again rewrites its finder with the same bytes)."""
+    if startup.top_level_site_file(path):
+        return startup.file_digest(path)
     try:
         return stat_key(os.stat(path))
     except OSError:

@@ -53,3 +53,52 @@ def test_the_server_stands_in_under_other_presentation_and_not_under_another_inp
     assert startup.why_not(CLIENT, {**CLIENT, "MY_LIBRARY_OPTION": "1"}, [], "/", {}) is not None  # unset in the client
     assert startup.changed(startup.state(CLIENT), startup.state({**CLIENT, "TZ": "UTC"}), "the record's") == \
         "environment variable TZ differs from the record's"
+
+
+def test_a_site_file_rewritten_with_the_same_content_is_the_same_start(tmp_path, monkeypatch):
+    """``pip install -e .`` run again rewrites its ``.pth`` file and finder with the same bytes: the same start-up state
+    (before, their stat was the state, and every re-run of the quick start's first command made direct mode record
+    afresh). Another content is another state."""
+    import os
+
+    site_dir = tmp_path / "site-packages"
+    site_dir.mkdir()
+    monkeypatch.setattr(startup, "_site_dirs", lambda: [str(site_dir)])
+    finder = site_dir / "__editable___pkg_0_1_finder.py"
+    pth = site_dir / "__editable__.pkg-0.1.pth"
+    finder.write_text("MAPPING = {'pkg': '/one/pkg'}\n")
+    pth.write_text("import __editable___pkg_0_1_finder\n")
+    before = startup.state(CLIENT)
+    for path in (finder, pth):
+        path.write_text(path.read_text())
+        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 7_000_000_000))
+    assert startup.state(CLIENT) == before
+    finder.write_text("MAPPING = {'pkg': '/two/pkg'}\n")
+    assert startup.changed(before, startup.state(CLIENT), "the record's") == \
+        "site-packages' .pth files or import finders differ from the record's"
+
+
+def test_a_server_sees_a_rewritten_site_file_by_its_content(tmp_path, monkeypatch):
+    """The warm server stops when a file it imported changed; a top-level site-packages file rewritten with the same
+    bytes (``pip install -e .`` again) has not changed."""
+    import os
+
+    from lowercache.server.warm import Warm, _file_stamp
+
+    site_dir = tmp_path / "site-packages"
+    site_dir.mkdir()
+    monkeypatch.setattr(startup, "_site_dir_set", lambda: frozenset({str(site_dir)}))
+    finder = site_dir / "__editable___pkg_0_1_finder.py"
+    finder.write_text("MAPPING = {'pkg': '/one/pkg'}\n")
+    other = tmp_path / "elsewhere.py"
+    other.write_text("X = 1\n")
+    warm = Warm(threads=1, cpus=1, start_env={}, base_path=None)
+    warm.files = {str(path): _file_stamp(str(path)) for path in (finder, other)}
+    finder.write_text(finder.read_text())
+    os.utime(finder, ns=(finder.stat().st_atime_ns, finder.stat().st_mtime_ns + 7_000_000_000))
+    assert warm.changed_file() is None
+    finder.write_text("MAPPING = {'pkg': '/two/pkg'}\n")
+    assert warm.changed_file() == str(finder)
+    finder.write_text("MAPPING = {'pkg': '/one/pkg'}\n")
+    os.utime(other, ns=(other.stat().st_atime_ns, other.stat().st_mtime_ns + 7_000_000_000))
+    assert warm.changed_file() == str(other)  # elsewhere, a stat is still the stamp
