@@ -7,7 +7,6 @@ A new family is a module with a ``FAMILY`` and one line here.
 
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 from ..errors import LowercacheError

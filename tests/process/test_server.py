@@ -349,6 +349,7 @@ def test_the_client_falls_back_when_the_server_dies_mid_request(own, tmp_path):
     assert wait_until(lambda: not alive(child), 10)  # the request's process died with its server
     assert int(marker.read_text().split()[0]) == client.pid  # the fallback ran the factory in the client
     here = server("lower", "model.py:model", "-t", "tosa-int", "-o", tmp_path / "here", "--no-server", LOWERCACHE_DIR=str(tmp_path / "c2"))
+    assert here.returncode == 0, here.stderr
     assert (tmp_path / "out" / "model.pte").read_bytes() == (tmp_path / "here" / "model.pte").read_bytes()
 
 
