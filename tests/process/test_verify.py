@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lowercache.lowering import flow
 from lowercache.cache.steps import step_key
 from lowercache.cache.store import Entry, Store
 from lowercache.targets import resolve
 
-from tests.helpers.cli import TINY, cli
+from tests.helpers.cli import TINY, cli, command_env
 
 pytestmark = pytest.mark.usefixtures("through_server")
 
@@ -29,7 +30,14 @@ def test_verify_passes_then_catches_a_wrong_but_well_formed_entry(tmp_path, cach
 
     loaded = load_model(TINY)
     program = flow.export(loaded.module, loaded.example_inputs)
-    parts = flow.flow_parts(program, resolve("tosa-int"), loaded.example_inputs, [loaded.example_inputs], store)
+    # The key as the verify command made it: under its thread count (a key part), one through the worker's server.
+    threads = command_env({"LOWERCACHE_DIR": str(cache_dir)}).get("OMP_NUM_THREADS")
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(int(threads) if threads else saved)
+        parts = flow.flow_parts(program, resolve("tosa-int"), loaded.example_inputs, [loaded.example_inputs], store)
+    finally:
+        torch.set_num_threads(saved)
     key = step_key("flow", parts)
     entry = store.get("flow", key)
     assert entry is not None
