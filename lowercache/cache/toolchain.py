@@ -343,14 +343,14 @@ def package_dir(name: str) -> str:
 
 def _imported_portion(name: str, locations: list[str]) -> str:
     """The portion of namespace package ``name`` its first imported submodule came from ("" if none is imported)."""
-    portions = [os.path.join(location, "") for location in locations]
+    prefixes = {os.path.join(location, ""): location for location in locations}
     for module_name, module in list(sys.modules.items()):
         if not module_name.startswith(name + "."):
             continue
         where = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", None) or []), None)
-        portion = next((p for p in portions if where and where.startswith(p)), None)
+        portion = next((location for prefix, location in prefixes.items() if where and where.startswith(prefix)), None)
         if portion:
-            return portion[:-1]
+            return portion
     return ""
 
 

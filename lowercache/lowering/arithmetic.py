@@ -54,7 +54,12 @@ def named_parts() -> dict[str, str]:
 def _flushes_denormals() -> bool:
     """Whether ``torch.set_flush_denormal(True)`` is in force (torch has no getter): a denormal float32 times one."""
     with _disable_current_modes():
-        return bool((torch.tensor([1e-39], dtype=torch.float32, device="cpu") * 1.0).item() == 0.0)
+        return bool(_denormal_product().item() == 0.0)
+
+
+def _denormal_product() -> torch.Tensor:
+    """A denormal float32 times one: zero where denormals are flushed."""
+    return torch.tensor([1e-39], dtype=torch.float32, device="cpu") * 1.0
 
 
 # The canary's input: 2**17 values, four of torch's parallel grains (32,768), so a sum splits over up to four threads.
@@ -77,6 +82,6 @@ def canary() -> str:
             torch.nn.functional.conv2d(image, weight, padding=1),
             torch.softmax(a, dim=-1),
             x[:4096].exp(),
-            torch.tensor([1e-39], dtype=torch.float32, device="cpu") * 1.0,
+            _denormal_product(),
         )
         return digest(b"".join(r.contiguous().numpy().tobytes() for r in results))
