@@ -62,9 +62,14 @@ def stock_tiny(target):
 
 def stock_tiny_with(target, **vela_options):
     """Stock bytes of examples/tiny_cnn.py with EthosUCompileSpec's Vela options."""
-    spec = importlib.util.spec_from_file_location("tiny_example", ROOT / "examples" / "tiny_cnn.py")
+    return stock_of_file(ROOT / "examples" / "tiny_cnn.py", "model", target, "tiny_example", **vela_options)
+
+
+def stock_of_file(path, factory, target, module_name, **vela_options):
+    """Stock bytes of the model ``factory`` in the file ``path`` makes, the file loaded as ``module_name``."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    net, example = module.model()
+    net, example = getattr(module, factory)()
     return stock_pte(net, example, target, **vela_options)
 

@@ -11,7 +11,6 @@ settles it as the second run would, or leaves it for the second run: no run make
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from typing import Callable, Iterator
 import pytest
 
 from tests.helpers import ROOT
-from tests.helpers.oracle import stock_pte
+from tests.helpers.cli import stock_of_file
 from tests.helpers.server import WAIT, alive, wait_until
 
 TARGET = "ethos-u55-128"
@@ -91,10 +90,7 @@ class Home:
     def stock(self) -> bytes:
         """What stock ExecuTorch makes of the model, in this process: the bytes every run must give."""
         path, _, factory = self.model.partition(":")
-        spec = importlib.util.spec_from_file_location("new_home_model", self.project / path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return stock_pte(*getattr(module, factory)(), TARGET)
+        return stock_of_file(self.project / path, factory, TARGET, "new_home_model")
 
     def said(self) -> str:
         """What the server's log and ``explain`` say of the record, for a failed assertion."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -59,8 +60,6 @@ def test_a_site_file_rewritten_with_the_same_content_is_the_same_start(tmp_path,
     """``pip install -e .`` run again rewrites its ``.pth`` file and finder with the same bytes: the same start-up state
     (before, their stat was the state, and every re-run of the quick start's first command made direct mode record
     afresh). Another content is another state."""
-    import os
-
     site_dir = tmp_path / "site-packages"
     site_dir.mkdir()
     monkeypatch.setattr(startup, "_site_dirs", lambda: [str(site_dir)])
@@ -70,8 +69,7 @@ def test_a_site_file_rewritten_with_the_same_content_is_the_same_start(tmp_path,
     pth.write_text("import __editable___pkg_0_1_finder\n")
     before = startup.state(CLIENT)
     for path in (finder, pth):
-        path.write_text(path.read_text())
-        os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 7_000_000_000))
+        _rewritten_later(path)
     assert startup.state(CLIENT) == before
     finder.write_text("MAPPING = {'pkg': '/two/pkg'}\n")
     assert startup.changed(before, startup.state(CLIENT), "the record's") == \
@@ -81,8 +79,6 @@ def test_a_site_file_rewritten_with_the_same_content_is_the_same_start(tmp_path,
 def test_a_server_sees_a_rewritten_site_file_by_its_content(tmp_path, monkeypatch):
     """The warm server stops when a file it imported changed; a top-level site-packages file rewritten with the same
     bytes (``pip install -e .`` again) has not changed."""
-    import os
-
     from lowercache.server.warm import Warm, _file_stamp
 
     site_dir = tmp_path / "site-packages"
@@ -94,11 +90,16 @@ def test_a_server_sees_a_rewritten_site_file_by_its_content(tmp_path, monkeypatc
     other.write_text("X = 1\n")
     warm = Warm(threads=1, cpus=1, start_env={}, base_path=None)
     warm.files = {str(path): _file_stamp(str(path)) for path in (finder, other)}
-    finder.write_text(finder.read_text())
-    os.utime(finder, ns=(finder.stat().st_atime_ns, finder.stat().st_mtime_ns + 7_000_000_000))
+    _rewritten_later(finder)
     assert warm.changed_file() is None
     finder.write_text("MAPPING = {'pkg': '/two/pkg'}\n")
     assert warm.changed_file() == str(finder)
     finder.write_text("MAPPING = {'pkg': '/one/pkg'}\n")
-    os.utime(other, ns=(other.stat().st_atime_ns, other.stat().st_mtime_ns + 7_000_000_000))
+    _rewritten_later(other)
     assert warm.changed_file() == str(other)  # elsewhere, a stat is still the stamp
+
+
+def _rewritten_later(path) -> None:
+    """``path`` written again with its own bytes, its mtime seven seconds on (as ``pip install -e .`` run again leaves it)."""
+    path.write_text(path.read_text())
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 7_000_000_000))

@@ -187,18 +187,25 @@ def test_an_edit_to_a_hashed_package_that_no_one_imported_changes_the_toolchain(
     assert before != after
 
 
+def _copies(tmp_path: Path, package: str, module: str, sites: tuple[str, ...]) -> dict[str, Path]:
+    """A copy of ``package`` in each of ``sites`` (directories below ``tmp_path``), its ``module`` setting SCALE to the
+    copy's number (1, 2, ...): site name -> site directory."""
+    copies = {}
+    for scale, name in enumerate(sites, 1):
+        site = tmp_path / name
+        (site / package).mkdir(parents=True)
+        (site / package / module).write_text(f"SCALE = {scale}\n")
+        copies[name] = site
+    return copies
+
+
 def test_a_namespace_packages_part_stays_with_the_portion_its_modules_came_from(tmp_path, monkeypatch):
     """ExecuTorch is a namespace package: a script that puts a vendored copy first on its search path moves the
     package's search locations, not the modules already imported; the part must not move to the copy's files while
     the installed ones run (then an edit of the installed ones would go unseen)."""
     import sys
 
-    copies = {}
-    for name, scale in (("installed", 1), ("vendored", 2)):
-        site = tmp_path / name
-        (site / "fakens").mkdir(parents=True)
-        (site / "fakens" / "mod.py").write_text(f"SCALE = {scale}\n")
-        copies[name] = site
+    copies = _copies(tmp_path, "fakens", "mod.py", ("installed", "vendored"))
     monkeypatch.setattr(toolchain, "HASHED_PACKAGES", (*toolchain.HASHED_PACKAGES, "fakens"))
     monkeypatch.syspath_prepend(str(copies["installed"]))
     for name in ("fakens", "fakens.mod"):
@@ -223,12 +230,7 @@ def test_parts_follow_the_package_a_changed_search_path_finds_and_an_imported_on
     copy of a package first on its search path; once a package is imported, its own directory is the one hashed."""
     import sys
 
-    copies = {}
-    for name, scale in (("a", 1), ("b", 2)):
-        site = tmp_path / name
-        (site / "fakestack").mkdir(parents=True)
-        (site / "fakestack" / "__init__.py").write_text(f"SCALE = {scale}\n")
-        copies[name] = site
+    copies = _copies(tmp_path, "fakestack", "__init__.py", ("a", "b"))
     monkeypatch.setattr(toolchain, "HASHED_PACKAGES", (*toolchain.HASHED_PACKAGES, "fakestack"))
     monkeypatch.syspath_prepend(str(copies["a"]))
     toolchain.forget_parts()
