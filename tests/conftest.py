@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import references
 from tests.helpers.isolation import isolate
@@ -26,6 +27,14 @@ from tests.helpers.services import BUCKET, RedisServer, start_moto
 # terminal, so SIGINT is caught here; a caught signal is reset to the default in every program the tests start.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# Every process of a test run computes at one thread count: the pytest workers and, through the variable, every program
+# the tests start. The count is a key part (docs/shared-cache.md), so a cache filled in one process and read in another
+# hits only when both ran at one count; giving each its own was a class of failures (a test's new process at the
+# default count against its fixture's lowering at one). Tests of the default environment remove the variable (the
+# server's, ``helpers/server.base_env``; a new user's, ``process/test_new_home.py``); tests of counts set their own.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 # No test reaches a server the user runs: module-scoped fixtures run before the per-test environment below, and the
 # server tests start their own in socket directories of their own.

@@ -240,8 +240,6 @@ def test_ray_build_on_a_local_cluster_shares_results_through_redis(tmp_path, red
 
     monkeypatch.setenv("LOWERCACHE_HMAC_KEY", "team-secret")  # each Ray worker has its own; lowercache sends no secret
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    # Ray starts its workers at one thread; the thread count is a key part, so "another machine" below takes the same.
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     build_file = 'targets = ["tosa-fp"]\n[models.a]\nmodel = "a.py:model"\n[models.b]\nmodel = "b.py:model"\n'
     root = project(tmp_path / "zoo", {"a.py": TINY.format(args=""), "b.py": TINY.format(args='edit="weights"')}, build_file)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)

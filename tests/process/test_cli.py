@@ -200,10 +200,7 @@ def test_quantize_hit_in_a_fresh_process_matches_stock(tmp_path, lowered_once):
     for key in flow_keys:
         store._discard(f"action/flow/{key}")
     store.close()
-    # The fixture's lowering went through the worker's server at one thread (helpers/direct.cli_env); the thread
-    # count is a key part, so this new process takes the same.
-    again = cli("lower", TINY, "-t", "ethos-u55-128", "-o", tmp_path / "again", cache_dir=cache_dir,
-                env={"OMP_NUM_THREADS": "1"})
+    again = cli("lower", TINY, "-t", "ethos-u55-128", "-o", tmp_path / "again", cache_dir=cache_dir)
     assert again.returncode == 0, again.stderr
     outcomes = {s["kind"]: s["outcome"] for s in json.loads((tmp_path / "again" / "manifest.json").read_text())["steps"]}
     assert outcomes["flow"] == "miss" and outcomes["quantize"] == "hit", outcomes
@@ -232,7 +229,7 @@ def test_concurrent_processes_share_one_cache(tmp_path, cache_dir):
     procs = []
     for i, (model, target) in enumerate(jobs):
         cmd = [sys.executable, "-m", "lowercache.cli", "lower", f"{script}:{model}", "-t", target, "-o", str(tmp_path / f"out{i}")]
-        env = {**os.environ, "LOWERCACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "LOWERCACHE_DIR": str(cache_dir)}
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for proc in procs:
         _, stderr = proc.communicate(timeout=900)

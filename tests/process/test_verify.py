@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lowercache.lowering import flow
 from lowercache.cache.steps import step_key
 from lowercache.cache.store import Entry, Store
 from lowercache.targets import resolve
 
-from tests.helpers.cli import TINY, cli, command_env
+from tests.helpers.cli import TINY, cli
 
 pytestmark = pytest.mark.usefixtures("through_server")
 
@@ -30,14 +29,7 @@ def test_verify_passes_then_catches_a_wrong_but_well_formed_entry(tmp_path, cach
 
     loaded = load_model(TINY)
     program = flow.export(loaded.module, loaded.example_inputs)
-    # The key as the verify command made it: under its thread count (a key part), one through the worker's server.
-    threads = command_env({"LOWERCACHE_DIR": str(cache_dir)}).get("OMP_NUM_THREADS")
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(int(threads) if threads else saved)
-        parts = flow.flow_parts(program, resolve("tosa-int"), loaded.example_inputs, [loaded.example_inputs], store)
-    finally:
-        torch.set_num_threads(saved)
+    parts = flow.flow_parts(program, resolve("tosa-int"), loaded.example_inputs, [loaded.example_inputs], store)
     key = step_key("flow", parts)
     entry = store.get("flow", key)
     assert entry is not None
