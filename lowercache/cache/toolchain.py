@@ -89,10 +89,13 @@ def version(dist: str) -> str:
 def versions(dists: tuple[str, ...], memo: _PartsMemo | None = None) -> dict[str, str]:
     """Each distribution's version, as :func:`version` says it, kept in a memo (``toolchain-parts.json``) while no
     directory on ``sys.path`` and no distribution's metadata file has moved (an install, an upgrade, a removal moves
-    them): a direct-mode hit does not pay for ``importlib.metadata``'s import and its search (50-100 ms)."""
+    them): a direct-mode hit does not pay for ``importlib.metadata``'s import and its search (50-100 ms). One entry per
+    search path: the client, the warm server's child and ``python -m`` each have their own, and one entry for all made
+    each overwrite the other's, so the first direct-mode hit after a lowering through the server paid the search."""
     memo = memo or _PartsMemo()
     where = [[d, *_stamp(d)] for d in sys.path]
-    known = memo.get("versions", repr(dists))
+    name = repr((dists, sys.path))
+    known = memo.get("versions", name)
     if (isinstance(known, dict) and known.get("where") == where and isinstance(known.get("found"), dict)
             and set(known["found"]) == set(dists)
             and all(isinstance(v, list) and len(v) == 3 and _stamp(v[1]) == v[2] for v in known["found"].values())):
@@ -111,7 +114,7 @@ def versions(dists: tuple[str, ...], memo: _PartsMemo | None = None) -> dict[str
             return {dist: version(dist) for dist in dists}  # found another way: no memo
         metadata = os.path.join(os.fspath(path), "METADATA" if os.path.isfile(os.path.join(os.fspath(path), "METADATA")) else "PKG-INFO")
         found[dist] = [meta.version, metadata, _stamp(metadata)]
-    memo.put("versions", repr(dists), {"where": where, "found": found})
+    memo.put("versions", name, {"where": where, "found": found})
     return {dist: str(found[dist][0]) for dist in dists}
 
 
@@ -232,6 +235,7 @@ def write_memo(path: Any, value: Any) -> None:
 
 _NAMED_CHANGES = 5
 _KEPT_CHANGES = 50
+_KEPT_PATHS = 16
 _STAT = struct.Struct("<5q")
 
 
@@ -470,6 +474,8 @@ class _PartsMemo:
             kept = {place: known for place, known in kept.items() if os.path.isdir(place.split("|")[0])}
         if kind == "changes":  # the latest changes are the ones explain is asked about
             kept = dict(list(kept.items())[-_KEPT_CHANGES + 1:])
+        if kind == "versions":  # one per search path: the latest (temporary directories on a path come and go)
+            kept = dict(list({k: v for k, v in kept.items() if k != name}.items())[-_KEPT_PATHS + 1:])
         fresh.update({"version": _MEMO_VERSION, kind: {**kept, name: value}})
         self.entries = fresh
         write_memo(self.path, fresh)

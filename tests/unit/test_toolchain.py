@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,30 @@ def test_the_versions_memo_follows_installs_upgrades_and_edits(tmp_path, monkeyp
     assert toolchain.versions(names)["fakedist"] == "2.0"
     (site / "fakedist-2.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: fakedist\nVersion: 2.0.1\n")
     assert toolchain.versions(names)["fakedist"] == toolchain.version("fakedist") == "2.0.1"
+
+
+def test_the_versions_memo_keeps_one_entry_per_search_path(tmp_path, monkeypatch):
+    """The client, the server's child and ``python -m`` search different paths: each finds its own entry, so a direct-mode
+    hit after a lowering through the server does not search again; a path of its own still sees its own installs."""
+    import importlib.metadata
+
+    searches, torch = [], toolchain.version("torch")
+    real = importlib.metadata.distribution
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: searches.append(name) or real(name))
+    client, server, path = tmp_path / "client", tmp_path / "server", list(sys.path)
+    client.mkdir(), server.mkdir()
+
+    def versions_from(place: Path, names: tuple[str, ...] = ("torch",)) -> dict[str, str]:
+        monkeypatch.setattr(sys, "path", [str(place), *path])
+        return toolchain.versions(names)
+
+    for place in (client, server, client, server, client):
+        assert versions_from(place) == {"torch": torch}
+    assert searches == ["torch", "torch"]  # one search per path, then the memo
+    (server / "fakedist-1.0.dist-info").mkdir()
+    (server / "fakedist-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: fakedist\nVersion: 1.0\n")
+    assert versions_from(server, ("fakedist", "torch"))["fakedist"] == "1.0"
+    assert versions_from(client, ("fakedist", "torch"))["fakedist"] == "absent"
 
 
 def test_the_source_digest_memo_sees_files_added_removed_renamed_and_skips_tests(tmp_path):
