@@ -46,6 +46,9 @@ from .record.trust import (UNSEEN, Words, check_inputs, elsewhere, identity, ide
 KIND = "direct"
 T = TypeVar("T")
 RECORD_VERSION = 2
+# Earlier confirmed records a command keeps besides its latest one, as ccache's manifest keeps several results: going
+# back to inputs it lowered before (an edit undone, another branch checked out) is answered without the factory.
+KEPT_EARLIER = 4
 # How direct-mode records say the one confirm rule (``record/trust.py``).
 WORDS = Words(
     who="the factory",
@@ -99,6 +102,10 @@ class Request:
                 **({"check": True} if self.check == "outputs" else {"check": self.check} if self.check else {}),
             }
         )
+
+    def earlier_key(self, flow_key: str) -> str:
+        """Where an earlier confirmed record of this command is kept, by the flow key it answers with."""
+        return digest_json({"earlier": self.key(), "flow": flow_key})
 
     def history_name(self) -> str:
         """The name ``lower`` records run history under (as ``cli._model_name``)."""
@@ -320,6 +327,8 @@ def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], man
             return
         found = dataclasses.replace(found, reason=f"{found.reason} ({how})")
     found.stamp(record)
+    record["earlier"] = _kept_earlier(store, request, old, record, lambda previous: _changed(
+        previous, request, recorder.settings, recorder.syspath, recorder.initial_env))
     store.put(KIND, key, Entry(meta=record))
     manifest["direct"] = {"record": record["status"], "reason": record["reason"]}
     if recorder.below_counts:
@@ -328,6 +337,33 @@ def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], man
 
 
 _KEPT_MANIFEST = ("model", "target", "quantization", "toolchain", "speedups", "key_parts", "numerics")
+
+
+def _kept_earlier(store: Any, request: Request, old: dict[str, Any] | None, record: dict[str, Any],
+                  changed: Callable[[dict[str, Any]], str | None]) -> list[str]:
+    """The flow keys of the earlier records the new ``record`` keeps, newest first: the record it replaces, when that
+    was confirmed for other inputs (stored under :meth:`Request.earlier_key`), then the ones that one kept. None once
+    a record is untrusted: its factory did what no record sees, which an earlier record may not have shown."""
+    if old is None or record["status"] == "untrusted" or not isinstance(old.get("flow"), dict):
+        return []
+    kept = [k for k in _earlier(old) if k != record["flow"]["key"]]
+    replaced = old["flow"].get("key")
+    try:
+        moved = old.get("status") == "confirmed" and replaced != record["flow"]["key"] and changed(old) is not None
+    except (ValueError, KeyError, TypeError):
+        moved = False
+    if moved:
+        store.put(KIND, request.earlier_key(replaced), Entry(meta={k: v for k, v in old.items() if k != "earlier"}))
+        kept = [replaced, *(k for k in kept if k != replaced)]
+    return kept[:KEPT_EARLIER]
+
+
+def _earlier(record: dict[str, Any]) -> list[str]:
+    """The flow keys of the earlier records ``record`` names (read from a store: checked)."""
+    found = record.get("earlier")
+    if not isinstance(found, list):
+        return []
+    return [k for k in found[:KEPT_EARLIER] if isinstance(k, str)]
 
 
 # -- confirming in the background ---------------------------------------------------------------------
@@ -475,25 +511,41 @@ def lookup(request: Request, settings: Settings, store: Any, environ: dict[str, 
 
     ``environ``: the environment the command started with (default: as :func:`serve` took it).
     """
-    record = _load(store, request.key())
-    if record is None:
+    latest = _load(store, request.key())
+    if latest is None:
         return "no record"
-    try:
-        if record.get("status") != "confirmed":
-            why = f"the record is {record.get('status')}: {record.get('reason')}"
-        elif (why := _elsewhere(record, request, settings)) is not None:
-            pass
-        else:
-            syspath = Places(request.root).search_path()
-            why = _changed(record, request, settings, syspath, environ if environ is not None else initial_environ())
-    except (ValueError, KeyError, TypeError) as e:
-        why = f"the record is unusable ({e})"
+    environ = environ if environ is not None else initial_environ()
+    syspath: list[list[str]] = []
+    record, why = latest, _why_not(latest, request, settings, syspath, environ)
+    if why is not None:  # an earlier record may answer: the inputs went back to ones lowered before
+        for flow_key in _earlier(latest):
+            earlier = _load(store, request.earlier_key(flow_key))
+            if earlier is not None and _why_not(earlier, request, settings, syspath, environ) is None \
+                    and earlier["flow"]["key"] == flow_key:
+                record, why = earlier, None
+                break
     if why is not None:
         return why
     flow = store.get("flow", record["flow"]["key"])
     if flow is None:
         return "its flow entry is missing or corrupt"
     return record, flow
+
+
+def _why_not(record: dict[str, Any], request: Request, settings: Settings, syspath: list[list[str]], environ: Any) -> str | None:
+    """Why ``record`` cannot answer ``request`` now, or None. ``syspath``: the search path, found on first need (an
+    empty list until then, filled in place)."""
+    try:
+        if record.get("status") != "confirmed":
+            return f"the record is {record.get('status')}: {record.get('reason')}"
+        why = _elsewhere(record, request, settings)
+        if why is not None:
+            return why
+        if not syspath:
+            syspath.extend(Places(request.root).search_path())
+        return _changed(record, request, settings, syspath, environ)
+    except (ValueError, KeyError, TypeError) as e:
+        return f"the record is unusable ({e})"
 
 
 def _answer(request: Request, settings: Settings, store: Any, started: float, min_snr: float | None = None) -> int | None:

@@ -53,7 +53,8 @@ SCENARIOS: tuple[str, ...] = (
 """Every scenario, in the order the benchmark runs and reports them.
 
 ``process`` times whole commands in new processes (``process.py``): its
-phases are the first four scenarios, chosen with ``--process-phases``.
+phases are the first four scenarios and ``undo`` (the last edit undone),
+chosen with ``--process-phases``.
 """
 
 TARGETS: tuple[str, ...] = ("tosa-int", "tosa-fp", "ethos-u55-128", "ethos-u85-256")

@@ -3,8 +3,8 @@
 A user runs ``lowercache lower`` as a new process, so what they feel is fork to exit: interpreter start-up,
 imports, the server or direct mode, writing the files. The in-process scenarios see none of that (the
 benchmark note's scenario 7). Each cell here is one command's wall time, from the harness's fork to the
-command's exit, for each phase (cold, warm, one block's structure, one block's weights) and each way of
-running:
+command's exit, for each phase (cold, warm, one block's structure, one block's weights, the last edit undone)
+and each way of running:
 
 - the stock script (``stockscript.py``) in a new process, copied into the project directory so that no
   lowercache code is on its import path;
@@ -24,8 +24,9 @@ factory for one benchmark model (an edit rewrites its last line, as a user edits
 private socket directory per server (each started once per repetition, its start-up timed on its own),
 an empty config file, and a copy of lowercache's sources on ``PYTHONPATH``: an edit to the checkout meanwhile
 would otherwise make the server stale (replaced mid-figure) and change direct mode's toolchain digest.
-The edit phases start from a copy of each cache as the warm phase left it. Every ``.pte`` is compared byte for
-byte with the stock script's for the same model and phase.
+The edit phases start from a copy of each cache as the warm phase left it; ``undo`` writes the base model back and
+lowers into the cache the last edit phase left. Every ``.pte`` is compared byte for byte with the stock script's for
+the same model and phase.
 """
 
 from __future__ import annotations
@@ -56,10 +57,12 @@ from .redisserver import RedisServer
 
 HERE = Path(__file__).resolve().parent
 
-PHASES: tuple[str, ...] = ("cold", "warm", "edit-structure", "edit-weights")
-"""What the measured command sees: an empty cache, nothing changed, one block's structure, one block's weights."""
+PHASES: tuple[str, ...] = ("cold", "warm", "edit-structure", "edit-weights", "undo")
+"""What the measured command sees: an empty cache, nothing changed, one block's structure, one block's weights, and
+the last edit undone (the base model again, in the cache the edit left)."""
 
-EDITS: dict[str, str | None] = {"cold": None, "warm": None, "edit-structure": "structure", "edit-weights": "weights"}
+EDITS: dict[str, str | None] = {"cold": None, "warm": None, "edit-structure": "structure", "edit-weights": "weights",
+                                "undo": None}
 
 STOCK = "stock script"
 
@@ -106,13 +109,14 @@ MODE_NOTES: dict[str, str] = {
     "Redis, --no-direct": "the same, `--no-server --no-direct`: a remote flow hit, torch imported",
 }
 
-REPORT_PHASES: tuple[str, ...] = ("cold", "warm-first", "warm", "edit-structure", "edit-weights")
+REPORT_PHASES: tuple[str, ...] = ("cold", "warm-first", "warm", "edit-structure", "edit-weights", "undo")
 PHASE_LABELS: dict[str, str] = {
     "cold": "cold",
     "warm-first": "warm, first re-run",
     "warm": "warm (unchanged)",
     "edit-structure": "one block edited (structure)",
     "edit-weights": "one block's weights",
+    "undo": "the edit undone",
 }
 
 

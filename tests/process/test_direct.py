@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowercache.cache.store import Store
+from lowercache.cache.store import Entry, Store
+from lowercache.direct import Request
 
 from tests.helpers.direct import (MODEL, PORTABLE_MODEL, TARGET, cli_env, confirmed, explain, lower, make_project, served, stock,
                                   weights)
@@ -70,6 +71,40 @@ def test_unchanged_inputs_are_served_without_torch_and_each_changed_input_misses
         assert pte != previous and pte == stock(project, env), name
         assert name in explain(project, cache), name
         previous = pte
+
+
+def test_inputs_lowered_before_are_served_from_an_earlier_record(tmp_path):
+    """An edit undone, then redone, is answered without the factory (as ccache's manifest keeps several results); an
+    earlier record is held to every rule of the latest: it answers only while each input it names is as recorded."""
+    project, cache = make_project(tmp_path / "proj"), tmp_path / "cache"
+    original = (project / "helper.py").read_text()
+    first = confirmed(project, cache)
+    (project / "helper.py").write_text("OFFSET = 0.5\n")
+    second = confirmed(project, cache)
+    assert second != first and second == stock(project)
+
+    (project / "helper.py").write_text(original)  # undone: the same bytes, a new mtime
+    manifest, pte, _ = lower(project, cache)
+    assert served(manifest) and manifest["direct"]["torch_imported"] is False and pte == first
+
+    latest = Request(model="model.py:model", target=TARGET, out_dir="out", cwd=str(project)).key()
+    store = Store(cache)
+    earlier = [key for kind, key in store.actions() if kind == "direct" and key != latest]
+    assert earlier
+    for key in earlier:  # a malformed earlier record answers nothing; the normal path runs
+        store.put("direct", key, Entry(meta={"version": 2, "status": "confirmed", "flow": "not a dict"}))
+    store.close()
+    manifest, pte, _ = lower(project, cache)
+    assert not served(manifest) and pte == first
+    (project / "helper.py").write_text("OFFSET = 0.5\n")  # redone: the record that run replaced answers
+    manifest, pte, _ = lower(project, cache)
+    assert served(manifest) and pte == second
+
+    (project / "helper.py").write_text(original)  # undone, with the weights the earlier record names changed
+    torch.save(weights(2), project / "weights.pt")
+    manifest, pte, _ = lower(project, cache)
+    assert not served(manifest) and pte == stock(project) != first
+    assert "helper.py changed" in explain(project, cache)  # explain names what the latest record found changed
 
 
 def test_a_factory_that_reads_what_no_record_sees_is_never_served(tmp_path):
