@@ -313,9 +313,16 @@ def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], man
     }
     key = request.key()
     old = _load(store, key)
+    since: dict[int, str | None] = {}  # what changed since the replaced record: judged once, for the verdict and the earlier records
+
+    def changed(previous: dict[str, Any]) -> str | None:
+        if id(previous) not in since:
+            since[id(previous)] = _changed(previous, request, recorder.settings, recorder.syspath, recorder.initial_env)
+        return since[id(previous)]
+
     found = verdict(
         old,
-        lambda previous: _changed(previous, request, recorder.settings, recorder.syspath, recorder.initial_env),
+        changed,
         recorder.unrecordable,
         lambda previous: previous.get("flow", {}).get("key") == record["flow"]["key"],
         WORDS,
@@ -327,8 +334,7 @@ def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], man
             return
         found = dataclasses.replace(found, reason=f"{found.reason} ({how})")
     found.stamp(record)
-    record["earlier"] = _kept_earlier(store, request, old, record, lambda previous: _changed(
-        previous, request, recorder.settings, recorder.syspath, recorder.initial_env))
+    record["earlier"] = _kept_earlier(store, request, old, record, changed)
     store.put(KIND, key, Entry(meta=record))
     manifest["direct"] = {"record": record["status"], "reason": record["reason"]}
     if recorder.below_counts:

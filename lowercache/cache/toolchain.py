@@ -90,8 +90,8 @@ def versions(dists: tuple[str, ...], memo: _PartsMemo | None = None) -> dict[str
     """Each distribution's version, as :func:`version` says it, kept in a memo (``toolchain-parts.json``) while no
     directory on ``sys.path`` and no distribution's metadata file has moved (an install, an upgrade, a removal moves
     them): a direct-mode hit does not pay for ``importlib.metadata``'s import and its search (50-100 ms). One entry per
-    search path: the client, the warm server's child and ``python -m`` each have their own, and one entry for all made
-    each overwrite the other's, so the first direct-mode hit after a lowering through the server paid the search."""
+    search path: the installed script, ``python -m lowercache``, a script under ``lowercache run`` each search another
+    path, and with one entry for all, each replaced the other's and the next hit of the other kind searched again."""
     memo = memo or _PartsMemo()
     where = [[d, *_stamp(d)] for d in sys.path]
     name = repr((dists, sys.path))

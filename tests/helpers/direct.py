@@ -78,9 +78,10 @@ def make_project(root: Path, offset: str = "0.0", seed: int = 1, model: str = MO
 
 
 def cli_env(cache_dir: Path, env: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment a test's CLI process gets: the test's settings, its cache, one thread, then ``env``."""
+    """The environment a test's CLI process gets: the test's settings, its cache (the thread count the whole run has,
+    ``tests/conftest.py``), then ``env``."""
     base = {k: v for k, v in BASE_ENV.items() if not k.startswith(("LOWERCACHE_", "XDG_"))}
-    return {**base, **_isolated(), "XDG_CACHE_HOME": _XDG_CACHE, "LOWERCACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1", **(env or {})}
+    return {**base, **_isolated(), "XDG_CACHE_HOME": _XDG_CACHE, "LOWERCACHE_DIR": str(cache_dir), **(env or {})}
 
 
 # The socket directory of this worker's warm server while a module sends ``lower`` through it (``through_server``).
