@@ -40,15 +40,12 @@ from .targets import resolve
 from .output import Report, check_output_dir, report, run_summary, write_files
 from .record.places import Places, hop_dirs, project_root
 from .record.recorder import Recorder, initial_environ, keep_initial_environ, listen
-from .record.trust import (UNSEEN, Words, check_inputs, elsewhere, identity, identity_changed, inputs_changed, put_status, status_lines,
-                           verdict)
+from .record.trust import (UNSEEN, Words, check_inputs, earlier, elsewhere, identity, identity_changed, inputs_changed, kept_earlier,
+                           put_status, status_lines, verdict)
 
 KIND = "direct"
 T = TypeVar("T")
 RECORD_VERSION = 2
-# Earlier confirmed records a command keeps besides its latest one, as ccache's manifest keeps several results: going
-# back to inputs it lowered before (an edit undone, another branch checked out) is answered without the factory.
-KEPT_EARLIER = 4
 # How direct-mode records say the one confirm rule (``record/trust.py``).
 WORDS = Words(
     who="the factory",
@@ -334,7 +331,8 @@ def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], man
             return
         found = dataclasses.replace(found, reason=f"{found.reason} ({how})")
     found.stamp(record)
-    record["earlier"] = _kept_earlier(store, request, old, record, changed)
+    record["earlier"] = kept_earlier(old, record, lambda r: r["flow"]["key"], changed, lambda flow_key: store.put(
+        KIND, request.earlier_key(flow_key), Entry(meta={k: v for k, v in old.items() if k != "earlier"})))
     store.put(KIND, key, Entry(meta=record))
     manifest["direct"] = {"record": record["status"], "reason": record["reason"]}
     if recorder.below_counts:
@@ -343,33 +341,6 @@ def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], man
 
 
 _KEPT_MANIFEST = ("model", "target", "quantization", "toolchain", "speedups", "key_parts", "numerics")
-
-
-def _kept_earlier(store: Any, request: Request, old: dict[str, Any] | None, record: dict[str, Any],
-                  changed: Callable[[dict[str, Any]], str | None]) -> list[str]:
-    """The flow keys of the earlier records the new ``record`` keeps, newest first: the record it replaces, when that
-    was confirmed for other inputs (stored under :meth:`Request.earlier_key`), then the ones that one kept. None once
-    a record is untrusted: its factory did what no record sees, which an earlier record may not have shown."""
-    if old is None or record["status"] == "untrusted" or not isinstance(old.get("flow"), dict):
-        return []
-    kept = [k for k in _earlier(old) if k != record["flow"]["key"]]
-    replaced = old["flow"].get("key")
-    try:
-        moved = old.get("status") == "confirmed" and replaced != record["flow"]["key"] and changed(old) is not None
-    except (ValueError, KeyError, TypeError):
-        moved = False
-    if moved:
-        store.put(KIND, request.earlier_key(replaced), Entry(meta={k: v for k, v in old.items() if k != "earlier"}))
-        kept = [replaced, *(k for k in kept if k != replaced)]
-    return kept[:KEPT_EARLIER]
-
-
-def _earlier(record: dict[str, Any]) -> list[str]:
-    """The flow keys of the earlier records ``record`` names (read from a store: checked)."""
-    found = record.get("earlier")
-    if not isinstance(found, list):
-        return []
-    return [k for k in found[:KEPT_EARLIER] if isinstance(k, str)]
 
 
 # -- confirming in the background ---------------------------------------------------------------------
@@ -524,11 +495,11 @@ def lookup(request: Request, settings: Settings, store: Any, environ: dict[str, 
     syspath: list[list[str]] = []
     record, why = latest, _why_not(latest, request, settings, syspath, environ)
     if why is not None:  # an earlier record may answer: the inputs went back to ones lowered before
-        for flow_key in _earlier(latest):
-            earlier = _load(store, request.earlier_key(flow_key))
-            if earlier is not None and _why_not(earlier, request, settings, syspath, environ) is None \
-                    and earlier["flow"]["key"] == flow_key:
-                record, why = earlier, None
+        for flow_key in earlier(latest):
+            found = _load(store, request.earlier_key(flow_key))
+            if found is not None and _why_not(found, request, settings, syspath, environ) is None \
+                    and found["flow"]["key"] == flow_key:
+                record, why = found, None
                 break
     if why is not None:
         return why

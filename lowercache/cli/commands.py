@@ -26,7 +26,6 @@ from typing import Any, Callable, Iterator, List, Optional
 import typer
 from typer.core import TyperCommand, TyperGroup
 from rich.console import Console
-from rich.table import Table
 
 from ..errors import INTERRUPTED, LowercacheError, by_ctrl_c, interrupted, user_line
 from ..output import counted

@@ -215,6 +215,44 @@ def verdict(previous: dict[str, Any] | None, changed: Callable[[dict[str, Any]],
                    bound=bool(was.get("bound")))
 
 
+# Earlier confirmed records a command keeps besides its latest one, as ccache's manifest keeps several results: going
+# back to inputs seen before (an edit undone, another branch checked out) is answered without running anything again.
+KEPT_EARLIER = 4
+
+
+def kept_earlier(old: dict[str, Any] | None, record: dict[str, Any], result_of: Callable[[dict[str, Any]], str],
+                 changed: Callable[[dict[str, Any]], str | None], keep: Callable[[str], None]) -> list[str]:
+    """The results of the earlier records the new ``record`` keeps, newest first (its ``earlier`` list).
+
+    ``old``: the record it replaces; kept (``keep(result)`` stores it under its
+    result) when it was confirmed for other inputs and another result, then
+    followed by the ones it kept. None once ``record`` is untrusted: its run did
+    what no record sees, which an earlier record may not have shown.
+    ``result_of(record)``: what names a record's result (direct mode: the flow
+    key; ``run``: its outputs' digest). ``changed``: as :func:`verdict`'s.
+    """
+    if old is None or record["status"] == "untrusted":
+        return []
+    try:
+        replaced = result_of(old)
+        moved = old.get("status") == "confirmed" and replaced != result_of(record) and changed(old) is not None
+    except (ValueError, KeyError, TypeError):
+        return []
+    kept = [k for k in earlier(old) if k != result_of(record)]
+    if moved:
+        keep(replaced)
+        kept = [replaced, *(k for k in kept if k != replaced)]
+    return kept[:KEPT_EARLIER]
+
+
+def earlier(record: dict[str, Any]) -> list[str]:
+    """The results of the earlier records ``record`` names, newest first (read from a store: checked)."""
+    found = record.get("earlier")
+    if not isinstance(found, list):
+        return []
+    return [k for k in found[:KEPT_EARLIER] if isinstance(k, str)]
+
+
 def put_status(store: Any, name: str, outcome: str, reason: str) -> None:
     """Remember what a lookup found or a record became, for ``explain`` (``lowercache run``'s records too)."""
     if getattr(store, "writable", False):

@@ -42,8 +42,8 @@ from ..config import Settings, load_settings
 from ..errors import LowercacheError
 from ..record.places import Places, hop_dirs, path_state, project_root, read_file
 from ..record.recorder import Recorder, listen, opens_to_write
-from ..record.trust import (UNSEEN, Words, check_inputs, elsewhere, identity, identity_changed, inputs_changed, put_status, status_lines,
-                            verdict)
+from ..record.trust import (UNSEEN, Words, check_inputs, earlier, elsewhere, identity, identity_changed, inputs_changed,
+                            kept_earlier, put_status, status_lines, verdict)
 from ..targets.arm_ethosu import VELA_SCRATCH_PREFIX
 from . import ahead, pyexec
 
@@ -83,6 +83,10 @@ class Command:
         """The command line, the working directory relative to the project root and the ``--out`` directories."""
         return digest_json({"version": RECORD_VERSION, "argv": self.argv, "cwd": os.path.relpath(self.cwd, self.root),
                             "outs": [os.path.relpath(os.path.abspath(o), self.cwd) for o in self.outs]})
+
+    def earlier_key(self, result: str) -> str:
+        """Where an earlier confirmed record of this command is kept, by the digest of what it replays."""
+        return digest_json({"earlier": self.key(), "result": result})
 
     def allowed(self) -> list[str]:
         return [os.path.abspath(self.cwd), *(os.path.abspath(o) for o in self.outs)]
@@ -282,8 +286,8 @@ def explain(store: Any, command: Command) -> list[str]:
     return [*lines, f"replay {UNSEEN}"]
 
 
-def _load(store: Any, command: Command) -> Entry | None:
-    entry = store.get(KIND, command.key())
+def _load(store: Any, key: str) -> Entry | None:
+    entry = store.get(KIND, key)
     if entry is None or not isinstance(entry.meta, dict) or entry.meta.get("version") != RECORD_VERSION:
         return None
     return entry
@@ -493,9 +497,9 @@ def run(command: Command, settings: Settings, env: dict[str, str]) -> int:
         except LowercacheError:
             store = None
     try:
-        entry = _lookup(store, command, settings, env) if store is not None else None
-        if entry is not None:
-            return _answer(store, command, entry, env, settings)
+        found = _lookup(store, command, settings, env) if store is not None else None
+        if found is not None:
+            return _answer(store, command, *found, env, settings)
         if store is None or not store.writable:
             return _run_child(command, env, settings)[0]
         return _record(store, command, settings, env)
@@ -504,21 +508,31 @@ def run(command: Command, settings: Settings, env: dict[str, str]) -> int:
             store.close()
 
 
-def _lookup(store: Any, command: Command, settings: Settings, env: dict[str, str]) -> Entry | None:
-    entry = _load(store, command)
+def _lookup(store: Any, command: Command, settings: Settings, env: dict[str, str]) -> tuple[Entry, str] | None:
+    """The record that answers this run and which one it is: the latest, else an earlier one whose inputs are back."""
+    entry = _load(store, command.key())
     if entry is None:
         return None
+    why = _judged(entry, command, settings, env)
+    if why is None:
+        return entry, "its record"
+    for result in earlier(entry.meta):
+        found = _load(store, command.earlier_key(result))
+        if found is not None and found.meta.get("result") == result and _judged(found, command, settings, env) is None:
+            return found, f"an earlier record (the latest: {why})"
+    _set_status(store, command, "lookup", "not used", why)
+    return None
+
+
+def _judged(entry: Entry, command: Command, settings: Settings, env: dict[str, str]) -> str | None:
+    """:func:`_why_not`, with a record too malformed to judge saying so."""
     try:
-        why = _why_not(entry, command, settings, env)
+        return _why_not(entry, command, settings, env)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        why = f"the record is unusable ({e})"
-    if why is not None:
-        _set_status(store, command, "lookup", "not used", why)
-        return None
-    return entry
+        return f"the record is unusable ({e})"
 
 
-def _answer(store: Any, command: Command, entry: Entry, env: dict[str, str], settings: Settings) -> int:
+def _answer(store: Any, command: Command, entry: Entry, which: str, env: dict[str, str], settings: Settings) -> int:
     started = time.perf_counter()
     try:
         _replay(entry, command)
@@ -532,7 +546,8 @@ def _answer(store: Any, command: Command, entry: Entry, env: dict[str, str], set
             stream.flush()
     seconds = time.perf_counter() - started
     store.add_counts({KIND: {"hit": 1}}, max(entry.meta["cost"] - seconds, 0.0))
-    _set_status(store, command, "lookup", "hit", f"replayed {sum(o['kind'] == 'file' for o in entry.meta['outputs'])} files and the output without running the command")
+    files = sum(o["kind"] == "file" for o in entry.meta["outputs"])
+    _set_status(store, command, "lookup", "hit", f"replayed {files} files and the output from {which} without running the command")
     return 0
 
 
@@ -600,17 +615,22 @@ def _store(store: Any, command: Command, settings: Settings, env: dict[str, str]
         "recorded_ns": observation["recorded_ns"],
         "outputs": outputs,
         "cost": cost,
+        "result": _result(outputs, out, err),
     }
     _check(record)
-    old = _load(store, command)
+    old = _load(store, command.key())
 
     def changed(previous: dict[str, Any]) -> str | None:
         _check(previous)
         return identity_changed(previous.get("identity"), record["identity"]) or inputs_changed(
             previous["inputs"], Places(command.root), previous["recorded_ns"], command.cwd, env)
 
-    verdict(old.meta if old is not None else None, changed, [], lambda previous: _written(previous) == _written(record), WORDS,
-            command.root).stamp(record)
+    previous = old.meta if old is not None else None
+    verdict(previous, changed, [], lambda previous: _written(previous) == _written(record), WORDS, command.root).stamp(record)
+    if old is not None:
+        record["earlier"] = kept_earlier(previous, record, lambda r: r["result"], changed, lambda result: store.put(
+            KIND, command.earlier_key(result), Entry(meta={k: v for k, v in old.meta.items() if k != "earlier"}, blobs=old.blobs,
+                                                     cost=old.cost)))
     store.put(KIND, command.key(), Entry(meta=record, blobs=blobs, cost=cost))
     store.add_counts({KIND: {"miss": 1}})
     _set_status(store, command, "record", record["status"], record["reason"])
@@ -618,4 +638,9 @@ def _store(store: Any, command: Command, settings: Settings, env: dict[str, str]
 
 def _written(record: dict[str, Any]) -> list[Any]:
     return [[o["ref"], o["kind"], o.get("digest"), o.get("mode")] for o in record["outputs"]]
+
+
+def _result(outputs: list[dict[str, Any]], out: bytes, err: bytes) -> str:
+    """What a replay gives: the files and both streams. Names an earlier record."""
+    return digest_json({"files": _written({"outputs": outputs}), "stdout": digest(out), "stderr": digest(err)})
 

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from lowercache.cache.store import Store
+from lowercache.run.replay import Command
 
 from tests.helpers import replay
 
@@ -138,6 +139,52 @@ def test_a_damaged_stored_output_is_not_replayed(tmp_path, cache_dir):
     assert replay.run(project, cache_dir, "X").returncode == 0
     assert "a stored output is missing or damaged" in replay.explain(project, cache_dir, "X")
     assert (project / "out" / "result.txt").read_text() == "ABCX-"
+
+
+def test_inputs_run_before_are_replayed_from_an_earlier_record(tmp_path, cache_dir):
+    """An edit undone: the confirmed record of the inputs before it answers with what a plain run writes and prints; a
+    damaged earlier record answers nothing, and inputs never run before run."""
+    project = replay.project(tmp_path)
+    for _ in range(3):
+        assert replay.run(project, cache_dir, "X").returncode == 0
+
+    def edit(text: str) -> None:
+        (project / "in.txt").write_text(text)
+        time.sleep(0.1)
+
+    def hits() -> int:
+        store = Store(cache_dir)
+        try:
+            return store.counters().get("count/run/hit", 0)
+        finally:
+            store.close()
+
+    def served_as_plain(text: str, served: bool) -> str:
+        edit(text)
+        before = hits()
+        result = replay.run(project, cache_dir, "X")
+        wrote = (project / "out" / "result.txt").read_bytes()
+        plain = replay.plain(project, "X")
+        assert (result.returncode, result.stdout, result.stderr) == (0, plain.stdout, plain.stderr)
+        assert wrote == (project / "out" / "result.txt").read_bytes() == text.upper().encode() + b"X-"
+        assert hits() == before + served, replay.explain(project, cache_dir, "X")
+        return replay.explain(project, cache_dir, "X")
+
+    assert "latest record: unconfirmed" in served_as_plain("abd", served=False)
+    assert "hit: replayed 1 files and the output from an earlier record" in served_as_plain("abc", served=True)
+    assert "latest record: confirmed" in served_as_plain("abd", served=False)
+    assert "from its record" in served_as_plain("abd", served=True)
+    assert "from an earlier record" in served_as_plain("abc", served=True)
+    assert "from its record" in served_as_plain("abd", served=True)
+
+    store = Store(cache_dir)
+    [(kind, key)] = [a for a in store.actions() if a[0] == "run" and a[1] != Command([sys.executable, "script.py", "X"], cwd=str(project)).key()]
+    entry = store.get(kind, key)
+    entry.blobs[next(o["blob"] for o in entry.meta["outputs"] if o["kind"] == "file")] = b"ABZX-"
+    store.put(kind, key, entry)
+    store.close()
+    assert "not used" in served_as_plain("abc", served=False)
+    assert "not used" in served_as_plain("abe", served=False)
 
 
 def test_files_written_into_an_out_directory_are_replayed(tmp_path, cache_dir):
