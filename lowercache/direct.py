@@ -40,8 +40,8 @@ from .targets import resolve
 from .output import Report, check_output_dir, report, run_summary, write_files
 from .record.places import Places, hop_dirs, project_root
 from .record.recorder import Recorder, initial_environ, keep_initial_environ, listen
-from .record.trust import (UNSEEN, Words, check_inputs, earlier, elsewhere, identity, identity_changed, inputs_changed, kept_earlier,
-                           put_status, status_lines, verdict)
+from .record.trust import (UNSEEN, Words, check_inputs, earlier, earlier_said, elsewhere, identity, identity_changed, inputs_changed,
+                           kept_earlier, put_status, status_lines, verdict)
 
 KIND = "direct"
 T = TypeVar("T")
@@ -495,12 +495,18 @@ def lookup(request: Request, settings: Settings, store: Any, environ: dict[str, 
     syspath: list[list[str]] = []
     record, why = latest, _why_not(latest, request, settings, syspath, environ)
     if why is not None:  # an earlier record may answer: the inputs went back to ones lowered before
+        whys = []
         for flow_key in earlier(latest):
             found = _load(store, request.earlier_key(flow_key))
-            if found is not None and _why_not(found, request, settings, syspath, environ) is None \
-                    and found["flow"]["key"] == flow_key:
+            if found is None or not isinstance(found.get("flow"), dict) or found["flow"].get("key") != flow_key:
+                whys.append("missing or malformed")
+                continue
+            whys.append(_why_not(found, request, settings, syspath, environ))
+            if whys[-1] is None:
                 record, why = found, None
                 break
+        else:
+            why = why + earlier_said(whys)
     if why is not None:
         return why
     flow = store.get("flow", record["flow"]["key"])

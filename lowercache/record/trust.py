@@ -253,6 +253,13 @@ def earlier(record: dict[str, Any]) -> list[str]:
     return [k for k in found[:KEPT_EARLIER] if isinstance(k, str)]
 
 
+def earlier_said(whys: list[str | None]) -> str:
+    """What a lookup adds to the latest record's reason about the earlier ones it tried, for ``explain``."""
+    if not whys:
+        return ""
+    return f"; {len(whys)} earlier record{'s' if len(whys) > 1 else ''} did not answer either (the newest: {whys[0]})"
+
+
 def put_status(store: Any, name: str, outcome: str, reason: str) -> None:
     """Remember what a lookup found or a record became, for ``explain`` (``lowercache run``'s records too)."""
     if getattr(store, "writable", False):

@@ -42,7 +42,7 @@ from ..config import Settings, load_settings
 from ..errors import LowercacheError
 from ..record.places import Places, hop_dirs, path_state, project_root, read_file
 from ..record.recorder import Recorder, listen, opens_to_write
-from ..record.trust import (UNSEEN, Words, check_inputs, earlier, elsewhere, identity, identity_changed, inputs_changed,
+from ..record.trust import (UNSEEN, Words, check_inputs, earlier, earlier_said, elsewhere, identity, identity_changed, inputs_changed,
                             kept_earlier, put_status, status_lines, verdict)
 from ..targets.arm_ethosu import VELA_SCRATCH_PREFIX
 from . import ahead, pyexec
@@ -516,11 +516,16 @@ def _lookup(store: Any, command: Command, settings: Settings, env: dict[str, str
     why = _judged(entry, command, settings, env)
     if why is None:
         return entry, "its record"
+    whys: list[str | None] = []
     for result in earlier(entry.meta):
         found = _load(store, command.earlier_key(result))
-        if found is not None and found.meta.get("result") == result and _judged(found, command, settings, env) is None:
+        if found is None or found.meta.get("result") != result:
+            whys.append("missing or malformed")
+            continue
+        whys.append(_judged(found, command, settings, env))
+        if whys[-1] is None:
             return found, f"an earlier record (the latest: {why})"
-    _set_status(store, command, "lookup", "not used", why)
+    _set_status(store, command, "lookup", "not used", why + earlier_said(whys))
     return None
 
 

@@ -104,7 +104,8 @@ def test_inputs_lowered_before_are_served_from_an_earlier_record(tmp_path):
     torch.save(weights(2), project / "weights.pt")
     manifest, pte, _ = lower(project, cache)
     assert not served(manifest) and pte == stock(project) != first
-    assert "helper.py changed" in explain(project, cache)  # explain names what the latest record found changed
+    explained = explain(project, cache)  # what the latest record found changed, then the earlier ones
+    assert "helper.py changed" in explained and "1 earlier record did not answer either (the newest: helper.py changed)" in explained
 
 
 def test_a_factory_that_reads_what_no_record_sees_is_never_served(tmp_path):
