@@ -9,7 +9,8 @@ file): the plain command, then under ``lowercache run`` twice over, each with an
 as a new process (``--no-server``) and in a child of the warm server (started once beforehand, in a
 socket directory of the benchmark's own; its start is timed apart). Each goes through the phases cold,
 the first re-run (it confirms the record: the script runs, its Arm steps served), a warm re-run
-(replayed), and one block edited (its structure, or with ``--edit weights`` its weights). ``--non-strict``
+(replayed), one block edited (its structure, or with ``--edit weights`` its weights) and that edit undone
+(the base model written back: replayed from the record the edit replaced). ``--non-strict``
 passes aot_arm_compiler's ``--non_strict_export``: its re-export after ``convert_pt2e`` is then ``lower``'s own
 ``reexport`` step under ``run``. ``--no-run-ahead`` sets ``LOWERCACHE_RUN_AHEAD=0`` for every lowercache command (``run``'s
 runner off, docs/run.md#run-ahead), for an A/B of it. Every .pte is compared byte for byte with the plain
@@ -34,7 +35,7 @@ from lowercache.bench.process import timed
 from lowercache.targets.arm_tosa import PROFILES as TOSA_TARGETS
 
 MODELS = Path(__file__).resolve().parent.parent / "lowercache" / "bench" / "models.py"
-PHASES = ("cold", "warm, first re-run", "warm (replayed)", "one block edited")
+PHASES = ("cold", "warm, first re-run", "warm (replayed)", "one block edited", "the edit undone")
 MODES = {"new process": ["--no-server"], "warm server": []}
 LOWER_TARGETS = {aot_name: name for name, aot_name in TOSA_TARGETS.items()}  # aot_arm_compiler's names -> lower's
 RUN_AHEAD: dict[str, str] = {}  # {"LOWERCACHE_RUN_AHEAD": "0"} with --no-run-ahead
