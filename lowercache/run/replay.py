@@ -624,11 +624,14 @@ def _store(store: Any, command: Command, settings: Settings, env: dict[str, str]
     }
     _check(record)
     old = _load(store, command.key())
+    since: dict[int, str | None] = {}  # what changed since the replaced record: judged once, for the verdict and the earlier records
 
     def changed(previous: dict[str, Any]) -> str | None:
-        _check(previous)
-        return identity_changed(previous.get("identity"), record["identity"]) or inputs_changed(
-            previous["inputs"], Places(command.root), previous["recorded_ns"], command.cwd, env)
+        if id(previous) not in since:
+            _check(previous)
+            since[id(previous)] = identity_changed(previous.get("identity"), record["identity"]) or inputs_changed(
+                previous["inputs"], Places(command.root), previous["recorded_ns"], command.cwd, env)
+        return since[id(previous)]
 
     previous = old.meta if old is not None else None
     verdict(previous, changed, [], lambda previous: _written(previous) == _written(record), WORDS, command.root).stamp(record)
