@@ -40,7 +40,7 @@ from .targets import resolve
 from .output import Report, check_output_dir, report, run_summary, write_files
 from .record.places import Places, hop_dirs, project_root
 from .record.recorder import Recorder, initial_environ, keep_initial_environ, listen
-from .record.trust import (UNSEEN, Words, check_inputs, earlier, earlier_said, elsewhere, identity, identity_changed, inputs_changed,
+from .record.trust import (UNSEEN, Words, check_inputs, elsewhere, from_earlier, identity, identity_changed, inputs_changed, judged_once,
                            kept_earlier, put_status, status_lines, verdict)
 
 KIND = "direct"
@@ -310,13 +310,7 @@ def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], man
     }
     key = request.key()
     old = _load(store, key)
-    since: dict[int, str | None] = {}  # what changed since the replaced record: judged once, for the verdict and the earlier records
-
-    def changed(previous: dict[str, Any]) -> str | None:
-        if id(previous) not in since:
-            since[id(previous)] = _changed(previous, request, recorder.settings, recorder.syspath, recorder.initial_env)
-        return since[id(previous)]
-
+    changed = judged_once(lambda previous: _changed(previous, request, recorder.settings, recorder.syspath, recorder.initial_env))
     found = verdict(
         old,
         changed,
@@ -331,8 +325,8 @@ def _store_record(recorder: LowerRecorder, store: Any, flow: dict[str, Any], man
             return
         found = dataclasses.replace(found, reason=f"{found.reason} ({how})")
     found.stamp(record)
-    record["earlier"] = kept_earlier(old, record, lambda r: r["flow"]["key"], changed, lambda flow_key: store.put(
-        KIND, request.earlier_key(flow_key), Entry(meta={k: v for k, v in old.items() if k != "earlier"})))
+    record["earlier"] = kept_earlier(old, record, lambda r: r["flow"]["key"], changed, lambda flow_key, meta: store.put(
+        KIND, request.earlier_key(flow_key), Entry(meta=meta)))
     store.put(KIND, key, Entry(meta=record))
     manifest["direct"] = {"record": record["status"], "reason": record["reason"]}
     if recorder.below_counts:
@@ -495,18 +489,13 @@ def lookup(request: Request, settings: Settings, store: Any, environ: dict[str, 
     syspath: list[list[str]] = []
     record, why = latest, _why_not(latest, request, settings, syspath, environ)
     if why is not None:  # an earlier record may answer: the inputs went back to ones lowered before
-        whys = []
-        for flow_key in earlier(latest):
+
+        def load(flow_key: str) -> dict[str, Any] | None:
             found = _load(store, request.earlier_key(flow_key))
-            if found is None or not isinstance(found.get("flow"), dict) or found["flow"].get("key") != flow_key:
-                whys.append("missing or malformed")
-                continue
-            whys.append(_why_not(found, request, settings, syspath, environ))
-            if whys[-1] is None:
-                record, why = found, None
-                break
-        else:
-            why = why + earlier_said(whys)
+            return found if found is not None and isinstance(found.get("flow"), dict) and found["flow"].get("key") == flow_key else None
+
+        found, said = from_earlier(latest, load, lambda r: _why_not(r, request, settings, syspath, environ))
+        record, why = (found, None) if found is not None else (latest, why + said)
     if why is not None:
         return why
     flow = store.get("flow", record["flow"]["key"])

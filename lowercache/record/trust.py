@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from .. import startup
 from ..cache.digests import digest, digest_json
@@ -22,6 +22,7 @@ from ..cache.toolchain import toolchain_parts
 from ..config import Settings
 from .places import Places, entries, named, relinked, same_installed, same_state
 
+R = TypeVar("R")
 # Variables native code reads at start-up (threads, CPU kernels, hash seed): recorded for every factory.
 NATIVE_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "ATEN_CPU_CAPABILITY", "PYTHONHASHSEED")
 
@@ -220,16 +221,30 @@ def verdict(previous: dict[str, Any] | None, changed: Callable[[dict[str, Any]],
 KEPT_EARLIER = 4
 
 
+def judged_once(changed: Callable[[dict[str, Any]], str | None]) -> Callable[[dict[str, Any]], str | None]:
+    """``changed`` answering once per record: :func:`verdict` and :func:`kept_earlier` both ask it of the replaced
+    record, and each answer is a stat pass over every input that record names. A record that raises is asked again."""
+    since: dict[int, str | None] = {}
+
+    def once(previous: dict[str, Any]) -> str | None:
+        if id(previous) not in since:
+            since[id(previous)] = changed(previous)
+        return since[id(previous)]
+
+    return once
+
+
 def kept_earlier(old: dict[str, Any] | None, record: dict[str, Any], result_of: Callable[[dict[str, Any]], str],
-                 changed: Callable[[dict[str, Any]], str | None], keep: Callable[[str], None]) -> list[str]:
+                 changed: Callable[[dict[str, Any]], str | None], keep: Callable[[str, dict[str, Any]], None]) -> list[str]:
     """The results of the earlier records the new ``record`` keeps, newest first (its ``earlier`` list).
 
-    ``old``: the record it replaces; kept (``keep(result)`` stores it under its
-    result) when it was confirmed for other inputs and another result, then
-    followed by the ones it kept. None once ``record`` is untrusted: its run did
-    what no record sees, which an earlier record may not have shown.
-    ``result_of(record)``: what names a record's result (direct mode: the flow
-    key; ``run``: its outputs' digest). ``changed``: as :func:`verdict`'s.
+    ``old``: the record it replaces; kept (``keep(result, old_without_its_list)``
+    stores it under its result) when it was confirmed for other inputs and
+    another result, then followed by the ones it kept. None once ``record`` is
+    untrusted: its run did what no record sees, which an earlier record may not
+    have shown. ``result_of(record)``: what names a record's result (direct
+    mode: the flow key; ``run``: its outputs' digest). ``changed``: as
+    :func:`verdict`'s.
     """
     if old is None or record["status"] == "untrusted":
         return []
@@ -240,7 +255,7 @@ def kept_earlier(old: dict[str, Any] | None, record: dict[str, Any], result_of: 
         return []
     kept = [k for k in earlier(old) if k != result_of(record)]
     if moved:
-        keep(replaced)
+        keep(replaced, {k: v for k, v in old.items() if k != "earlier"})
         kept = [replaced, *(k for k in kept if k != replaced)]
     return kept[:KEPT_EARLIER]
 
@@ -251,6 +266,19 @@ def earlier(record: dict[str, Any]) -> list[str]:
     if not isinstance(found, list):
         return []
     return [k for k in found[:KEPT_EARLIER] if isinstance(k, str)]
+
+
+def from_earlier(latest: dict[str, Any], load: Callable[[str], R | None], why_not: Callable[[R], str | None]) -> tuple[R | None, str]:
+    """The newest earlier record ``latest`` names that can answer (``why_not`` None), and ""; else None and what a
+    lookup adds to the latest record's reason about them, for ``explain``. ``load(result)``: the record kept under
+    that result, or None when it is missing or names another result."""
+    whys: list[str | None] = []
+    for result in earlier(latest):
+        found = load(result)
+        whys.append("missing or malformed" if found is None else why_not(found))
+        if whys[-1] is None:
+            return found, ""
+    return None, earlier_said(whys)
 
 
 def earlier_said(whys: list[str | None]) -> str:

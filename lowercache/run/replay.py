@@ -42,7 +42,7 @@ from ..config import Settings, load_settings
 from ..errors import LowercacheError
 from ..record.places import Places, hop_dirs, path_state, project_root, read_file
 from ..record.recorder import Recorder, listen, opens_to_write
-from ..record.trust import (UNSEEN, Words, check_inputs, earlier, earlier_said, elsewhere, identity, identity_changed, inputs_changed,
+from ..record.trust import (UNSEEN, Words, check_inputs, elsewhere, from_earlier, identity, identity_changed, inputs_changed, judged_once,
                             kept_earlier, put_status, status_lines, verdict)
 from ..targets.arm_ethosu import VELA_SCRATCH_PREFIX
 from . import ahead, pyexec
@@ -516,16 +516,15 @@ def _lookup(store: Any, command: Command, settings: Settings, env: dict[str, str
     why = _judged(entry, command, settings, env)
     if why is None:
         return entry, "its record"
-    whys: list[str | None] = []
-    for result in earlier(entry.meta):
+
+    def load(result: str) -> Entry | None:
         found = _load(store, command.earlier_key(result))
-        if found is None or found.meta.get("result") != result:
-            whys.append("missing or malformed")
-            continue
-        whys.append(_judged(found, command, settings, env))
-        if whys[-1] is None:
-            return found, f"an earlier record (the latest: {why})"
-    _set_status(store, command, "lookup", "not used", why + earlier_said(whys))
+        return found if found is not None and found.meta.get("result") == result else None
+
+    found, said = from_earlier(entry.meta, load, lambda e: _judged(e, command, settings, env))
+    if found is not None:
+        return found, f"an earlier record (the latest: {why})"
+    _set_status(store, command, "lookup", "not used", why + said)
     return None
 
 
@@ -624,21 +623,18 @@ def _store(store: Any, command: Command, settings: Settings, env: dict[str, str]
     }
     _check(record)
     old = _load(store, command.key())
-    since: dict[int, str | None] = {}  # what changed since the replaced record: judged once, for the verdict and the earlier records
 
+    @judged_once
     def changed(previous: dict[str, Any]) -> str | None:
-        if id(previous) not in since:
-            _check(previous)
-            since[id(previous)] = identity_changed(previous.get("identity"), record["identity"]) or inputs_changed(
-                previous["inputs"], Places(command.root), previous["recorded_ns"], command.cwd, env)
-        return since[id(previous)]
+        _check(previous)
+        return identity_changed(previous.get("identity"), record["identity"]) or inputs_changed(
+            previous["inputs"], Places(command.root), previous["recorded_ns"], command.cwd, env)
 
     previous = old.meta if old is not None else None
     verdict(previous, changed, [], lambda previous: _written(previous) == _written(record), WORDS, command.root).stamp(record)
     if old is not None:
-        record["earlier"] = kept_earlier(previous, record, lambda r: r["result"], changed, lambda result: store.put(
-            KIND, command.earlier_key(result), Entry(meta={k: v for k, v in old.meta.items() if k != "earlier"}, blobs=old.blobs,
-                                                     cost=old.cost)))
+        record["earlier"] = kept_earlier(previous, record, lambda r: r["result"], changed, lambda result, meta: store.put(
+            KIND, command.earlier_key(result), Entry(meta=meta, blobs=old.blobs, cost=old.cost)))
     store.put(KIND, command.key(), Entry(meta=record, blobs=blobs, cost=cost))
     store.add_counts({KIND: {"miss": 1}})
     _set_status(store, command, "record", record["status"], record["reason"])

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from lowercache.record.trust import KEPT_EARLIER, earlier, earlier_said, kept_earlier
+from lowercache.record.trust import KEPT_EARLIER, earlier, earlier_said, from_earlier, judged_once, kept_earlier
 
 
 def _keep(old, record, changed="in.txt changed"):
     stored: list[str] = []
-    kept = kept_earlier(old, record, lambda r: r["result"], lambda previous: changed, stored.append)
+
+    def keep(result: str, meta: dict) -> None:
+        assert "earlier" not in meta and meta["result"] == result  # kept without its own list
+        stored.append(result)
+
+    kept = kept_earlier(old, record, lambda r: r["result"], lambda previous: changed, keep)
     return kept, stored
 
 
@@ -42,3 +47,21 @@ def test_at_most_the_newest_four_are_kept_and_a_stored_list_is_checked():
     assert earlier_said([]) == ""
     assert earlier_said(["a stored output is missing or damaged", None]) == (
         "; 2 earlier records did not answer either (the newest: a stored output is missing or damaged)")
+
+
+@pytest.mark.quick
+def test_a_lookup_takes_the_newest_earlier_record_that_answers_and_says_why_none_did():
+    latest = {"earlier": ["a", "b", "c"]}
+    kept = {"a": {"why": "in.txt changed"}, "c": {"why": None}}
+    assert from_earlier(latest, kept.get, lambda r: r["why"]) == ({"why": None}, "")
+    assert from_earlier(latest, {"a": kept["a"]}.get, lambda r: r["why"]) == (
+        None, "; 3 earlier records did not answer either (the newest: in.txt changed)")
+    assert from_earlier({}, kept.get, lambda r: r["why"]) == (None, "")
+
+
+@pytest.mark.quick
+def test_whats_changed_is_judged_once_per_record():
+    asked: list[int] = []
+    changed = judged_once(lambda previous: asked.append(id(previous)) or "x changed")
+    one, two = {}, {}
+    assert [changed(one), changed(one), changed(two)] == ["x changed"] * 3 and asked == [id(one), id(two)]
