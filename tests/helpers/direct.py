@@ -123,10 +123,13 @@ def without_server() -> Iterator[None]:
         _server_run = saved
 
 
-def lower(project: Path, cache_dir: Path, *extra: str, env: dict[str, str] | None = None, out: str = "out"):
+def lower(project: Path, cache_dir: Path, *extra: str, env: dict[str, str] | None = None, out: str = "out",
+          interpreter: tuple[str, ...] = ()):
+    """``lowercache lower`` of the project in a new process (``interpreter``: Python's own flags, such as ``-O``); its
+    manifest, bytes and the finished process."""
     own = env or {}
     result = subprocess.run(
-        [sys.executable, "-m", "lowercache.cli", "lower", "model.py:model", "-t", TARGET, "-o", out, *extra],
+        [sys.executable, *interpreter, "-m", "lowercache.cli", "lower", "model.py:model", "-t", TARGET, "-o", out, *extra],
         capture_output=True, text=True, cwd=project, env=cli_env(cache_dir, {**server_env(own), **own}), timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -203,11 +206,11 @@ def tiny_project(root: Path, model: str, git: bool = True) -> Path:
     return root
 
 
-def confirmed(project: Path, cache_dir: Path, env: dict[str, str] | None = None) -> bytes:
+def confirmed(project: Path, cache_dir: Path, env: dict[str, str] | None = None, interpreter: tuple[str, ...] = ()) -> bytes:
     """Record, then confirm (the first re-run with the same inputs is never served); returns the bytes."""
-    first, pte, _ = lower(project, cache_dir, env=env)
+    first, pte, _ = lower(project, cache_dir, env=env, interpreter=interpreter)
     assert first["direct"]["record"] == "unconfirmed", first.get("direct")
-    second, again, _ = lower(project, cache_dir, env=env)
+    second, again, _ = lower(project, cache_dir, env=env, interpreter=interpreter)
     assert not served(second) and second["direct"]["record"] == "confirmed", second.get("direct")
     assert again == pte
     return pte

@@ -108,6 +108,35 @@ def test_inputs_lowered_before_are_served_from_an_earlier_record(tmp_path):
     assert "helper.py changed" in explained and "1 earlier record did not answer either (the newest: helper.py changed)" in explained
 
 
+# A helper whose value depends on whether Python runs its asserts (``-O`` strips them).
+ASSERTING_HELPER = "OFFSET = 0.0\ntry:\n    assert False\nexcept AssertionError:\n    OFFSET = 0.5\n"
+
+
+def test_settings_changed_and_set_back_are_served_from_the_earlier_records(tmp_path):
+    """What is not a file, changed then set back: a variable, then an interpreter flag. Each first setting's record
+    answers again, a variable that only says how output is shown does not stop it, and a combination no record has
+    seen lowers afresh."""
+    project, cache = make_project(tmp_path / "proj"), tmp_path / "cache"
+    (project / "helper.py").write_text(ASSERTING_HELPER)
+    one, two = {"LC_TEST_SCALE": "1.0"}, {"LC_TEST_SCALE": "2.0"}
+
+    def fresh_bytes(interpreter: tuple[str, ...], env: dict[str, str]) -> bytes:
+        return lower(project, cache, "--no-cache", "--no-server", env=env, out="fresh", interpreter=interpreter)[1]
+
+    recorded = {((), "1.0"): confirmed(project, cache, one), ((), "2.0"): confirmed(project, cache, two)}
+    recorded[("-O",), "1.0"] = lower(project, cache, env=one, interpreter=("-O",))[1]  # the latest: the two kept earlier
+    assert recorded[(), "1.0"] == stock(project, one) and recorded[(), "2.0"] == stock(project, two)
+    assert recorded[("-O",), "1.0"] == fresh_bytes(("-O",), one) and len(set(recorded.values())) == 3
+
+    for env in (two, one, {**one, "COLUMNS": "80", "LINES": "24"}):
+        manifest, pte, result = lower(project, cache, env=env)
+        assert served(manifest) and pte == recorded[(), env["LC_TEST_SCALE"]], result.stderr[-2000:]
+
+    manifest, pte, _ = lower(project, cache, env=two, interpreter=("-O",))
+    assert not served(manifest) and pte == fresh_bytes(("-O",), two) and pte not in recorded.values()
+    assert "earlier records did not answer either" in explain(project, cache)
+
+
 def test_a_factory_that_reads_what_no_record_sees_is_never_served(tmp_path):
     """An unseeded model lowers differently from identical inputs: untrusted for good, never served."""
     unseeded = MODEL.replace("    torch.manual_seed(0)\n", "").replace("net.load_state_dict(weights)", "pass")

@@ -50,6 +50,14 @@ def test_an_unchanged_command_is_replayed_with_its_files_and_output(tmp_path, ca
     assert "in.txt changed" in replay.explain(project, cache_dir, "X")
 
 
+def _hits(cache_dir) -> int:
+    store = Store(cache_dir)
+    try:
+        return store.counters().get("count/run/hit", 0)
+    finally:
+        store.close()
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -152,22 +160,15 @@ def test_inputs_run_before_are_replayed_from_an_earlier_record(tmp_path, cache_d
         (project / "in.txt").write_text(text)
         time.sleep(0.1)
 
-    def hits() -> int:
-        store = Store(cache_dir)
-        try:
-            return store.counters().get("count/run/hit", 0)
-        finally:
-            store.close()
-
     def served_as_plain(text: str, served: bool) -> str:
         edit(text)
-        before = hits()
+        before = _hits(cache_dir)
         result = replay.run(project, cache_dir, "X")
         wrote = (project / "out" / "result.txt").read_bytes()
         plain = replay.plain(project, "X")
         assert (result.returncode, result.stdout, result.stderr) == (0, plain.stdout, plain.stderr)
         assert wrote == (project / "out" / "result.txt").read_bytes() == text.upper().encode() + b"X-"
-        assert hits() == before + served, replay.explain(project, cache_dir, "X")
+        assert _hits(cache_dir) == before + served, replay.explain(project, cache_dir, "X")
         return replay.explain(project, cache_dir, "X")
 
     assert "latest record: unconfirmed" in served_as_plain("abd", served=False)
@@ -187,6 +188,30 @@ def test_inputs_run_before_are_replayed_from_an_earlier_record(tmp_path, cache_d
     assert "1 earlier record did not answer either (the newest: a stored output is missing or damaged)" in served_as_plain(
         "abc", served=False)
     assert "did not answer either (the newest: in.txt changed)" in served_as_plain("abe", served=False)
+
+
+def test_a_variable_changed_and_set_back_is_replayed_from_the_earlier_record(tmp_path, cache_dir):
+    """The earlier-record rule over the environment: the record of the first value answers again (with a variable that
+    only says how output is shown set too), and a value no record has seen runs the command."""
+    project = replay.project(tmp_path)
+
+    def same_as_plain(env: dict[str, str], served: bool) -> None:
+        before = _hits(cache_dir)
+        result = replay.run(project, cache_dir, "X", env=env)
+        wrote = (project / "out" / "result.txt").read_bytes()
+        plain = replay.plain(project, "X", env=env)
+        assert (result.returncode, result.stdout, result.stderr) == (0, plain.stdout, plain.stderr)
+        assert wrote == (project / "out" / "result.txt").read_bytes()
+        assert _hits(cache_dir) == before + served, replay.explain(project, cache_dir, "X")
+
+    for env in ({"GREETING": "hi"}, {"GREETING": "yo"}):  # each recorded, then confirmed
+        same_as_plain(env, served=False)
+        same_as_plain(env, served=False)
+    same_as_plain({"GREETING": "hi"}, served=True)
+    same_as_plain({"GREETING": "hi", "COLUMNS": "80", "LINES": "24"}, served=True)
+    same_as_plain({"GREETING": "yo"}, served=True)
+    same_as_plain({"GREETING": "hey"}, served=False)
+    assert (project / "out" / "result.txt").read_text() == "ABCXhey"
 
 
 def test_files_written_into_an_out_directory_are_replayed(tmp_path, cache_dir):
