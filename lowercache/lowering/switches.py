@@ -16,7 +16,7 @@ from ..speedups import registry
 ORDER = (
     "provenance", "paramsearch", "qparams", "histogram", "passes", "retrace", "fastcopy", "lazycode", "attrnames",
     "decompositions", "fakecache", "partitionorder", "signature", "treeiter", "dtypecheck", "callsite", "stacklines",
-    "deadcode", "ciaops", "exportguards", "propagate", "retraceskip", "checkskip", "partitioner", "groupmerge",
+    "deadcode", "ciaops", "exportguards", "propagate", "retraceskip", "checkskip", "partitioner", "groupmerge", "legalize",
     "jsonhints", "debugtext", "qpatterns", "regions", "rebind",
 )
 

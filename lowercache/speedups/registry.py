@@ -216,6 +216,18 @@ SPEEDUPS: tuple[Speedup, ...] = (
         ("xnnpack",),
     ),
     Speedup(
+        "legalize",
+        ("torch.fx.passes.tools_common:legalize_graph", "torch.fx.graph:Graph.__init__", "torch.fx.graph:Graph.node_copy",
+         "torch.fx.graph:Graph.create_node", "torch.fx.node:Node.__init__", "torch.fx.graph:_Namespace.create_name",
+         "executorch.exir.lowered_backend_module:create_submodule_from_nodes",
+         "executorch.exir.backend.backend_api:_partition_and_lower_one_graph_module",
+         "executorch.exir.backend.backend_api:_create_partitions_in_graph_module"),
+        "85d5be6bad518665d95a70de38c0be80c5f7923d292416f963e613f7957ee161",
+        "Splitting a partition out re-sorts the graph into a new one; the very nodes are moved there in the order, with "
+        "the names, arguments, users and metadata copies a copy would have, and nothing reads the old nodes again.",
+        "tests/unit/test_legalize.py",
+    ),
+    Speedup(
         "jsonhints",
         ("executorch.exir._serialize._dataclass:_DataclassEncoder.default",
          "executorch.exir._serialize._dataclass:_is_strict_union",
