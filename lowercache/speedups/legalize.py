@@ -81,8 +81,9 @@ def _order(nodes: list[Any], prioritized: list[Any]) -> list[Any]:
 def legalize_graph(gm: Any) -> Any:
     """torch's ``legalize_graph`` for ``create_submodule_from_nodes``: the same graph, of the same nodes moved.
 
-    Stock's own call runs instead when the graph has a cycle (its error), when a node carries an attribute of its own
-    (a copy would drop it) or when the new graph's name space would rename a node (a copy would rename it).
+    Stock's own call runs instead when the graph has a cycle (its error), when a node takes an argument from another
+    graph (its error), when a node carries an attribute of its own (a copy would drop it) or when the new graph's
+    name space would rename a node (a copy would rename it).
     """
     import torch.fx
     from torch.fx.node import map_arg
@@ -92,6 +93,9 @@ def legalize_graph(gm: Any) -> Any:
     order = _order(nodes, _prioritized())
     if len(order) < len(nodes) or any(vars(node) for node in order):
         return _originals["legalize_graph"](gm)
+    members = set(nodes)
+    if any(used not in members for node in order for used in node._input_nodes):
+        return _originals["legalize_graph"](gm)  # an argument from another graph: stock's copy fails on it
     new = torch.fx.Graph()
     space = new._graph_namespace
     for node in order:

@@ -111,6 +111,20 @@ def test_a_graph_that_needs_sorting_is_the_copys(case):
 
 
 @pytest.mark.quick
+def test_an_argument_from_another_graph_raises_stocks_error():
+    def with_stranger() -> torch.fx.GraphModule:
+        gm = unsorted_graph()
+        relu = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.relu.default)
+        relu.args = (torch.fx.Graph().placeholder("stranger"),)
+        return gm
+
+    with pytest.raises(KeyError):
+        tools_common.legalize_graph(with_stranger())
+    with pytest.raises(KeyError):
+        legalize.legalize_graph(with_stranger())
+
+
+@pytest.mark.quick
 def test_a_cycle_raises_stocks_error():
     gm = unsorted_graph()
     relu = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.relu.default)
