@@ -133,7 +133,8 @@ def _apply() -> None:
 
 def _undo() -> None:
     if "legalize_graph" in _originals:
-        _modules()[2].legalize_graph = _originals.pop("legalize_graph")
+        _, _, lowered, _ = _modules()
+        lowered.legalize_graph = _originals.pop("legalize_graph")
 
 
 _patch = Patch(_apply, _undo)

@@ -223,8 +223,8 @@ SPEEDUPS: tuple[Speedup, ...] = (
          "executorch.exir.backend.backend_api:_partition_and_lower_one_graph_module",
          "executorch.exir.backend.backend_api:_create_partitions_in_graph_module"),
         "85d5be6bad518665d95a70de38c0be80c5f7923d292416f963e613f7957ee161",
-        "Splitting a partition out re-sorts the graph into a new one; the very nodes are moved there in the order, with "
-        "the names, arguments, users and metadata copies a copy would have, and nothing reads the old nodes again.",
+        "Splitting a partition out re-sorts the graph into a new one; its nodes are moved there in the copy's order, "
+        "each with the name, arguments, users and metadata a copy would have, and nothing reads the old nodes again.",
         "tests/unit/test_legalize.py",
     ),
     Speedup(

@@ -137,15 +137,17 @@ def lower(project: Path, cache_dir: Path, *extra: str, env: dict[str, str] | Non
     return manifest, (project / out / "model.pte").read_bytes(), result
 
 
-def fresh(project: Path, base: Path, env: dict[str, str] | None = None) -> bytes:
-    """The bytes of an uncached lowering of the project as it is now, in a new process (``--no-cache --no-server``),
+def fresh(project: Path, base: Path, env: dict[str, str] | None = None, interpreter: tuple[str, ...] = ()) -> bytes:
+    """The bytes of an uncached lowering of the project as it is now, in a new process (``--no-cache --no-server``;
+    ``interpreter``: Python's own flags),
     run once per test run for the same project, environment and lowercache (``helpers/references.py``). ``base``: the
     test's own directory, all of it in the key: a model may read beside the project (``../runs/latest``), where a key
     of the project alone would serve step 1's reference after the link moved. The outputs of earlier lowerings (``out``,
     ``fresh``) are no input of the model."""
     out = project / "fresh"
     result = references.run(
-        [sys.executable, "-m", "lowercache.cli", "lower", "model.py:model", "-t", TARGET, "-o", "fresh", "--no-cache", "--no-server"],
+        [sys.executable, *interpreter, "-m", "lowercache.cli", "lower", "model.py:model", "-t", TARGET, "-o", "fresh", "--no-cache",
+         "--no-server"],
         cwd=project, env=cli_env(base / "unused-cache", env), outputs=[out / "model.pte", out / "manifest.json"],
         places={base: "<tmp>", Path(_XDG_CACHE): "<xdg>"}, trees=(base,), ignore=(str(project / "out"), str(out)),
     )

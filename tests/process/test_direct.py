@@ -14,8 +14,8 @@ import torch
 from lowercache.cache.store import Entry, Store
 from lowercache.direct import Request
 
-from tests.helpers.direct import (MODEL, PORTABLE_MODEL, TARGET, cli_env, confirmed, explain, lower, make_project, served, stock,
-                                  weights)
+from tests.helpers.direct import (MODEL, PORTABLE_MODEL, TARGET, cli_env, confirmed, explain, fresh, lower, make_project, served,
+                                  stock, weights)
 from tests.helpers.isolation import isolate
 from tests.helpers.seeded import restored, set_aside
 
@@ -120,20 +120,17 @@ def test_settings_changed_and_set_back_are_served_from_the_earlier_records(tmp_p
     (project / "helper.py").write_text(ASSERTING_HELPER)
     one, two = {"LC_TEST_SCALE": "1.0"}, {"LC_TEST_SCALE": "2.0"}
 
-    def fresh_bytes(interpreter: tuple[str, ...], env: dict[str, str]) -> bytes:
-        return lower(project, cache, "--no-cache", "--no-server", env=env, out="fresh", interpreter=interpreter)[1]
-
     recorded = {((), "1.0"): confirmed(project, cache, one), ((), "2.0"): confirmed(project, cache, two)}
     recorded[("-O",), "1.0"] = lower(project, cache, env=one, interpreter=("-O",))[1]  # the latest: the two kept earlier
     assert recorded[(), "1.0"] == stock(project, one) and recorded[(), "2.0"] == stock(project, two)
-    assert recorded[("-O",), "1.0"] == fresh_bytes(("-O",), one) and len(set(recorded.values())) == 3
+    assert recorded[("-O",), "1.0"] == fresh(project, tmp_path, one, ("-O",)) and len(set(recorded.values())) == 3
 
     for env in (two, one, {**one, "COLUMNS": "80", "LINES": "24"}):
         manifest, pte, result = lower(project, cache, env=env)
         assert served(manifest) and pte == recorded[(), env["LC_TEST_SCALE"]], result.stderr[-2000:]
 
     manifest, pte, _ = lower(project, cache, env=two, interpreter=("-O",))
-    assert not served(manifest) and pte == fresh_bytes(("-O",), two) and pte not in recorded.values()
+    assert not served(manifest) and pte == fresh(project, tmp_path, two, ("-O",)) and pte not in recorded.values()
     assert "earlier records did not answer either" in explain(project, cache)
 
 

@@ -58,6 +58,19 @@ def _hits(cache_dir) -> int:
         store.close()
 
 
+def _same_as_plain(project, cache_dir, served: bool, env=None) -> bytes:
+    """``lowercache run`` of ``script.py X``, then a plain run: the same exit, output and file; whether the first was
+    replayed (``served``). The file's bytes."""
+    before = _hits(cache_dir)
+    result = replay.run(project, cache_dir, "X", env=env)
+    wrote = (project / "out" / "result.txt").read_bytes()
+    plain = replay.plain(project, "X", env=env)
+    assert (result.returncode, result.stdout, result.stderr) == (0, plain.stdout, plain.stderr)
+    assert wrote == (project / "out" / "result.txt").read_bytes()
+    assert _hits(cache_dir) == before + served, replay.explain(project, cache_dir, "X")
+    return wrote
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -162,13 +175,7 @@ def test_inputs_run_before_are_replayed_from_an_earlier_record(tmp_path, cache_d
 
     def served_as_plain(text: str, served: bool) -> str:
         edit(text)
-        before = _hits(cache_dir)
-        result = replay.run(project, cache_dir, "X")
-        wrote = (project / "out" / "result.txt").read_bytes()
-        plain = replay.plain(project, "X")
-        assert (result.returncode, result.stdout, result.stderr) == (0, plain.stdout, plain.stderr)
-        assert wrote == (project / "out" / "result.txt").read_bytes() == text.upper().encode() + b"X-"
-        assert _hits(cache_dir) == before + served, replay.explain(project, cache_dir, "X")
+        assert _same_as_plain(project, cache_dir, served) == text.upper().encode() + b"X-"
         return replay.explain(project, cache_dir, "X")
 
     assert "latest record: unconfirmed" in served_as_plain("abd", served=False)
@@ -194,23 +201,13 @@ def test_a_variable_changed_and_set_back_is_replayed_from_the_earlier_record(tmp
     """The earlier-record rule over the environment: the record of the first value answers again (with a variable that
     only says how output is shown set too), and a value no record has seen runs the command."""
     project = replay.project(tmp_path)
-
-    def same_as_plain(env: dict[str, str], served: bool) -> None:
-        before = _hits(cache_dir)
-        result = replay.run(project, cache_dir, "X", env=env)
-        wrote = (project / "out" / "result.txt").read_bytes()
-        plain = replay.plain(project, "X", env=env)
-        assert (result.returncode, result.stdout, result.stderr) == (0, plain.stdout, plain.stderr)
-        assert wrote == (project / "out" / "result.txt").read_bytes()
-        assert _hits(cache_dir) == before + served, replay.explain(project, cache_dir, "X")
-
     for env in ({"GREETING": "hi"}, {"GREETING": "yo"}):  # each recorded, then confirmed
-        same_as_plain(env, served=False)
-        same_as_plain(env, served=False)
-    same_as_plain({"GREETING": "hi"}, served=True)
-    same_as_plain({"GREETING": "hi", "COLUMNS": "80", "LINES": "24"}, served=True)
-    same_as_plain({"GREETING": "yo"}, served=True)
-    same_as_plain({"GREETING": "hey"}, served=False)
+        _same_as_plain(project, cache_dir, False, env)
+        _same_as_plain(project, cache_dir, False, env)
+    _same_as_plain(project, cache_dir, True, {"GREETING": "hi"})
+    _same_as_plain(project, cache_dir, True, {"GREETING": "hi", "COLUMNS": "80", "LINES": "24"})
+    _same_as_plain(project, cache_dir, True, {"GREETING": "yo"})
+    _same_as_plain(project, cache_dir, False, {"GREETING": "hey"})
     assert (project / "out" / "result.txt").read_text() == "ABCXhey"
 
 
